@@ -1,0 +1,47 @@
+"""`kvmove models`: the presets and the totals of a checkpoint."""
+
+from __future__ import annotations
+
+import typer
+
+from kvmove.cli import render
+from kvmove.cli.options import JsonOpt, ModelArg, OverrideOpt
+from kvmove.models import model_totals, parse_overrides, preset_names, resolve_model
+
+app = typer.Typer(no_args_is_help=True, help="Model presets and checkpoint totals.")
+
+_SHOW_KEYS = (
+    "name",
+    "architecture",
+    "num_tensors",
+    "total_params",
+    "total_bytes",
+    "expert_params",
+    "non_expert_params",
+)
+
+
+@app.command("list")
+def list_models(as_json: JsonOpt = False) -> None:
+    """List the presets.
+
+    Example: kvmove models list --json
+    """
+    rows = [model_totals(resolve_model(n)) for n in preset_names()]
+    if as_json:
+        render.json_lines({k: getattr(t, k) for k in _SHOW_KEYS} for t in rows)
+    else:
+        render.model_list(rows)
+
+
+@app.command("show")
+def show(model: ModelArg, override: OverrideOpt = None, as_json: JsonOpt = False) -> None:
+    """Totals of a model's HF checkpoint as a BF16 trainer holds it.
+
+    Example: kvmove models show qwen3-235b-a22b --json
+    """
+    totals = model_totals(resolve_model(model, parse_overrides(override or [])))
+    if as_json:
+        render.json_lines([{**{k: getattr(totals, k) for k in _SHOW_KEYS}, "num_layers": totals.num_layers}])
+    else:
+        render.model_show(totals)

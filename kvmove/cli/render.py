@@ -1,0 +1,85 @@
+"""All terminal output: rich tables for people, JSON lines for scripts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvmove.models.tensors import ModelTotals
+from kvmove.sync.dryrun import DryRunReport
+
+console = Console()
+
+
+def json_lines(rows: Iterable[dict[str, Any]]) -> None:
+    for row in rows:
+        print(json.dumps(row, sort_keys=False, default=str), flush=True)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def model_list(rows: Sequence[ModelTotals]) -> None:
+    table = Table(title="kvmove model presets")
+    for col in ("name", "architecture", "layers", "params", "BF16 bytes"):
+        table.add_column(col, justify="right" if col in ("layers", "params", "BF16 bytes") else "left")
+    for t in rows:
+        table.add_row(t.name, t.architecture, str(t.num_layers), f"{t.total_params:,}", human_bytes(t.total_bytes))
+    console.print(table)
+
+
+def model_show(t: ModelTotals) -> None:
+    table = Table(title=f"{t.name} ({t.architecture})", show_header=False)
+    table.add_column("field")
+    table.add_column("value", justify="right")
+    table.add_row("tensors", f"{t.num_tensors:,}")
+    table.add_row("parameters", f"{t.total_params:,}")
+    table.add_row("BF16 bytes", f"{t.total_bytes:,} ({human_bytes(t.total_bytes)})")
+    table.add_row("expert parameters", f"{t.expert_params:,}")
+    table.add_row("non-expert parameters", f"{t.non_expert_params:,}")
+    table.add_row("layers (MoE)", f"{t.num_layers} ({t.moe_layers})")
+    console.print(table)
+
+
+def dry_run(reports: Sequence[DryRunReport]) -> None:
+    if not reports:
+        return
+    r0 = reports[0]
+    table = Table(title=f"sharding plans: {r0.model}, trainer {r0.trainer} -> engine {r0.engine} (dry run)")
+    cols = (
+        "strategy",
+        "plan s",
+        "bytes total",
+        "max / engine rank",
+        "max / trainer rank",
+        "balance",
+        "regions",
+    )
+    for col in (*cols, "verified"):
+        table.add_column(col, justify="left" if col in ("strategy", "verified") else "right")
+    for r in reports:
+        verified = {None: "-", True: "[green]bit-exact[/]", False: f"[red]{len(r.mismatches)} mismatches[/]"}
+        table.add_row(
+            r.strategy,
+            f"{r.plan_seconds:.2f}",
+            human_bytes(r.bytes_total),
+            human_bytes(r.bytes_per_engine_rank_max),
+            human_bytes(r.bytes_per_trainer_rank_max),
+            f"{r.load_balance:.3f}",
+            f"{r.regions:,}",
+            verified[r.verified],
+        )
+    console.print(table)
+    console.print(f"{r0.engine_ranks} engine ranks, {r0.trainer_ranks} trainer ranks; balance = busiest trainer / mean")
+    for r in reports:
+        for m in r.mismatches[:10]:
+            console.print(f"[red]mismatch[/] ({r.strategy}) {m}")

@@ -1,0 +1,57 @@
+"""Inference engines kvmove syncs into, behind one adapter interface, in a registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvmove.errors import KvmoveError
+from kvmove.layout import EngineCoord, EngineLayout
+from kvmove.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class EngineAdapter:
+    """How kvmove builds one engine rank's model and runs that engine's own weight loader.
+
+    ``build`` must create the parameters of rank ``coord`` holding only ``layers`` (None: all of its stage)
+    on ``device`` ("meta" for dry runs: no memory). ``load_weights`` must be the engine's real loader.
+    """
+
+    name: str
+    build: Callable[..., nn.Module]
+    load_weights: Callable[[nn.Module, Iterable[tuple[str, torch.Tensor]]], object]
+
+
+def _reference_build(
+    cfg: ModelConfig,
+    layout: EngineLayout,
+    coord: EngineCoord,
+    *,
+    layers: Sequence[int] | None = None,
+    device: str = "cpu",
+) -> nn.Module:
+    from kvmove.engines.reference import ReferenceModel, rank_context
+
+    return ReferenceModel(cfg, rank_context(cfg, layout, coord, layers=layers, device=device))
+
+
+def _reference_load(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
+    from kvmove.engines.reference import load_weights
+
+    return load_weights(model, weights)  # type: ignore[arg-type]
+
+
+ENGINES: dict[str, EngineAdapter] = {
+    "reference": EngineAdapter("reference", _reference_build, _reference_load),
+}
+
+
+def get_engine(name: str) -> EngineAdapter:
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise KvmoveError(f"unknown engine kind {name!r} (known: {', '.join(ENGINES)})") from None

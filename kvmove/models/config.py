@@ -1,0 +1,217 @@
+"""Model configuration: the fields of an HF ``config.json`` that decide tensor names and shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvmove.errors import ModelError
+
+SUPPORTED_ARCHITECTURES = (
+    "Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen2ForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One model's architecture, as its HF config states it (missing fields take HF defaults)."""
+
+    name: str
+    architecture: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    intermediate_size: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    attention_bias: bool = False
+    qk_norm: bool = False
+    # MoE (num_experts == 0: dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    n_shared_experts: int = 0
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    # MLA (DeepSeek-V3)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.architecture == "DeepseekV3ForCausalLM"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has routed experts (HF's rule for each architecture)."""
+        if not self.is_moe:
+            return False
+        if self.is_mla:
+            return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+        if layer in self.mlp_only_layers:
+            return False
+        return (layer + 1) % self.decoder_sparse_step == 0
+
+    def layer_kind(self, layer: int) -> str:
+        """Layers of one kind have identical tensor names (up to the index) and shapes."""
+        return "moe" if self.is_moe_layer(layer) else "dense"
+
+
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Qwen2ForCausalLM": {"attention_bias": True, "qk_norm": False},
+    "Qwen3ForCausalLM": {"attention_bias": False, "qk_norm": True},
+    "Qwen3MoeForCausalLM": {"attention_bias": False, "qk_norm": True},
+    "DeepseekV3ForCausalLM": {"attention_bias": False, "qk_norm": False},
+}
+
+# HF spells some fields differently per architecture; these map them onto ours.
+_RENAMES = {"n_routed_experts": "num_experts"}
+_FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
+
+
+def config_from_dict(raw: dict[str, Any], name: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """Build a config from an HF-style dict plus ``overrides``; raise ModelError naming the problem."""
+    data = {k: v for k, v in raw.items() if not k.startswith("_")}
+    data.update(overrides or {})
+    archs = data.get("architectures")
+    if not isinstance(archs, list) or not archs:
+        raise ModelError(f"config of {name!r} has no 'architectures' list")
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(
+            f"architecture {arch!r} of {name!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    values: dict[str, Any] = {"name": name, "architecture": arch, **_ARCH_DEFAULTS[arch]}
+    extra = []
+    for key, value in data.items():
+        key = _RENAMES.get(key, key)
+        if key in _FIELDS and key not in ("name", "architecture", "extra"):
+            values[key] = value
+        elif key != "architectures":
+            extra.append((key, _freeze(value)))
+    if "head_dim" not in values or values["head_dim"] is None:
+        heads = values.get("num_attention_heads")
+        if not heads:
+            raise ModelError(f"config of {name!r} lacks num_attention_heads")
+        values["head_dim"] = int(values.get("hidden_size", 0)) // int(heads)
+    if "num_key_value_heads" not in values:
+        values["num_key_value_heads"] = values.get("num_attention_heads")
+    if arch in ("Qwen3ForCausalLM", "Qwen2ForCausalLM"):
+        values["num_experts"] = 0
+    values["mlp_only_layers"] = tuple(values.get("mlp_only_layers") or ())
+    values["extra"] = tuple(sorted(extra))
+    missing = [f for f in _REQUIRED if values.get(f) in (None, "")]
+    if missing:
+        raise ModelError(f"config of {name!r} lacks required field(s): {', '.join(missing)}")
+    try:
+        cfg = ModelConfig(**{k: _coerce(k, v) for k, v in values.items()})
+    except (TypeError, ValueError) as exc:
+        raise ModelError(f"config of {name!r} is malformed: {exc}") from None
+    _check(cfg)
+    return cfg
+
+
+def load_config_file(path: Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """Read an HF-style ``config.json``; its directory name (or file stem) names the model."""
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"no such config file: {path}") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"cannot read {path} as JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ModelError(f"{path} is not a JSON object")
+    name = path.parent.name if path.name == "config.json" else path.stem
+    return config_from_dict(raw, name, overrides)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["num_experts=8", "tie_word_embeddings=true"]`` -> typed dict (JSON values, else strings)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ModelError(f"override {item!r} is not of the form key=value")
+        try:
+            out[key.strip()] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key.strip()] = text
+    return out
+
+
+_REQUIRED = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "intermediate_size",
+)
+
+
+def _coerce(key: str, value: Any) -> Any:
+    kind = _FIELDS[key].type if key in _FIELDS else None
+    if kind == "int" and not isinstance(value, int):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    if kind == "int" and value < 0:
+        raise ValueError(f"{key} must be >= 0, got {value}")
+    if kind == "bool" and not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _check(cfg: ModelConfig) -> None:
+    positive = [
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+    ]
+    positive.append("head_dim")
+    for key in positive:
+        if getattr(cfg, key) <= 0:
+            raise ModelError(f"config of {cfg.name!r}: {key} must be > 0")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ModelError(
+            f"config of {cfg.name!r}: num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({cfg.num_key_value_heads})"
+        )
+    if cfg.is_moe and (cfg.moe_intermediate_size <= 0 or cfg.num_experts_per_tok <= 0):
+        raise ModelError(f"config of {cfg.name!r}: an MoE needs moe_intermediate_size and num_experts_per_tok > 0")
+    if cfg.is_mla and min(cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) <= 0:
+        raise ModelError(
+            f"config of {cfg.name!r}: MLA needs kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim > 0"
+        )
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    return value

@@ -1,0 +1,91 @@
+"""Model presets: the two full-size checkpoints of the seeds and small ones of the same architectures."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from kvmove.errors import ModelError
+from kvmove.models.config import ModelConfig, config_from_dict, load_config_file
+
+DEFAULT_MODEL = "qwen3-moe-tiny"
+
+_TINY_QWEN = {
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+}
+
+_TINY: dict[str, dict[str, Any]] = {
+    "qwen3-moe-tiny": {
+        **_TINY_QWEN,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+    },
+    "kimi-k2-tiny": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "vocab_size": 256,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6,
+        "routed_scaling_factor": 2.827,
+    },
+    "qwen3-tiny": {**_TINY_QWEN, "architectures": ["Qwen3ForCausalLM"]},
+    "qwen2-tiny": {**_TINY_QWEN, "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": True},
+}
+
+_FULL = ("qwen3-235b-a22b", "kimi-k2")
+
+
+def preset_names() -> list[str]:
+    return [*_FULL, *_TINY]
+
+
+def preset_raw(name: str) -> dict[str, Any]:
+    if name in _TINY:
+        return dict(_TINY[name])
+    if name in _FULL:
+        text = resources.files("kvmove.models").joinpath("configs", f"{name}.json").read_text()
+        data: dict[str, Any] = json.loads(text)
+        return data
+    raise ModelError(f"unknown model {name!r}: not a preset ({', '.join(preset_names())}) nor a config.json path")
+
+
+def resolve_model(model: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """A preset name or a path to an HF-style config.json (or a directory holding one)."""
+    if model in _TINY or model in _FULL:
+        return config_from_dict(preset_raw(model), model, overrides)
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" or path.exists():
+        return load_config_file(path, overrides)
+    return config_from_dict(preset_raw(model), model, overrides)  # raises: unknown model
