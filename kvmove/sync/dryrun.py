@@ -15,7 +15,7 @@ from kvmove.sync.ownership import Ownership
 from kvmove.sync.plan import ShardingPlan, plan_engine
 from kvmove.sync.routing import SourceMap, route
 from kvmove.sync.strategies import Strategy
-from kvmove.sync.verify import verify_plans
+from kvmove.sync.verify import check_verifiable, verify_plans
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,8 @@ def build_plans(config: DryRunConfig) -> tuple[tuple[ShardingPlan, ...], float]:
 
 def dry_run_sync(config: DryRunConfig) -> list[DryRunReport]:
     """Plan once, route per strategy, verify if asked: one report per strategy."""
+    if config.verify:
+        check_verifiable(config.model)
     plans, plan_seconds = build_plans(config)
     ownership = Ownership(config.model, config.trainer)
     return [_report(config, plans, plan_seconds, ownership, s) for s in config.strategies]

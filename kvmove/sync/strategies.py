@@ -36,5 +36,7 @@ def parse_strategies(text: str) -> list[Strategy]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown or not names:
-        raise KvmoveError(f"unknown strategy {', '.join(unknown) or text!r} (known: {', '.join(STRATEGIES)})")
+        raise KvmoveError(
+            f"unknown strategy {', '.join(map(repr, unknown)) or repr(text)} (known: {', '.join(STRATEGIES)})"
+        )
     return [STRATEGIES[n] for n in names]

@@ -13,7 +13,7 @@ from kvmove.engines import EngineAdapter, get_engine
 from kvmove.errors import KvmoveError, PlanError
 from kvmove.layout import EngineLayout
 from kvmove.models.config import ModelConfig
-from kvmove.models.tensors import TensorMeta, hf_tensors
+from kvmove.models.tensors import TensorMeta, hf_tensors, model_totals
 from kvmove.sync.ownership import Ownership
 from kvmove.sync.plan import Box, Region, ShardingPlan, relative_view
 from kvmove.sync.recording import replay
@@ -35,16 +35,20 @@ def seeded_tensor(t: TensorMeta, seed: int, version: int = 0) -> torch.Tensor:
     return torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype)
 
 
-def seeded_checkpoint(cfg: ModelConfig, seed: int, version: int = 0) -> dict[str, torch.Tensor]:
-    """The full checkpoint with seeded random weights; refuses models too large to materialize here."""
-    tensors = hf_tensors(cfg)
-    total = sum(t.nbytes for t in tensors)
+def check_verifiable(cfg: ModelConfig) -> None:
+    """Refuse (before any work) models whose full checkpoint is too large to materialize here."""
+    total = model_totals(cfg).total_bytes
     if total > VERIFY_LIMIT_BYTES:
         raise KvmoveError(
             f"verifying {cfg.name} would materialize its full checkpoint ({total / 1e9:.1f} GB); "
             "use a small preset (e.g. qwen3-moe-tiny) or --override to shrink it"
         )
-    return {t.name: seeded_tensor(t, seed, version) for t in tensors}
+
+
+def seeded_checkpoint(cfg: ModelConfig, seed: int, version: int = 0) -> dict[str, torch.Tensor]:
+    """The full checkpoint with seeded random weights; refuses models too large to materialize here."""
+    check_verifiable(cfg)
+    return {t.name: seeded_tensor(t, seed, version) for t in hf_tensors(cfg)}
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -42,6 +42,11 @@ def _check_shape(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: loaded slice {tuple(src.shape)} does not fit parameter slice {tuple(dst.shape)}")
 
 
+def _check_dim(loaded: torch.Tensor, dim: int, expected: int, what: str) -> None:
+    if loaded.dim() <= dim or loaded.shape[dim] != expected:
+        raise ValueError(f"{what}: loaded tensor {tuple(loaded.shape)} has dim {dim} != {expected}")
+
+
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     """Whole-tensor copy for replicated parameters."""
     _check_shape(param.data, loaded_weight, "replicated parameter")
@@ -89,6 +94,7 @@ class ColumnParallelLinear(ReplicatedLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         size = param.shape[0]
+        _check_dim(loaded_weight, 0, size * self.tp_size, "column-parallel weight")
         src = loaded_weight.narrow(0, self.tp_rank * size, size)
         _check_shape(param.data, src, "column-parallel weight")
         param.data.copy_(src)
@@ -104,6 +110,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int = 0) -> None:
         offset = sum(self.out_sizes[:shard_id]) // self.tp_size
         size = self.out_sizes[shard_id] // self.tp_size
+        _check_dim(loaded_weight, 0, self.out_sizes[shard_id], f"merged shard {shard_id}")
         src = loaded_weight.narrow(0, self.tp_rank * size, size)
         dst = param.data.narrow(0, offset, size)
         _check_shape(dst, src, f"merged shard {shard_id}")
@@ -128,6 +135,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q if shard_id == "k" else q + kv
             size, start = kv, (self.tp_rank // self.kv_replicas) * kv
+        heads = self.q_heads * self.tp_size if shard_id == "q" else self.kv_heads * self.tp_size // self.kv_replicas
+        _check_dim(loaded_weight, 0, heads * self.head_dim, f"qkv shard {shard_id}")
         src = loaded_weight.narrow(0, start, size)
         dst = param.data.narrow(0, offset, size)
         _check_shape(dst, src, f"qkv shard {shard_id}")
@@ -150,6 +159,7 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         size = param.shape[1]
+        _check_dim(loaded_weight, 1, size * self.tp_size, "row-parallel weight")
         src = loaded_weight.narrow(1, self.tp_rank * size, size)
         _check_shape(param.data, src, "row-parallel weight")
         param.data.copy_(src)
@@ -181,6 +191,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         rows = self.loaded_rows
+        _check_dim(loaded_weight, 0, self.vocab, "vocab-parallel weight")
         if rows == 0:
             return
         src = loaded_weight.narrow(0, self.start, rows)
@@ -231,6 +242,7 @@ class FusedMoE(nn.Module):
         if local is None:
             return False
         expert = param.data[local]
+        _check_dim(loaded_weight, 1 if shard_id == "w2" else 0, self.inter * self.tp_size, f"expert {shard_id}")
         if shard_id == "w2":
             src = loaded_weight.narrow(1, self.tp_rank * self.inter, self.inter)
             dst = expert

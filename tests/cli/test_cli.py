@@ -1,0 +1,94 @@
+"""The command-line contract: names, flags, JSON keys and exit codes (see CLI.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from kvmove.cli.main import main
+
+
+def run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["kvmove", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_models_show_json(monkeypatch, capsys) -> None:
+    code, out, _ = run(monkeypatch, capsys, "models", "show", "qwen3-235b-a22b", "--json")
+    assert code == 0
+    row = json.loads(out)
+    want = {"name", "architecture", "num_tensors", "total_params", "total_bytes", "expert_params", "non_expert_params"}
+    assert want <= set(row)
+    assert row["total_params"] == 235_093_634_560 and row["total_bytes"] == 2 * row["total_params"]
+
+
+def test_models_list(monkeypatch, capsys) -> None:
+    code, out, _ = run(monkeypatch, capsys, "models", "list", "--json")
+    names = [json.loads(line)["name"] for line in out.splitlines()]
+    assert code == 0 and {"qwen3-235b-a22b", "kimi-k2", "qwen3-moe-tiny", "kimi-k2-tiny"} <= set(names)
+
+
+def test_dry_run_verify_json(monkeypatch, capsys) -> None:
+    code, out, _ = run(monkeypatch, capsys, "sync-weights", "--dry-run", "--verify", "--json", "--strategy", "v1,v3")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and [r["strategy"] for r in rows] == ["v1", "v3"]
+    keys = {"strategy", "plan_seconds", "bytes_total", "bytes_per_engine_rank_max", "bytes_per_trainer_rank_max"}
+    for r in rows:
+        assert keys | {"verified"} <= set(r) and r["verified"] is True
+
+
+def test_full_size_dry_run_table(monkeypatch, capsys) -> None:
+    args = ["sync-weights", "--dry-run", "--model", "qwen3-235b-a22b", "--trainer", "tp=4,pp=2,ep=8,dp=2"]
+    code, out, _ = run(monkeypatch, capsys, *args, "--engine", "dp=16,ep=16", "--strategy", "v2")
+    assert code == 0 and "v2" in out and "GB" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["models", "show", "llama-9000"], "unknown model 'llama-9000'"),
+        (["models", "show", "qwen3-tiny", "--override", "num_hidden_layers"], "key=value"),
+        (["sync-weights", "--dry-run", "--trainer", "tp=3"], "num_attention_heads (4) % tp"),
+        (["sync-weights", "--dry-run", "--engine", "tp=2,dp=2,ep=2"], "ep in (1, tp·dp = 4)"),
+        (["sync-weights", "--dry-run", "--strategy", "v9"], "unknown strategy 'v9'"),
+        (["sync-weights", "--dry-run", "--verify", "--model", "kimi-k2"], "would materialize"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(monkeypatch, capsys, args: list[str], message: str) -> None:
+    code, _, err = run(monkeypatch, capsys, *args)
+    assert code == 2
+    assert message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_malformed_config_file(monkeypatch, capsys, tmp_path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text("{oops")
+    code, _, err = run(monkeypatch, capsys, "models", "show", str(path))
+    assert code == 2 and "cannot read" in err
+
+
+def test_unrecordable_loader_is_exit_2(monkeypatch, capsys) -> None:
+    from kvmove.engines import ENGINES, EngineAdapter
+
+    ref = ENGINES["reference"]
+
+    def peeking(model, weights):
+        return ref.load_weights(model, ((n, w.float()) for n, w in weights))
+
+    monkeypatch.setitem(ENGINES, "reference", EngineAdapter("reference", ref.build, peeking))
+    code, _, err = run(monkeypatch, capsys, "sync-weights", "--dry-run")
+    assert code == 2 and "op 'float'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_help_has_example(monkeypatch, capsys) -> None:
+    code, out, _ = run(monkeypatch, capsys, "sync-weights", "--help")
+    assert code == 0 and "Example:" in out
