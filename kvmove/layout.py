@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -66,7 +67,12 @@ class TrainerLayout:
 
     @classmethod
     def parse(cls, text: str) -> TrainerLayout:
-        return cls(**_parse(text, cls, "trainer"))
+        """``tp=4,pp=2,ep=8``; without ``dp``, the smallest dp whose tp·dp ranks ep·etp tiles (here 2)."""
+        values = _parse(text, cls, "trainer")
+        if "dp" not in values:
+            tp, experts = values.get("tp", 1), values.get("ep", 1) * values.get("etp", 1)
+            values["dp"] = math.lcm(tp, experts) // tp
+        return cls(**values)
 
     @property
     def world(self) -> int:

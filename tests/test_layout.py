@@ -14,6 +14,12 @@ def test_parse_and_world() -> None:
     assert (e.ranks_per_replica, e.world) == (16, 32)
 
 
+def test_dp_defaults_to_the_smallest_that_experts_tile() -> None:
+    assert TrainerLayout.parse("tp=4,pp=2,ep=8").dp == 2  # the published Qwen3-235B trainer: 16 GPUs
+    assert TrainerLayout.parse("tp=8,pp=8,ep=32").world == 256  # the published Kimi K2 trainer: 32 nodes
+    assert TrainerLayout.parse("tp=2,pp=2").dp == 1
+
+
 @pytest.mark.parametrize("text", ["tp=0", "tp=two", "xx=2", "tp"])
 def test_parse_errors(text: str) -> None:
     with pytest.raises(LayoutError, match="layout"):
@@ -55,7 +61,7 @@ def test_split_layers(layers: int, stages: int, first: bool, sizes: list[int]) -
         ("qwen3-moe-tiny", "tp=3", "num_attention_heads (4) % tp"),
         ("qwen3-moe-tiny", "tp=4", "num_key_value_heads (2) % tp"),
         ("qwen3-moe-tiny", "tp=2,ep=3", "num_experts (8) % ep"),
-        ("qwen3-moe-tiny", "tp=2,ep=4", "tp·dp (2) % ep·etp (4)"),
+        ("qwen3-moe-tiny", "tp=2,ep=4,dp=1", "tp·dp (2) % ep·etp (4)"),
         ("qwen3-moe-tiny", "pp=5", "pp <= num_hidden_layers (4)"),
         ("qwen3-tiny", "tp=2,ep=2", "ep == etp == 1 for a dense model"),
         ("qwen3-moe-tiny", "tp=2,etp=2,ep=1,dp=1", None),

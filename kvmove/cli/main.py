@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from kvmove.cli import models, sync
+from kvmove.cli import bench, models, sync
 from kvmove.errors import KvmoveError
 
 app = typer.Typer(
@@ -17,6 +17,7 @@ app = typer.Typer(
 )
 app.add_typer(models.app, name="models")
 app.command("sync-weights")(sync.sync_weights)
+app.add_typer(bench.app, name="bench")
 
 
 def main() -> None:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from kvmove.bench.results import Row
 from kvmove.models.tensors import ModelTotals
 from kvmove.sync.dryrun import DryRunReport
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 140)
 
 
 def json_lines(rows: Iterable[dict[str, Any]]) -> None:
@@ -83,3 +86,21 @@ def dry_run(reports: Sequence[DryRunReport]) -> None:
     for r in reports:
         for m in r.mismatches[:10]:
             console.print(f"[red]mismatch[/] ({r.strategy}) {m}")
+
+
+def bench_rows(rows: Sequence[Row], path: Path) -> None:
+    table = Table(title=f"benchmark rows appended to {path}")
+    for col in ("kind", "name", "strategy", "seconds", "bytes", "peak memory", "extra"):
+        table.add_column(col, justify="right" if col in ("seconds", "bytes", "peak memory") else "left")
+    for r in rows:
+        extra = ", ".join(f"{k}={v}" for k, v in r.extra.items())
+        table.add_row(
+            r.kind,
+            r.name,
+            r.strategy,
+            f"{r.seconds:.2f}",
+            human_bytes(r.bytes),
+            human_bytes(r.peak_memory_bytes),
+            extra,
+        )
+    console.print(table)
