@@ -69,7 +69,7 @@ def measure(case: PlanCase) -> PlanBench:
     return PlanBench(plan_seconds, route_seconds, total, regions, balance, baseline, _rss_bytes())
 
 
-def _child(case: PlanCase, queue: mp.Queue) -> None:  # type: ignore[type-arg]
+def _child(case: PlanCase, queue: mp.Queue) -> None:
     queue.put(measure(case))
 
 

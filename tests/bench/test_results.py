@@ -30,7 +30,7 @@ def test_unknown_columns_tolerated_and_corrupt_files_named(tmp_path) -> None:
     df = load_results(tmp_path)
     assert "future_column" in df.columns and set(COLUMNS) <= set(df.columns)
     (tmp_path / "bad.parquet").write_bytes(b"not parquet")
-    with pytest.raises(KvmoveError, match="bad.parquet is unreadable"):
+    with pytest.raises(KvmoveError, match=r"bad\.parquet is unreadable"):
         load_results(tmp_path)
 
 
