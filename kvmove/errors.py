@@ -23,3 +23,7 @@ class UnrecordableOpError(PlanError, NotImplementedError):
 
 class MissingDependencyError(KvmoveError):
     """An optional dependency is not installed; the message names the extra that provides it."""
+
+
+class KVCacheError(KvmoveError):
+    """Misuse of a KV pool or radix tree: double free, foreign page ids, geometry/dtype/shape mismatch."""

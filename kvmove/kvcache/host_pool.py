@@ -1,0 +1,136 @@
+"""Host KV pool: the pages a transport moves between workers, and write-back/load-back to the device pool."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmove.errors import KVCacheError
+from kvmove.kvcache.allocator import PageAllocator, PageIds, as_page_ids, pages_to_slots
+from kvmove.kvcache.geometry import KVGeometry
+from kvmove.kvcache.pool import KVPool
+
+
+class HostKVPool:
+    """Paged KV cache in host memory with the device pool's geometry.
+
+    Layout: ``2 * num_layers`` contiguous buffers (K of every layer, then V of every layer, the order of SGLang's
+    ``kv_data_ptrs``), each ``[num_pages, page_size, num_kv_heads, head_dim]``. Page ``p`` of buffer ``i`` starts
+    at byte ``data_ptrs()[i] + p * item_lens()[i]``, so a peer that knows the pointers, item lengths and page ids
+    can move pages by raw byte ranges. A transport registers ``buffers()`` once.
+
+    Contract: every page argument is validated against this pool's allocator (and the device pool's for
+    write-back/load-back): nothing is ever read from or written to a free page; misuse raises KVCacheError and
+    changes nothing.
+    """
+
+    def __init__(self, geometry: KVGeometry, num_pages: int, pin_memory: bool = False) -> None:
+        self.geometry = geometry
+        self._alloc = PageAllocator(num_pages)
+        shape = (num_pages, geometry.page_size, *geometry.token_shape)
+        self._buffers = [
+            torch.zeros(shape, dtype=geometry.dtype, pin_memory=pin_memory) for _ in range(geometry.num_buffers)
+        ]
+
+    @property
+    def num_pages(self) -> int:
+        return self._alloc.num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self.geometry.page_size
+
+    @property
+    def free_pages(self) -> int:
+        return self._alloc.free_pages
+
+    @property
+    def used_pages(self) -> int:
+        return self._alloc.used_pages
+
+    def can_alloc(self, n: int) -> bool:
+        return self._alloc.can_alloc(n)
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """``n`` free page ids (int64); KVCacheError if ``not can_alloc(n)``."""
+        return self._alloc.alloc(n)
+
+    def free(self, pages: PageIds) -> None:
+        """Return allocated pages; KVCacheError (nothing freed) on a free, repeated or out-of-range id."""
+        self._alloc.free(pages)
+
+    def is_allocated(self, pages: PageIds) -> bool:
+        return self._alloc.is_allocated(pages)
+
+    def token_slots(self, pages: PageIds) -> torch.Tensor:
+        """Token slots of ``pages`` (SGLang's host ``kv_indices`` are token slots, not page ids)."""
+        return pages_to_slots(as_page_ids(pages, self.num_pages), self.page_size)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The ``2 * num_layers`` layer buffers, K layers then V layers, for one-time transport registration."""
+        return list(self._buffers)
+
+    def data_ptrs(self) -> list[int]:
+        """Address of each layer buffer (``host_kv_data_ptrs``)."""
+        return [b.data_ptr() for b in self._buffers]
+
+    def item_lens(self) -> list[int]:
+        """Bytes of one page of each layer buffer (``host_kv_item_lens``)."""
+        return [self.geometry.page_bytes] * self.geometry.num_buffers
+
+    def buffer_lens(self) -> list[int]:
+        """Total bytes of each layer buffer (what a transport registers)."""
+        return [b.nbytes for b in self._buffers]
+
+    def write_back(self, device_pool: KVPool, device_pages: PageIds, host_pages: PageIds) -> None:
+        """Copy ``device_pages[i]`` of ``device_pool`` into ``host_pages[i]`` of this pool, every layer buffer."""
+        dev, host = self._pair(device_pool, device_pages, host_pages)
+        for src, dst in zip(device_pool.page_views(), self._buffers, strict=True):
+            dst[host] = src[dev.to(src.device)].to("cpu")
+
+    def load_back(self, device_pool: KVPool, device_pages: PageIds, host_pages: PageIds) -> None:
+        """Copy ``host_pages[i]`` of this pool into ``device_pages[i]`` of ``device_pool``, every layer buffer."""
+        dev, host = self._pair(device_pool, device_pages, host_pages)
+        for dst, src in zip(device_pool.page_views(), self._buffers, strict=True):
+            dst[dev.to(dst.device)] = src[host].to(dst.device)
+
+    def read_pages(self, pages: PageIds) -> torch.Tensor:
+        """Bytes of ``pages`` as a uint8 tensor ``[2 * num_layers, len(pages), page_bytes]`` (a copy)."""
+        idx = self._allocated(pages)
+        return torch.stack([self._bytes(b)[idx] for b in self._buffers])
+
+    def write_pages(self, pages: PageIds, data: torch.Tensor) -> None:
+        """Store ``data`` (as returned by ``read_pages`` of a pool with the same geometry) into ``pages``."""
+        idx = self._allocated(pages)
+        want = (self.geometry.num_buffers, idx.numel(), self.geometry.page_bytes)
+        if data.dtype != torch.uint8 or tuple(data.shape) != want:
+            raise KVCacheError(f"page data: {data.dtype} {tuple(data.shape)}, expected torch.uint8 {want}")
+        for i, b in enumerate(self._buffers):
+            self._bytes(b)[idx] = data[i].to("cpu")
+
+    def check_integrity(self) -> None:
+        """Allocator invariants hold and every buffer keeps its shape, dtype and address."""
+        self._alloc.check_integrity()
+        shape = (self.num_pages, self.page_size, *self.geometry.token_shape)
+        for b in self._buffers:
+            if tuple(b.shape) != shape or b.dtype != self.geometry.dtype or not b.is_contiguous():
+                raise KVCacheError(f"host pool buffer changed: {tuple(b.shape)} {b.dtype}")
+
+    def _bytes(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer.view(self.num_pages, -1).view(torch.uint8)
+
+    def _allocated(self, pages: PageIds, what: str = "host pages") -> torch.Tensor:
+        idx = as_page_ids(pages, self.num_pages, what)
+        self._alloc.check_allocated(idx, what)
+        return idx
+
+    def _pair(
+        self, device_pool: KVPool, device_pages: PageIds, host_pages: PageIds
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.geometry.check_compatible(device_pool.geometry, "the device pool")
+        host = self._allocated(host_pages)
+        dev = as_page_ids(device_pages, device_pool.num_pages, "device pages")
+        if dev.numel() != host.numel():
+            raise KVCacheError(f"{dev.numel()} device pages but {host.numel()} host pages")
+        if not device_pool.is_allocated(dev):
+            raise KVCacheError("device pages not allocated")
+        return dev, host
