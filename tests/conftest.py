@@ -5,3 +5,16 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray (loopback only) shared by every test that needs actors."""
+    ray = pytest.importorskip("ray")
+    from kvmove.sync.runner import start_ray
+
+    start_ray(None)
+    yield ray
+    ray.shutdown()

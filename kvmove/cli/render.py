@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +104,59 @@ def bench_rows(rows: Sequence[Row], path: Path) -> None:
             extra,
         )
     console.print(table)
+
+
+def run_syncs(run: Callable[..., Iterator[Any]], config: Any, *, as_json: bool) -> list[Any]:
+    """Drive a run of syncs with a progress spinner; print each result as it lands."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    rows: list[Any] = []
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True, disable=as_json) as progress:
+        task = progress.add_task("starting", total=None)
+        for r in run(config, progress=lambda m: progress.update(task, description=m)):
+            rows.append(r)
+            if as_json:
+                json_lines([r.as_json()])
+    if not as_json:
+        sync_table(rows)
+    return rows
+
+
+def sync_table(rows: Sequence[Any]) -> None:
+    if not rows:
+        return
+    table = Table(title=f"weight syncs ({rows[0].trainer_ranks} trainer ranks -> {rows[0].engine_ranks} engine ranks)")
+    cols = ("strategy", "transport", "sync", "seconds", "bytes", "GB/s", "gather", "pack", "transfer", "load")
+    for col in (*cols, "peak extra (trainer/engine)", "live", "verified"):
+        table.add_column(col, justify="left" if col in ("strategy", "transport", "verified") else "right")
+    for r in rows:
+        verified = {None: "-", True: "[green]bit-exact[/]", False: "[red]MISMATCH[/]"}[r.verified]
+        p = r.phases
+        table.add_row(
+            r.strategy,
+            r.transport,
+            str(r.sync),
+            f"{r.seconds:.3f}",
+            human_bytes(r.bytes),
+            f"{r.gbps:.3f}",
+            f"{p['gather']:.3f}",
+            f"{p['pack']:.3f}",
+            f"{p['transfer']:.3f}",
+            f"{p['load']:.3f}",
+            f"{human_bytes(r.peak_extra_bytes['trainer'])} / {human_bytes(r.peak_extra_bytes['engine'])}",
+            f"{r.live_engines}/{r.engine_ranks}",
+            verified,
+        )
+    console.print(table)
+    for r in rows:
+        for note in r.notes:
+            console.print(f"[yellow]{r.strategy} sync {r.sync}[/]: {note}")
+    by: dict[str, list[float]] = {}
+    for r in rows:
+        by.setdefault(r.strategy, []).append(r.seconds)
+    means = {s: sum(v) / len(v) for s, v in by.items()}
+    if "v1" in means and "v3" in means and means["v3"] > 0:
+        console.print(f"v3 vs v1: {means['v1'] / means['v3']:.2f}x faster (mean over syncs, same run)")
+    if "broadcast" in means and "v3" in means and means["v3"] > 0:
+        console.print(f"v3 vs broadcast: {means['broadcast'] / means['v3']:.2f}x faster")

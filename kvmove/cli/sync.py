@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from kvmove.bench.results import append_rows
+from kvmove.bench.syncs import sync_row
 from kvmove.cli import render
 from kvmove.cli.options import (
     DEFAULT_ENGINE,
@@ -25,6 +28,8 @@ from kvmove.errors import KvmoveError
 from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import parse_overrides, resolve_model
 from kvmove.sync.dryrun import DryRunConfig, dry_run_sync
+from kvmove.sync.runner import Fault, SyncConfig, run_syncs
+from kvmove.sync.schedule import SyncOptions
 from kvmove.sync.strategies import parse_strategies
 
 
@@ -42,8 +47,33 @@ def sync_weights(
     no_reuse: Annotated[
         bool, typer.Option("--no-reuse", help="Dry-run the loader over every layer (no template reuse).")
     ] = False,
+    transport: Annotated[
+        str, typer.Option("--transport", help="auto|nixl|rdt-nixl|rdt-gloo|gloo|object-store.")
+    ] = "auto",
+    syncs: Annotated[int, typer.Option("--syncs", min=1, help="Syncs per strategy.")] = 1,
+    ray_address: Annotated[
+        str | None, typer.Option("--ray-address", help="Join an existing Ray cluster (default: local).")
+    ] = None,
+    results: Annotated[Path, typer.Option("--results", help="Append measured rows to DIR/sync.parquet.")] = Path(
+        "results"
+    ),
+    no_record: Annotated[bool, typer.Option("--no-record", help="Do not append rows to --results.")] = False,
+    fail_engine: Annotated[
+        list[str] | None,
+        typer.Option("--fail-engine", help="Kill replica R before sync S (R@S) or during it (R@S:mid); repeatable."),
+    ] = None,
+    slow_engine: Annotated[
+        list[str] | None, typer.Option("--slow-engine", help="Delay replica R by SECONDS per group (R=SECONDS).")
+    ] = None,
+    group_size: Annotated[int, typer.Option("--group-size", min=1, help="v3: decoder blocks per group.")] = 1,
+    lookahead: Annotated[int, typer.Option("--lookahead", min=0, help="v3: groups gathered ahead.")] = 1,
+    deadline: Annotated[
+        float, typer.Option("--deadline", help="Seconds without progress before a peer is dropped.")
+    ] = 60.0,
 ) -> None:
-    """Sync weights from trainer ranks to engine ranks.
+    """Sync weights from trainer ranks (Ray actors) to engine ranks, or plan it (--dry-run).
+
+    Example: kvmove sync-weights --strategy v1,v2,v3,broadcast --syncs 3 --verify --json
 
     Example: kvmove sync-weights --model kimi-k2 --trainer tp=8,pp=8,ep=32 --engine tp=32,ep=32 --replicas 4 --dry-run
     """
@@ -59,7 +89,27 @@ def sync_weights(
         reuse=not no_reuse,
     )
     if not dry_run:
-        raise KvmoveError("syncs that move bytes between Ray actors are not in this build yet; pass --dry-run")
+        sync_config = SyncConfig(
+            model=cfg,
+            trainer=config.trainer,
+            engine=engine_layout,
+            strategies=config.strategies,
+            transport=transport,
+            syncs=syncs,
+            verify=verify,
+            seed=seed,
+            options=SyncOptions(group_size=group_size, lookahead=lookahead),
+            ray_address=ray_address,
+            faults=tuple(Fault.parse(f) for f in fail_engine or []),
+            slow_replicas=tuple(_slow(s) for s in slow_engine or []),
+            deadline_s=deadline,
+        )
+        rows = render.run_syncs(run_syncs, sync_config, as_json=as_json)
+        if not no_record and rows:
+            append_rows(results, "sync", [sync_row(sync_config, r) for r in rows])
+        if verify and not all(r.verified for r in rows):
+            raise typer.Exit(1)
+        return
     reports = dry_run_sync(config)
     if as_json:
         render.json_lines(r.as_json() for r in reports)
@@ -67,6 +117,16 @@ def sync_weights(
         render.dry_run(reports)
     if verify and not all(r.verified for r in reports):
         raise typer.Exit(1)
+
+
+def _slow(text: str) -> tuple[int, float]:
+    replica, sep, seconds = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(replica), float(seconds)
+    except ValueError:
+        raise KvmoveError(f"--slow-engine {text!r} is not REPLICA=SECONDS") from None
 
 
 def _default_replicas(engine: str) -> int:

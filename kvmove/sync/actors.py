@@ -1,0 +1,260 @@
+"""Ray actors for trainer and engine ranks: thin shells over TrainerRank / EngineRank and a transport."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+import ray
+import torch
+
+from kvmove.engines import get_engine
+from kvmove.layout import EngineLayout, TrainerLayout
+from kvmove.models.config import ModelConfig
+from kvmove.models.tensors import hf_tensors
+from kvmove.sync.collectives import Collectives, free_port
+from kvmove.sync.engine import EngineRank, EngineStats
+from kvmove.sync.packing import SliceSpec
+from kvmove.sync.plan import ShardingPlan, plan_rank
+from kvmove.sync.schedule import PullPlan
+from kvmove.sync.source import ShardedSource
+from kvmove.sync.trainer import TrainerRank, TrainerStats, TrainerSync
+from kvmove.sync.verify import bits_equal, seeded_checkpoint
+from kvmove.transport import ACTOR_OPTIONS, BufferDesc, EndpointInfo, ServesSlots, Transport, get_transport
+
+
+def _node_ip(loopback: bool) -> str:
+    if loopback:
+        return "127.0.0.1"
+    ip = ray.util.get_node_ip_address()
+    return "127.0.0.1" if ip in ("", "0.0.0.0") else ip
+
+
+def _make_transport(name: str) -> Transport:
+    return get_transport(name)()
+
+
+def _gloo_group(host: str, port: int, rank: int, size: int, prefix: str, timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout, wait_for_workers=False)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return store, dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
+
+
+@ray.remote(**ACTOR_OPTIONS)
+class TrainerActor(ServesSlots):
+    """One trainer rank: its shards (a ShardedSource), gloo collectives, registered serve slots."""
+
+    def __init__(self, cfg: ModelConfig, layout: TrainerLayout, rank: int, seed: int, transport: str) -> None:
+        torch.set_num_threads(1)
+        self.cfg, self.layout, self.rank, self.seed = cfg, layout, rank, seed
+        self.transport = _make_transport(transport)
+        self.impl: TrainerRank | None = None
+        self.source: ShardedSource | None = None
+        self._bcast_store: Any = None
+
+    def address(self, loopback: bool) -> tuple[str, int]:
+        """A host and free port on this actor's node (loopback for a local run)."""
+        host = _node_ip(loopback)
+        return host, free_port(host)
+
+    def init_collectives(self, host: str, port: int, timeout_s: float) -> int:
+        coll = Collectives(self.rank, self.layout.world, host, port, timeout_s)
+        self.source = ShardedSource(self.cfg, self.layout, self.rank, coll, self.seed)
+        return os.getpid()
+
+    def ownership(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        """Init step 1: (name, box start, box stop) of every shard this rank holds."""
+        assert self.source is not None
+        return [(n, b.start, b.stop) for n, b in self.source._boxes.items()]
+
+    def setup_slots(self, sizes: dict[str, tuple[int, int]]) -> tuple[EndpointInfo, dict[str, list[BufferDesc]]]:
+        """Init step 5: allocate and register ``count`` slots of ``nbytes`` per strategy, once."""
+        assert self.source is not None
+        slots = {s: [torch.empty(n, dtype=torch.uint8) for _ in range(k)] for s, (k, n) in sizes.items()}
+        descs = {s: [self.transport.register(t) for t in ts] for s, ts in slots.items()}
+        self.impl = TrainerRank(self.source, slots)
+        return self.transport.endpoint_info(), descs
+
+    def connect(self, peers: list[EndpointInfo]) -> None:
+        for peer in peers:
+            self.transport.connect(peer)
+
+    def register_pulls(self, strategy: str, engine: int, pulls: dict[int, tuple[int, tuple[SliceSpec, ...]]]) -> None:
+        assert self.impl is not None
+        self.impl.register_pulls(strategy, engine, pulls)
+
+    def forget_engine(self, engine: int) -> None:
+        assert self.impl is not None
+        self.impl.forget_engine(engine)
+
+    def prepare(self, version: int) -> None:
+        """A stand-in optimizer step: the weights of training step ``version``."""
+        assert self.source is not None
+        self.source.set_version(version)
+
+    def run_sync(self, sync: TrainerSync) -> TrainerStats:
+        assert self.impl is not None
+        return self.impl.run_sync(sync)
+
+    def pack(self, sync_id: int, strategy: str, engine: int, pull_id: int, timeout_s: float) -> tuple[int, int]:
+        assert self.impl is not None
+        return self.impl.pack(sync_id, strategy, engine, pull_id, timeout_s)
+
+    def release_slot(self, strategy: str, slot: int) -> None:
+        assert self.impl is not None
+        self.impl.release_slot(strategy, slot)
+
+    def done(self, sync_id: int, group: int, engine: int) -> None:
+        assert self.impl is not None
+        self.impl.done(sync_id, group, engine)
+
+    def engine_gone(self, sync_id: int, engine: int) -> None:
+        assert self.impl is not None
+        self.impl.engine_gone(sync_id, engine)
+
+    def broadcast_sync(self, host: str, port: int, size: int, prefix: str, timeout_s: float) -> TrainerStats:
+        """Baseline: gather every tensor onto rank 0, which broadcasts it to every live engine rank."""
+        assert self.source is not None
+        start = time.perf_counter()
+        calls0 = self.source.coll.collective_calls
+        pg = None
+        if self.rank == 0:
+            self._bcast_store, pg = _gloo_group(host, port, 0, size, prefix, timeout_s)
+        gather = send = 0.0
+        sent = peak = 0
+        for meta in hf_tensors(self.cfg):
+            t0 = time.perf_counter()
+            (_, full), *_ = self.source.materialize([meta.name], "root")
+            gather += time.perf_counter() - t0
+            if pg is not None and full is not None:
+                t1 = time.perf_counter()
+                pg.broadcast(full.contiguous().view(torch.uint8).view(-1), 0).wait()
+                send += time.perf_counter() - t1
+                sent += meta.nbytes
+                peak = max(peak, meta.nbytes)
+        return TrainerStats(
+            self.rank,
+            time.perf_counter() - start,
+            gather,
+            0.0,
+            send,
+            sent,
+            0,
+            peak,
+            self.source.coll.collective_calls - calls0,
+        )
+
+
+@ray.remote(**ACTOR_OPTIONS)
+class EngineActor(ServesSlots):
+    """One engine rank: the engine's model (its real parameters), its plan and registered receive slots."""
+
+    def __init__(self, cfg: ModelConfig, layout: EngineLayout, rank: int, transport: str, engine_kind: str) -> None:
+        torch.set_num_threads(1)
+        self.cfg, self.layout, self.rank = cfg, layout, rank
+        self.coord = layout.coord(rank)
+        self.adapter = get_engine(engine_kind)
+        self.transport = _make_transport(transport)
+        self.model = self.adapter.build(cfg, layout, self.coord)
+        self.impl: EngineRank | None = None
+        self.plan: ShardingPlan | None = None
+        self._trainers: dict[int, Any] = {}
+        self._slots: dict[int, dict[str, list[BufferDesc]]] = {}
+        self._recv: dict[str, list[BufferDesc]] = {}
+        self._pulls: dict[str, PullPlan] = {}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def build_plan(self) -> tuple[ShardingPlan, float]:
+        """Init step 3: dry-run this engine's own loader over recording tensors."""
+        t0 = time.perf_counter()
+        self.plan = plan_rank(self.cfg, self.layout, self.coord, engine=self.adapter)
+        return self.plan, time.perf_counter() - t0
+
+    def setup(
+        self,
+        pulls: dict[str, PullPlan],
+        recv_sizes: dict[str, tuple[int, int]],
+        trainers: dict[int, Any],
+        trainer_info: dict[int, tuple[EndpointInfo, dict[str, list[BufferDesc]]]],
+    ) -> EndpointInfo:
+        """Init step 5 on the engine side: register receive slots once, connect to every source trainer."""
+        assert self.plan is not None
+        recv = {s: [torch.empty(n, dtype=torch.uint8) for _ in range(k)] for s, (k, n) in recv_sizes.items()}
+        self._recv = {s: [self.transport.register(t) for t in ts] for s, ts in recv.items()}
+        self.impl = EngineRank(self.model, self.plan, recv)
+        self._pulls, self._trainers = pulls, trainers
+        for rank, (info, descs) in trainer_info.items():
+            self.transport.connect(info)
+            self._slots[rank] = descs
+        return self.transport.endpoint_info()
+
+    def run_sync(self, sync_id: int, strategy: str, pipelined: bool, delay_s: float, timeout_s: float) -> EngineStats:
+        assert self.impl is not None
+        client = _Client(self, strategy, timeout_s)
+        return self.impl.run_sync(
+            sync_id, strategy, self._pulls[strategy], client, pipelined=pipelined, delay_s=delay_s
+        )
+
+    def broadcast_receive(
+        self, host: str, port: int, group_rank: int, size: int, prefix: str, timeout_s: float
+    ) -> EngineStats:
+        """Baseline: receive every full tensor (the whole model), then run the engine's loader over them."""
+        start = time.perf_counter()
+        _, pg = _gloo_group(host, port, group_rank, size, prefix, timeout_s)
+        received: list[tuple[str, torch.Tensor]] = []
+        transfer = 0.0
+        for meta in hf_tensors(self.cfg):
+            buf = torch.empty(meta.shape, dtype=meta.dtype)
+            t0 = time.perf_counter()
+            pg.broadcast(buf.view(torch.uint8).view(-1), 0).wait()
+            transfer += time.perf_counter() - t0
+            received.append((meta.name, buf))
+        t1 = time.perf_counter()
+        self.adapter.load_weights(self.model, received)
+        load = time.perf_counter() - t1
+        total = sum(t.numel() * t.element_size() for _, t in received)
+        return EngineStats(self.rank, time.perf_counter() - start, 0.0, transfer, load, total, len(received), total)
+
+    def verify(self, version: int, seed: int) -> tuple[bool, list[str]]:
+        """Bit-exact check against this engine's own loader fed the full checkpoint of ``version``."""
+        ref = self.adapter.build(self.cfg, self.layout, self.coord)
+        self.adapter.load_weights(ref, seeded_checkpoint(self.cfg, seed, version).items())
+        want = dict(ref.named_parameters())
+        bad = [n for n, p in self.model.named_parameters() if not bits_equal(p.data, want[n].data)]
+        return not bad, bad
+
+    def hostname(self) -> str:
+        return socket.gethostname()
+
+
+class _Client:
+    """TrainerClient over Ray actor calls (control) and the transport (bytes)."""
+
+    def __init__(self, actor: EngineActor, strategy: str, timeout_s: float) -> None:
+        self.a, self.strategy, self.timeout_s = actor, strategy, timeout_s
+
+    def pack(self, trainer: int, sync_id: int, pull_id: int) -> tuple[int, int]:
+        ref = self.a._trainers[trainer].pack.remote(sync_id, self.strategy, self.a.rank, pull_id, self.timeout_s)
+        slot, nbytes = ray.get(ref, timeout=self.timeout_s + 5)
+        return int(slot), int(nbytes)
+
+    def read(self, trainer: int, slot: int, recv: int, nbytes: int) -> float:
+        remote = self.a._slots[trainer][self.strategy][slot]
+        local = self.a._recv[self.strategy][recv]
+        return self.a.transport.read(remote, local, [(0, 0, nbytes)]).seconds
+
+    def release(self, trainer: int, slot: int) -> None:
+        self.a._trainers[trainer].release_slot.remote(self.strategy, slot)
+
+    def done(self, trainer: int, sync_id: int, group: int) -> None:
+        self.a._trainers[trainer].done.remote(sync_id, group, self.a.rank)

@@ -1,0 +1,347 @@
+"""The sync driver: start trainer and engine ranks as Ray actors, run the five-step init, then syncs.
+
+Init: (1) trainer ranks report their shard ownership, checked against the metadata; (2) the metadata and the
+trainer actors reach the engine ranks; (3) each engine rank dry-runs its own loader into a plan; (4) regions
+are mapped to source trainer ranks, balanced; (5) both sides allocate and register transfer buffers once.
+A sync is then: perturb the trainer weights, run every trainer's loop and every live engine's pulls, verify.
+Dead engine replicas are skipped (their ranks are declared gone, so no trainer waits for them) and rejoin,
+re-initialized, at the next sync.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from kvmove.errors import KvmoveError
+from kvmove.layout import EngineLayout, TrainerLayout
+from kvmove.models.config import ModelConfig
+from kvmove.models.tensors import hf_tensors, model_totals
+from kvmove.sync.ownership import Ownership
+from kvmove.sync.packing import SliceSpec, pack_layout
+from kvmove.sync.plan import ShardingPlan
+from kvmove.sync.routing import route
+from kvmove.sync.schedule import PullPlan, SyncOptions, consumers, pull_plans, tensor_groups
+from kvmove.sync.strategies import Strategy
+from kvmove.sync.trainer import TrainerSync
+from kvmove.sync.verify import check_verifiable
+
+SERVE_SLOTS = 4
+MEMORY_FRACTION = 0.6
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Kill engine replica ``replica`` at sync ``sync`` (before it starts, or ``during`` it)."""
+
+    replica: int
+    sync: int
+    during: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        """``REPLICA@SYNC`` (killed before that sync) or ``REPLICA@SYNC:mid`` (killed during it); syncs count from 1."""
+        body, _, when = text.partition(":")
+        replica, sep, sync = body.partition("@")
+        try:
+            if not sep or when not in ("", "mid"):
+                raise ValueError
+            return cls(int(replica), int(sync), when == "mid")
+        except ValueError:
+            raise KvmoveError(f"--fail-engine {text!r} is not REPLICA@SYNC or REPLICA@SYNC:mid") from None
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """Everything a run of syncs needs, built once at the CLI edge."""
+
+    model: ModelConfig
+    trainer: TrainerLayout
+    engine: EngineLayout
+    strategies: tuple[Strategy, ...]
+    transport: str = "auto"
+    syncs: int = 1
+    verify: bool = False
+    seed: int = 0
+    options: SyncOptions = field(default_factory=SyncOptions)
+    ray_address: str | None = None
+    faults: tuple[Fault, ...] = ()
+    slow_replicas: tuple[tuple[int, float], ...] = ()
+    deadline_s: float = 60.0
+    engine_kind: str = "reference"
+
+
+class SyncResult(NamedTuple):
+    strategy: str
+    transport: str
+    sync: int
+    seconds: float
+    bytes: int
+    gbps: float
+    verified: bool | None
+    engine_ranks: int
+    trainer_ranks: int
+    live_engines: int
+    dead_replicas: tuple[int, ...]
+    rejoined_replicas: tuple[int, ...]
+    phases: dict[str, float]
+    peak_extra_bytes: dict[str, int]
+    bytes_per_engine_rank: tuple[int, ...]
+    bytes_per_trainer_rank: tuple[int, ...]
+    replica_seconds: dict[int, float]
+    notes: tuple[str, ...]
+
+    def as_json(self) -> dict[str, Any]:
+        out = self._asdict()
+        out["seconds"] = round(self.seconds, 5)
+        out["gbps"] = round(self.gbps, 5)
+        out["phases"] = {k: round(v, 5) for k, v in self.phases.items()}
+        out["replica_seconds"] = {str(k): round(v, 5) for k, v in self.replica_seconds.items()}
+        for key in ("dead_replicas", "rejoined_replicas", "bytes_per_engine_rank", "bytes_per_trainer_rank", "notes"):
+            out[key] = list(out[key])
+        return out
+
+
+def start_ray(address: str | None) -> Any:
+    """Join the Ray cluster at ``address``, or start a local one on loopback."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if ray.is_initialized():
+        return ray
+    try:
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(
+                num_cpus=max(2, os.cpu_count() or 2),
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                log_to_driver=False,
+                configure_logging=False,
+            )
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise KvmoveError(f"cannot reach a Ray cluster at {address or 'local'}: {exc}".splitlines()[0]) from None
+    return ray
+
+
+def check_memory(config: SyncConfig) -> None:
+    """Refuse, before allocating anything, layouts whose ranks would not fit this machine's memory."""
+    total = model_totals(config.model).total_bytes
+    trainer = total  # shards over all trainer ranks plus, at most, one gathered copy per stage group
+    engine = total * config.engine.replicas * 2  # parameters + (broadcast) a full model per replica's ranks
+    if any(s.name == "broadcast" for s in config.strategies):
+        engine += total * config.engine.world
+    need = (
+        trainer + engine + (total * config.trainer.world if any(s.scope == "global" for s in config.strategies) else 0)
+    )
+    have = available_memory()
+    if need > have * MEMORY_FRACTION:
+        raise KvmoveError(
+            f"{config.model.name} ({total / 1e9:.2f} GB) over {config.trainer.world} trainer and "
+            f"{config.engine.world} engine ranks needs about {need / 1e9:.1f} GB here; only "
+            f"{have * MEMORY_FRACTION / 1e9:.1f} GB may be used ({have / 1e9:.1f} GB available). "
+            "Use a smaller model or fewer ranks."
+        )
+
+
+def available_memory() -> int:
+    """Bytes of memory available to new allocations on this machine (MemAvailable, else physical)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+class Cluster:
+    """The actors of one run and their init state; replicas can be killed and restarted."""
+
+    def __init__(self, config: SyncConfig, ray: Any) -> None:
+        from kvmove.sync.actors import EngineActor, TrainerActor
+        from kvmove.transport import get_transport
+
+        self.config, self.ray = config, ray
+        self.transport = get_transport(config.transport).name
+        self._engine_cls: Any = EngineActor
+        cfg, tl, el = config.model, config.trainer, config.engine
+        opts = {"num_cpus": 0, "max_concurrency": 64}
+        trainer_cls: Any = TrainerActor
+        self.trainers = [
+            trainer_cls.options(**opts).remote(cfg, tl, r, config.seed, self.transport) for r in range(tl.world)
+        ]
+        host, port = ray.get(self.trainers[0].address.remote(config.ray_address is None))
+        ray.get([t.init_collectives.remote(host, port, config.deadline_s) for t in self.trainers])
+        self._check_ownership()
+        self.engines: list[Any] = [self._new_engine(e) for e in range(el.world)]
+        self.plans = self._build_plans(range(el.world))
+        self.ownership = Ownership(cfg, tl)
+        self.pulls: dict[str, tuple[PullPlan, ...]] = {}
+        self.groups: dict[str, dict[int, list[str]]] = {}
+        for s in config.strategies:
+            if s.scope == "root":
+                continue
+            groups = tensor_groups(cfg, tl, s, config.options)
+            smap = route(self.plans, el, self.ownership, s)
+            self.pulls[s.name] = pull_plans(self.plans, el, smap, groups)
+            self.groups[s.name] = {g: [t.name for t in ts] for g, ts in groups.items()}
+        self.trainer_info = self._setup_trainers()
+        self.dead: set[int] = set()
+        for e in range(el.world):
+            self._setup_engine(e)
+
+    # -- init -------------------------------------------------------------------------------------------------
+    def _new_engine(self, rank: int) -> Any:
+        c = self.config
+        return self._engine_cls.options(num_cpus=0, max_concurrency=8).remote(
+            c.model, c.engine, rank, self.transport, c.engine_kind
+        )
+
+    def _check_ownership(self) -> None:
+        reports = self.ray.get([t.ownership.remote() for t in self.trainers])
+        want = Ownership(self.config.model, self.config.trainer)
+        names = {t.name for t in hf_tensors(self.config.model)}
+        held: set[str] = set()
+        for rank, report in enumerate(reports):
+            for name, start, _stop in report:
+                held.add(name)
+                if not any(
+                    h.rank == rank and h.box.start == tuple(start) for h in want.slices(_meta(self.config.model, name))
+                ):
+                    raise KvmoveError(f"trainer rank {rank} reports a shard of {name} that the layout does not give it")
+        if held != names:
+            raise KvmoveError(f"no trainer rank holds {sorted(names - held)[:3]}")
+
+    def _build_plans(self, ranks: range | list[int]) -> tuple[ShardingPlan, ...]:
+        results = self.ray.get([self.engines[e].build_plan.remote() for e in ranks])
+        self.plan_seconds = max(s for _, s in results)
+        by_local: dict[int, ShardingPlan] = {}
+        for plan, _ in results:
+            first = by_local.setdefault(plan.coord.local, plan)
+            if first.regions != plan.regions:
+                raise KvmoveError(f"engine replicas disagree on the plan of local rank {plan.coord.local}")
+        return tuple(by_local[i] for i in sorted(by_local))
+
+    def _specs(self, strategy: str, engine: int) -> dict[int, dict[int, tuple[int, tuple[SliceSpec, ...]]]]:
+        """Per trainer rank: the pull specs engine ``engine`` will request under ``strategy``."""
+        plan = self.plans[self.config.engine.coord(engine).local]
+        shapes = {t.name: t.shape for t in hf_tensors(self.config.model)}
+        out: dict[int, dict[int, tuple[int, tuple[SliceSpec, ...]]]] = defaultdict(dict)
+        for i, p in enumerate(self.pulls[strategy][engine].pulls):
+            specs = tuple(SliceSpec.of(plan.regions[r], shapes[plan.regions[r].hf_name]) for r in p.regions)
+            out[p.trainer][i] = (p.group, specs)
+        return out
+
+    def _setup_trainers(self) -> dict[int, Any]:
+        sizes: dict[int, dict[str, tuple[int, int]]] = defaultdict(dict)
+        for s, pps in self.pulls.items():
+            biggest: dict[int, int] = defaultdict(int)
+            for pp in pps:
+                plan = self.plans[self.config.engine.coord(pp.engine).local]
+                for p in pp.pulls:
+                    n = pack_layout([plan.regions[r].nbytes for r in p.regions]).nbytes
+                    biggest[p.trainer] = max(biggest[p.trainer], n)
+            for t in range(self.config.trainer.world):
+                sizes[t][s] = (SERVE_SLOTS, max(biggest[t], 16))
+        infos = self.ray.get([t.setup_slots.remote(sizes[r]) for r, t in enumerate(self.trainers)])
+        return dict(enumerate(infos))
+
+    def _setup_engine(self, e: int) -> None:
+        recv: dict[str, tuple[int, int]] = {}
+        plan = self.plans[self.config.engine.coord(e).local]
+        for s, pps in self.pulls.items():
+            n = max((pack_layout([plan.regions[r].nbytes for r in p.regions]).nbytes for p in pps[e].pulls), default=16)
+            recv[s] = (2 if s == "v3" else 1, max(n, 16))
+        pulls = {s: pps[e] for s, pps in self.pulls.items()}
+        trainers = dict(enumerate(self.trainers))
+        info = self.ray.get(self.engines[e].setup.remote(pulls, recv, trainers, self.trainer_info))
+        calls = [t.connect.remote([info]) for t in self.trainers]
+        for s in self.pulls:
+            for t, specs in self._specs(s, e).items():
+                calls.append(self.trainers[t].register_pulls.remote(s, e, specs))
+        self.ray.get(calls)
+
+    # -- replicas ---------------------------------------------------------------------------------------------
+    def replica_ranks(self, replica: int) -> list[int]:
+        n = self.config.engine.ranks_per_replica
+        return list(range(replica * n, (replica + 1) * n))
+
+    def kill_replica(self, replica: int) -> None:
+        for e in self.replica_ranks(replica):
+            if e not in self.dead:
+                self.ray.kill(self.engines[e], no_restart=True)
+                self.dead.add(e)
+
+    def restart_replica(self, replica: int) -> None:
+        ranks = self.replica_ranks(replica)
+        self.ray.get([t.forget_engine.remote(e) for t in self.trainers for e in ranks])
+        for e in ranks:
+            self.engines[e] = self._new_engine(e)
+        self._build_plans(ranks)
+        for e in ranks:
+            self._setup_engine(e)
+            self.dead.discard(e)
+
+    def dead_replicas(self) -> set[int]:
+        return {self.config.engine.coord(e).replica for e in self.dead}
+
+
+def _meta(cfg: ModelConfig, name: str) -> Any:
+    return next(t for t in hf_tensors(cfg) if t.name == name)
+
+
+def run_syncs(config: SyncConfig, progress: Callable[[str], None] | None = None) -> Iterator[SyncResult]:
+    """Start the ranks, then run ``config.syncs`` syncs of each strategy; one result per (strategy, sync)."""
+    if config.verify:
+        check_verifiable(config.model)
+    config.trainer.validate(config.model)
+    config.engine.validate(config.model)
+    check_memory(config)
+    ray = start_ray(config.ray_address)
+    say = progress or (lambda _m: None)
+    say(f"starting {config.trainer.world} trainer and {config.engine.world} engine ranks")
+    cluster = Cluster(config, ray)
+    version = 0
+    sync_id = 0
+    for strategy in config.strategies:
+        for i in range(1, config.syncs + 1):
+            version += 1
+            sync_id += 1
+            say(f"{strategy.name}: sync {i}/{config.syncs}")
+            yield _one_sync(cluster, strategy, i, sync_id, version)
+
+
+def _one_sync(cluster: Cluster, strategy: Strategy, index: int, sync_id: int, version: int) -> SyncResult:
+    from kvmove.sync.sync_step import run_one
+
+    return run_one(cluster, strategy, index, sync_id, version)
+
+
+def trainer_syncs(cluster: Cluster, strategy: Strategy, sync_id: int, version: int) -> list[TrainerSync]:
+    """Each trainer rank's loop for this sync: its groups and the live consumers of each."""
+    c = cluster.config
+    live = set(range(c.engine.world)) - cluster.dead
+    pps = cluster.pulls[strategy.name]
+    held: dict[int, set[str]] = {r: set() for r in range(c.trainer.world)}
+    for t in hf_tensors(c.model):
+        for h in cluster.ownership.slices(t):
+            held[h.rank].add(t.name)
+    lookahead = c.options.lookahead if strategy.name == "v3" else 0
+    out = []
+    for r in range(c.trainer.world):
+        groups = []
+        for g, names in cluster.groups[strategy.name].items():
+            mine = tuple(names) if strategy.scope == "global" else tuple(n for n in names if n in held[r])
+            if mine:
+                groups.append((g, mine))
+        cons = {g: frozenset(es & live) for g, es in consumers(pps, r).items()}
+        out.append(
+            TrainerSync(sync_id, version, strategy.name, strategy.scope, tuple(groups), cons, lookahead, c.deadline_s)
+        )
+    return out

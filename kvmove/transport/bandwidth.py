@@ -1,0 +1,155 @@
+"""Raw transport bandwidth between two processes of the kind a sync uses (Ray actors, or plain processes).
+
+Benchmarks report a sync's transfer speed as a fraction of this figure, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, NamedTuple
+
+import torch
+
+from kvmove.transport import get_transport
+from kvmove.transport.base import TransportError
+from kvmove.transport.gloo import GlooGroup
+from kvmove.transport.slots import ACTOR_OPTIONS, ServesSlots, import_ray
+
+PROCESS_KINDS = ("ray", "process")
+
+
+class BandwidthResult(NamedTuple):
+    """Median of ``repeats`` timed reads of ``nbytes`` (one range) after one untimed warm-up read."""
+
+    transport: str
+    processes: str
+    nbytes: int
+    repeats: int
+    seconds: float
+    gb_per_s: float
+
+
+class Peer(ServesSlots):
+    """One endpoint with one registered buffer; the server's is filled with seeded random bytes."""
+
+    def __init__(self, transport: str, nbytes: int, seed: int | None, options: dict[str, Any]):
+        self.transport = get_transport(transport)(**options)
+        if seed is None:
+            self.buf = torch.zeros(nbytes, dtype=torch.uint8)
+        else:
+            self.buf = torch.randint(
+                0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+            )
+        self.desc = self.transport.register(self.buf)
+
+    def info(self) -> tuple[Any, Any]:
+        return self.transport.endpoint_info(), self.desc
+
+    def connect(self, info: Any) -> None:
+        self.transport.connect(info)
+
+    def read(self, remote: Any, ranges: Any) -> Any:
+        return self.transport.read(remote, self.desc, ranges)
+
+    def time_reads(self, remote: Any, repeats: int) -> list[float]:
+        ranges = [(0, 0, min(remote.nbytes, self.desc.nbytes))]
+        self.read(remote, ranges)
+        return [self.read(remote, ranges).seconds for _ in range(repeats)]
+
+    def registrations(self) -> int:
+        return self.transport.registrations
+
+    def contents(self) -> torch.Tensor:
+        return self.buf.clone()
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def measure_bandwidth(name: str, nbytes: int, repeats: int = 5, processes: str = "ray") -> BandwidthResult:
+    """Time ``repeats`` reads of ``nbytes`` between two fresh endpoints; ``processes`` is "ray" or "process".
+
+    "ray" starts two Ray actors on the running Ray session (``ray.init`` first; every transport);
+    "process" starts two ``torch.multiprocessing`` processes (``nixl`` and ``gloo`` only, no Ray needed).
+    """
+    if processes not in PROCESS_KINDS:
+        raise TransportError(f"processes must be one of {PROCESS_KINDS}, got {processes!r}")
+    cls = get_transport(name)
+    times = _time_ray(cls.name, nbytes, repeats) if processes == "ray" else _time_processes(cls.name, nbytes, repeats)
+    seconds = statistics.median(times)
+    return BandwidthResult(cls.name, processes, nbytes, repeats, seconds, nbytes / seconds / 1e9)
+
+
+def _options(name: str, rank: int, group: GlooGroup | None) -> dict[str, Any]:
+    return {"group": group.for_rank(rank)} if name == "gloo" and group is not None else {}
+
+
+def _time_ray(name: str, nbytes: int, repeats: int) -> list[float]:
+    ray = import_ray()
+    if not ray.is_initialized():
+        raise TransportError("measure_bandwidth(processes='ray') needs a running Ray session: call ray.init first")
+    group = GlooGroup.local(2) if name == "gloo" else None
+    actor_cls = ray.remote(num_cpus=0, **ACTOR_OPTIONS)(Peer)
+    server, client = (actor_cls.remote(name, nbytes, seed, _options(name, r, group)) for r, seed in ((0, 0), (1, None)))
+    try:
+        if name == "rdt-gloo":
+            from kvmove.transport.rdt import create_rdt_group
+
+            create_rdt_group([server, client])
+        info, remote = ray.get(server.info.remote())
+        ray.get(client.connect.remote(info))
+        times: list[float] = ray.get(client.time_reads.remote(remote, repeats))
+        ray.get([server.close.remote(), client.close.remote()])
+        return times
+    finally:
+        for actor in (server, client):
+            ray.kill(actor)
+
+
+def _time_processes(name: str, nbytes: int, repeats: int) -> list[float]:
+    if name not in ("nixl", "gloo"):
+        raise TransportError(f"{name} needs Ray actors: measure it with processes='ray'")
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    group = GlooGroup.local(2) if name == "gloo" else None
+    to_client, to_server, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_serve_process, args=(name, nbytes, _options(name, 0, group), to_client, to_server)),
+        ctx.Process(
+            target=_read_process, args=(name, nbytes, repeats, _options(name, 1, group), to_client, to_server, results)
+        ),
+    ]
+    for p in procs:
+        p.start()
+    try:
+        outcome = results.get(timeout=300)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return list(outcome)
+
+
+def _serve_process(name: str, nbytes: int, options: dict[str, Any], to_client: Any, to_server: Any) -> None:
+    peer = Peer(name, nbytes, 0, options)
+    to_client.put(peer.info())
+    to_server.get()
+    peer.close()
+
+
+def _read_process(
+    name: str, nbytes: int, repeats: int, options: dict[str, Any], to_client: Any, to_server: Any, results: Any
+) -> None:
+    try:
+        peer = Peer(name, nbytes, None, options)
+        info, remote = to_client.get()
+        peer.connect(info)
+        results.put(peer.time_reads(remote, repeats))
+    except Exception as exc:  # handed to the parent, which raises it
+        results.put(exc)
+        raise
+    finally:
+        to_server.put(True)
+    peer.close()

@@ -1,0 +1,214 @@
+"""The transport interface: one endpoint per process, buffers registered once, one-sided pulls of byte ranges.
+
+A *server* endpoint registers the uint8 buffers ("slots") it packs bytes into and publishes its
+``endpoint_info()``; a *client* endpoint registers its own uint8 receive buffers, ``connect``s to the
+server's info once and then ``read``s many ``(remote_offset, local_offset, nbytes)`` ranges in one call.
+Buffers are registered once, at init, and reused by every read.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+import numpy as np
+import torch
+
+from kvmove.errors import KvmoveError, MissingDependencyError
+
+Range = tuple[int, int, int]
+"""``(remote_offset, local_offset, nbytes)`` of one pulled span, in bytes."""
+
+
+class TransportError(KvmoveError):
+    """A transport used wrongly (unregistered buffer, range out of bounds, unknown peer) or a failed transfer."""
+
+
+class TransferStats(NamedTuple):
+    """What one ``read`` moved and how long it took (wall clock, in the calling process)."""
+
+    bytes: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class BufferDesc:
+    """A picklable handle to a registered buffer; ``endpoint`` names the endpoint that registered it."""
+
+    transport: str
+    endpoint: str
+    buffer_id: int
+    nbytes: int
+    address: int = 0
+    device: str = "cpu"
+    device_id: int = 0
+
+
+@dataclass(frozen=True)
+class EndpointInfo:
+    """All a peer needs to ``connect``: ``payload`` is transport-specific (NIXL agent metadata, actor handle, rank)."""
+
+    transport: str
+    endpoint: str
+    payload: Any = None
+
+
+def import_optional(module: str, extra: str, what: str) -> Any:
+    """Import ``module`` or raise MissingDependencyError naming the pip extra that provides it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        hint = f"pip install 'kvmove[{extra}]'" if extra else f"pip install {module.split('.')[0]}"
+        raise MissingDependencyError(f"{what} needs {module!r}, which is not installed: {hint}") from exc
+
+
+def can_import(module: str) -> bool:
+    """Whether ``module`` imports here; never raises."""
+    try:
+        importlib.import_module(module)
+    except Exception:
+        return False
+    return True
+
+
+def check_ranges(remote: BufferDesc, local: BufferDesc, ranges: Sequence[Range] | np.ndarray) -> np.ndarray:
+    """Ranges as an ``(n, 3)`` int64 array, empty spans dropped; out-of-bounds or negative spans raise."""
+    spans = np.asarray(ranges, dtype=np.int64).reshape(-1, 3) if len(ranges) else np.zeros((0, 3), np.int64)
+    if (spans < 0).any():
+        raise TransportError("ranges must be non-negative (remote_offset, local_offset, nbytes)")
+    spans = spans[spans[:, 2] > 0]
+    for column, desc, side in ((0, remote, "remote"), (1, local, "local")):
+        ends = spans[:, column] + spans[:, 2]
+        if len(ends) and int(ends.max()) > desc.nbytes:
+            bad = int(np.argmax(ends > desc.nbytes))
+            raise TransportError(
+                f"range {tuple(int(x) for x in spans[bad])} ends at byte {int(ends[bad])}, "
+                f"past the {desc.nbytes}-byte {side} buffer {desc.endpoint}#{desc.buffer_id}"
+            )
+    return coalesce(spans)
+
+
+def coalesce(spans: np.ndarray) -> np.ndarray:
+    """Merge consecutive spans that continue each other on both sides (order kept)."""
+    if len(spans) < 2:
+        return spans
+    follows = (spans[1:, 0] == spans[:-1, 0] + spans[:-1, 2]) & (spans[1:, 1] == spans[:-1, 1] + spans[:-1, 2])
+    if not follows.any():
+        return spans
+    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
+    merged = spans[starts].copy()
+    merged[:, 2] = np.add.reduceat(spans[:, 2], starts)
+    return merged
+
+
+class Transport(ABC):
+    """One endpoint of a point-to-point byte mover; one per process, used from one thread.
+
+    Contract:
+    - ``register`` a contiguous 1-D uint8 tensor once (at init) and keep it alive; the returned
+      ``BufferDesc`` is picklable and stays valid until ``close``. ``registrations`` counts them.
+    - Register every buffer a peer will read *before* sending it ``endpoint_info()``.
+    - ``connect(peer)`` once per peer, before the first ``read`` from it.
+    - ``read(remote, local, ranges)`` pulls ``remote[ro:ro+n]`` into ``local[lo:lo+n]`` for every range, all in
+      one go, and returns when the bytes are in ``local``. The server does nothing per read (one-sided) or
+      answers from a background thread / actor method; it may overwrite a buffer once every read of it returned.
+    - ``close()`` releases registrations and connections; the endpoint is unusable afterwards.
+    """
+
+    name: ClassVar[str]
+    extra: ClassVar[str] = ""  # pip extra that provides the optional dependency, "" if none
+
+    def __init__(self) -> None:
+        self.endpoint = f"{self.name}-{uuid.uuid4().hex[:12]}"
+        self.registrations = 0
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._peers: dict[str, EndpointInfo] = {}
+        self._closed = False
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool:
+        """Whether this transport's dependencies import here; never raises."""
+
+    def register(self, buf: torch.Tensor) -> BufferDesc:
+        """Register ``buf`` (contiguous 1-D uint8) once; reads into or out of it need no further registration."""
+        self._check_open()
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+            raise TransportError(f"register needs a contiguous 1-D uint8 tensor, got {buf.dtype} {tuple(buf.shape)}")
+        if any(b.data_ptr() == buf.data_ptr() and b.numel() == buf.numel() for b in self._buffers.values()):
+            raise TransportError("buffer is already registered with this endpoint (register once, reuse the desc)")
+        buffer_id = len(self._buffers)
+        self._register(buf, buffer_id)
+        self._buffers[buffer_id] = buf
+        self.registrations += 1
+        return BufferDesc(
+            self.name, self.endpoint, buffer_id, buf.numel(), buf.data_ptr(), buf.device.type, max(buf.get_device(), 0)
+        )
+
+    @abstractmethod
+    def endpoint_info(self) -> EndpointInfo:
+        """Everything a peer needs to connect to (and read from) this endpoint; picklable."""
+
+    def connect(self, peer: EndpointInfo) -> None:
+        """Make ``peer``'s registered buffers readable from here; call again to refresh it."""
+        self._check_open()
+        if peer.transport != self.name:
+            raise TransportError(f"cannot connect a {self.name} endpoint to a {peer.transport} endpoint")
+        self._connect(peer)
+        self._peers[peer.endpoint] = peer
+
+    def read(self, remote: BufferDesc, local: BufferDesc, ranges: Sequence[Range] | np.ndarray) -> TransferStats:
+        """Pull every ``(remote_offset, local_offset, nbytes)`` range of ``remote`` into ``local``; blocks."""
+        self._check_open()
+        peer = self._peers.get(remote.endpoint)
+        if peer is None:
+            raise TransportError(f"remote buffer belongs to {remote.endpoint!r}, which this endpoint never connected")
+        if local.endpoint != self.endpoint or local.buffer_id not in self._buffers:
+            raise TransportError(
+                f"local buffer {local.endpoint}#{local.buffer_id} is not registered with this endpoint"
+            )
+        spans = check_ranges(remote, local, ranges)
+        start = time.perf_counter()
+        if len(spans):
+            self._read(peer, remote, self._buffers[local.buffer_id], spans)
+        return TransferStats(int(spans[:, 2].sum()), time.perf_counter() - start)
+
+    def close(self) -> None:
+        """Release registrations and connections; idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._close()
+            self._buffers.clear()
+            self._peers.clear()
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"{self.name} endpoint {self.endpoint} is closed")
+
+    @abstractmethod
+    def _register(self, buf: torch.Tensor, buffer_id: int) -> None: ...
+
+    def _connect(self, peer: EndpointInfo) -> None:  # noqa: B027 - most transports need nothing here
+        pass
+
+    @abstractmethod
+    def _read(self, peer: EndpointInfo, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> None:
+        """Move ``spans`` (validated ``(n, 3)`` int64, non-empty) from ``remote`` into ``local``."""
+
+    def _close(self) -> None:  # noqa: B027
+        pass

@@ -1,0 +1,128 @@
+"""``nixl``: NIXL agents (UCX backend) reading straight out of a peer's pre-registered memory."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvmove.transport.base import (
+    BufferDesc,
+    EndpointInfo,
+    Transport,
+    TransportError,
+    can_import,
+    import_optional,
+)
+
+NIXL_MODULE = "nixl._api"
+
+
+def import_nixl() -> Any:
+    """The NIXL Python API (``nixl._api``), or MissingDependencyError naming the extra."""
+    return import_optional(NIXL_MODULE, "nixl", "the nixl transport")
+
+
+class NixlTransport(Transport):
+    """One NIXL agent per endpoint; ``read`` is a one-sided READ of many descriptors in one request.
+
+    A READ request is prepared once per (remote buffer, local buffer, ranges) and re-posted by later reads
+    with the same ranges (a sync plan repeats every sync); at most ``max_prepared`` are kept.
+    """
+
+    name = "nixl"
+    extra = "nixl"
+
+    def __init__(self, *, backends: tuple[str, ...] = ("UCX",), timeout_s: float = 120.0, max_prepared: int = 64):
+        api = import_nixl()
+        super().__init__()
+        self._agent = api.nixl_agent(self.endpoint, api.nixl_agent_config(backends=list(backends)))
+        self._reg_descs: list[Any] = []
+        self._remote_agents: dict[str, str] = {}
+        self._prepared: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self._timeout_s = timeout_s
+        self._max_prepared = max_prepared
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return can_import(NIXL_MODULE)
+
+    def _register(self, buf: torch.Tensor, buffer_id: int) -> None:
+        descs = self._agent.register_memory(buf)
+        if descs is None:
+            raise TransportError(f"NIXL could not register buffer {buffer_id}")
+        self._reg_descs.append(descs)
+
+    def endpoint_info(self) -> EndpointInfo:
+        self._check_open()
+        return EndpointInfo(self.name, self.endpoint, self._agent.get_agent_metadata())
+
+    def _connect(self, peer: EndpointInfo) -> None:
+        if peer.endpoint in self._remote_agents:  # refresh: the peer may have registered more memory
+            self._drop_prepared(peer.endpoint)
+            self._agent.remove_remote_agent(self._remote_agents.pop(peer.endpoint))
+        self._remote_agents[peer.endpoint] = self._agent.add_remote_agent(peer.payload)
+
+    def _read(self, peer: EndpointInfo, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> None:
+        handle = self._prepare(remote, local, spans)
+        state = self._agent.transfer(handle)
+        deadline = time.monotonic() + self._timeout_s
+        while state == "PROC":
+            if time.monotonic() > deadline:
+                raise TransportError(f"NIXL READ from {remote.endpoint} still running after {self._timeout_s:.0f} s")
+            state = self._agent.check_xfer_state(handle)
+        if state != "DONE":
+            self._prepared.pop(self._key(remote, local, spans), None)
+            raise TransportError(f"NIXL READ from {remote.endpoint} failed (state {state})")
+
+    def _prepare(self, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> Any:
+        key = self._key(remote, local, spans)
+        handle = self._prepared.get(key)
+        if handle is not None:
+            self._prepared.move_to_end(key)
+            return handle
+        local_descs = self._agent.get_xfer_descs(
+            _descs(local.data_ptr(), max(local.get_device(), 0), spans, 1), _memory(local.device.type)
+        )
+        remote_descs = self._agent.get_xfer_descs(
+            _descs(remote.address, remote.device_id, spans, 0), _memory(remote.device)
+        )
+        handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, self._remote_agents[remote.endpoint])
+        self._prepared[key] = handle
+        if len(self._prepared) > self._max_prepared:
+            self._agent.release_xfer_handle(self._prepared.popitem(last=False)[1])
+        return handle
+
+    @staticmethod
+    def _key(remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> tuple[Any, ...]:
+        return (remote.endpoint, remote.buffer_id, local.data_ptr(), spans.tobytes())
+
+    def _drop_prepared(self, endpoint: str) -> None:
+        for key in [k for k in self._prepared if k[0] == endpoint]:
+            self._agent.release_xfer_handle(self._prepared.pop(key))
+
+    def _close(self) -> None:
+        for handle in self._prepared.values():
+            self._agent.release_xfer_handle(handle)
+        self._prepared.clear()
+        for agent_name in self._remote_agents.values():
+            self._agent.remove_remote_agent(agent_name)
+        for descs in self._reg_descs:
+            self._agent.deregister_memory(descs)
+        self._reg_descs.clear()
+
+
+def _descs(base: int, device_id: int, spans: np.ndarray, column: int) -> np.ndarray:
+    """``(n, 3)`` uint64 NIXL descriptors (address, length, device id) of one side of ``spans``."""
+    out = np.empty((len(spans), 3), dtype=np.uint64)
+    out[:, 0] = base + spans[:, column]
+    out[:, 1] = spans[:, 2]
+    out[:, 2] = device_id
+    return out
+
+
+def _memory(device_type: str) -> str:
+    return "DRAM" if device_type == "cpu" else "VRAM"
