@@ -12,14 +12,17 @@ TORCH ?= torch==2.13.0
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,serve,plots]" "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev,serve,plots,nixl]" "$(TORCH)"
+	# NIXL's `nixl._api` import path (used by kvmove, Ray and vLLM) lives in the `nixl` meta package;
+	# without --no-deps it would also pull nixl-cu12.
+	$(PY) -m pip install -q --no-deps "nixl==1.5.1"
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/kvmove sync-weights --dry-run --verify
-	$(VENV)/bin/kvmove sync-weights --dry-run --model qwen3-235b-a22b --trainer tp=4,pp=2,ep=8,dp=2 --engine dp=16,ep=16
+	$(VENV)/bin/kvmove sync-weights --strategy v1,v2,v3,broadcast --syncs 2 --verify
+	$(VENV)/bin/kvmove sync-weights --dry-run --model kimi-k2 --trainer tp=8,pp=8,ep=32 --engine tp=32,ep=32 --replicas 4
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvmove tests

@@ -106,10 +106,20 @@ class SyncResult(NamedTuple):
 
 
 def start_ray(address: str | None) -> Any:
-    """Join the Ray cluster at ``address``, or start a local one on loopback."""
-    import ray
-
+    """Join the Ray cluster at ``address``, or start a local one that stays on loopback."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if not address:
+        # NOTE: Ray resolves 127.0.0.1 to the machine's routable address unless it believes it runs on a
+        # laptop; this flag (read by Ray's services at call time, and by the workers from the environment)
+        # keeps a local run's every socket on loopback.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+    from ray._private import ray_constants
+
+    if address:
+        _probe(address)
+    else:
+        ray_constants.ENABLE_RAY_CLUSTER = False
     if ray.is_initialized():
         return ray
     try:
@@ -126,6 +136,20 @@ def start_ray(address: str | None) -> Any:
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise KvmoveError(f"cannot reach a Ray cluster at {address or 'local'}: {exc}".splitlines()[0]) from None
     return ray
+
+
+def _probe(address: str) -> None:
+    """Fail fast (seconds, not Ray's minutes of retries) when nothing listens at ``host:port``."""
+    import socket
+
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=3):
+            pass
+    except (OSError, ValueError) as exc:
+        raise KvmoveError(f"cannot reach a Ray cluster at {address}: {exc}") from None
 
 
 def check_memory(config: SyncConfig) -> None:
@@ -146,6 +170,18 @@ def check_memory(config: SyncConfig) -> None:
             f"{have * MEMORY_FRACTION / 1e9:.1f} GB may be used ({have / 1e9:.1f} GB available). "
             "Use a smaller model or fewer ranks."
         )
+
+
+def check_transport(name: str) -> str:
+    """The transport that ``name`` resolves to, refused up front (naming its extra) if it cannot run here."""
+    from kvmove.errors import MissingDependencyError
+    from kvmove.transport import get_transport
+
+    cls = get_transport(name)
+    if not cls.is_available():
+        hint = f"pip install 'kvmove[{cls.extra}]'" if cls.extra else "see the README's transport notes"
+        raise MissingDependencyError(f"transport {cls.name!r} is not installed here: {hint}")
+    return cls.name
 
 
 def available_memory() -> int:
@@ -303,6 +339,7 @@ def run_syncs(config: SyncConfig, progress: Callable[[str], None] | None = None)
     config.trainer.validate(config.model)
     config.engine.validate(config.model)
     check_memory(config)
+    check_transport(config.transport)
     ray = start_ray(config.ray_address)
     say = progress or (lambda _m: None)
     say(f"starting {config.trainer.world} trainer and {config.engine.world} engine ranks")

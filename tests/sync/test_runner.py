@@ -70,7 +70,22 @@ def test_slow_replica_does_not_delay_the_others() -> None:
     assert r.replica_seconds[0] < r.replica_seconds[1] - 1.0
 
 
-def test_bad_fault_spec_and_unreachable_ray() -> None:
+def test_bad_fault_spec() -> None:
     with pytest.raises(KvmoveError, match="REPLICA@SYNC"):
         Fault.parse("one@two")
     assert Fault.parse("1@3:mid") == Fault(1, 3, True)
+
+
+def test_bad_input_is_refused_before_any_actor_starts(monkeypatch) -> None:
+    from kvmove.errors import MissingDependencyError
+    from kvmove.sync import runner
+    from kvmove.transport import nixl
+
+    with pytest.raises(KvmoveError, match=r"cannot reach a Ray cluster at 127\.0\.0\.1:9"):
+        runner.start_ray("127.0.0.1:9")
+    big = _config(model=resolve_model("kimi-k2"), verify=False, strategies=tuple(parse_strategies("v3")))
+    with pytest.raises(KvmoveError, match=r"needs about .* GB here"):
+        list(run_syncs(big))
+    monkeypatch.setattr(nixl.NixlTransport, "is_available", classmethod(lambda cls: False))
+    with pytest.raises(MissingDependencyError, match=r"pip install 'kvmove\[nixl\]'"):
+        list(run_syncs(_config(transport="nixl")))

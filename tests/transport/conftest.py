@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import itertools
-import os
 
 import numpy as np
-import pytest
 import torch
 
 NBYTES = 1 << 20  # per buffer; small so the folder stays quick on 2 cores
@@ -36,12 +34,3 @@ def expected_after(ranges: list[tuple[int, int, int]], source: torch.Tensor, nby
     for ro, lo, n in ranges:
         out[lo : lo + n] = source[ro : ro + n]
     return out
-
-
-@pytest.fixture(scope="session")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
-    yield ray
-    ray.shutdown()
