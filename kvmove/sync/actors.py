@@ -108,12 +108,9 @@ class TrainerActor(ServesSlots):
         assert self.impl is not None
         return self.impl.pack(sync_id, strategy, engine, pull_id, timeout_s)
 
-    def release_slot(self, strategy: str, slot: int) -> None:
+    def finish(self, sync_id: int, strategy: str, group: int, engine: int, slot: int) -> None:
         assert self.impl is not None
         self.impl.release_slot(strategy, slot)
-
-    def done(self, sync_id: int, group: int, engine: int) -> None:
-        assert self.impl is not None
         self.impl.done(sync_id, group, engine)
 
     def engine_gone(self, sync_id: int, engine: int) -> None:
@@ -253,8 +250,5 @@ class _Client:
         local = self.a._recv[self.strategy][recv]
         return self.a.transport.read(remote, local, [(0, 0, nbytes)]).seconds
 
-    def release(self, trainer: int, slot: int) -> None:
-        self.a._trainers[trainer].release_slot.remote(self.strategy, slot)
-
-    def done(self, trainer: int, sync_id: int, group: int) -> None:
-        self.a._trainers[trainer].done.remote(sync_id, group, self.a.rank)
+    def finish(self, trainer: int, sync_id: int, group: int, slot: int) -> None:
+        self.a._trainers[trainer].finish.remote(sync_id, self.strategy, group, self.a.rank, slot)

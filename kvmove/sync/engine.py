@@ -28,8 +28,8 @@ class TrainerClient(Protocol):
 
     def pack(self, trainer: int, sync_id: int, pull_id: int) -> tuple[int, int]: ...
     def read(self, trainer: int, slot: int, recv: int, nbytes: int) -> float: ...
-    def release(self, trainer: int, slot: int) -> None: ...
-    def done(self, trainer: int, sync_id: int, group: int) -> None: ...
+    def finish(self, trainer: int, sync_id: int, group: int, slot: int) -> None:
+        """Free the trainer's slot and tell it this engine has all it pulls of ``group`` from it."""
 
 
 class EngineStats(NamedTuple):
@@ -91,7 +91,8 @@ class EngineRank:
                     slot, nbytes = client.pack(pull.trainer, sync_id, i)
                     request += time.perf_counter() - t0
                     transfer += client.read(pull.trainer, slot, slot_index, nbytes)
-                    client.release(pull.trainer, slot)
+                    # NOTE: pulls are bucketed by (group, trainer), so this one pull is all of the group from it
+                    client.finish(pull.trainer, sync_id, group, slot)
                     received += nbytes
                     regions = [self.plan.regions[r] for r in pull.regions]
                     if loader is None:
@@ -100,8 +101,6 @@ class EngineRank:
                         load += time.perf_counter() - t2
                     else:
                         loader.submit(slot_index, regions)
-                for trainer in sorted({pulls.pulls[i].trainer for i in per_group[group]}):
-                    client.done(trainer, sync_id, group)
         finally:
             if loader is not None:
                 load += loader.close()
