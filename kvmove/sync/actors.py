@@ -33,8 +33,8 @@ def _node_ip(loopback: bool) -> str:
     return "127.0.0.1" if ip in ("", "0.0.0.0") else ip
 
 
-def _make_transport(name: str) -> Transport:
-    return get_transport(name)()
+def _make_transport(name: str, options: dict[str, Any]) -> Transport:
+    return get_transport(name)(**options)
 
 
 def _gloo_group(host: str, port: int, rank: int, size: int, prefix: str, timeout_s: float) -> Any:
@@ -52,10 +52,12 @@ def _gloo_group(host: str, port: int, rank: int, size: int, prefix: str, timeout
 class TrainerActor(ServesSlots):
     """One trainer rank: its shards (a ShardedSource), gloo collectives, registered serve slots."""
 
-    def __init__(self, cfg: ModelConfig, layout: TrainerLayout, rank: int, seed: int, transport: str) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layout: TrainerLayout, rank: int, seed: int, transport: str, options: dict[str, Any]
+    ) -> None:
         torch.set_num_threads(1)
         self.cfg, self.layout, self.rank, self.seed = cfg, layout, rank, seed
-        self.transport = _make_transport(transport)
+        self.transport = _make_transport(transport, options)
         self.impl: TrainerRank | None = None
         self.source: ShardedSource | None = None
         self._bcast_store: Any = None
@@ -154,12 +156,20 @@ class TrainerActor(ServesSlots):
 class EngineActor(ServesSlots):
     """One engine rank: the engine's model (its real parameters), its plan and registered receive slots."""
 
-    def __init__(self, cfg: ModelConfig, layout: EngineLayout, rank: int, transport: str, engine_kind: str) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layout: EngineLayout,
+        rank: int,
+        transport: str,
+        options: dict[str, Any],
+        engine_kind: str,
+    ) -> None:
         torch.set_num_threads(1)
         self.cfg, self.layout, self.rank = cfg, layout, rank
         self.coord = layout.coord(rank)
         self.adapter = get_engine(engine_kind)
-        self.transport = _make_transport(transport)
+        self.transport = _make_transport(transport, options)
         self.model = self.adapter.build(cfg, layout, self.coord)
         self.impl: EngineRank | None = None
         self.plan: ShardingPlan | None = None

@@ -30,6 +30,7 @@ from kvmove.sync.trainer import TrainerSync
 from kvmove.sync.verify import check_verifiable
 
 SERVE_SLOTS = 4
+TWO_SIDED = ("gloo", "rdt-gloo")
 MEMORY_FRACTION = 0.6
 
 
@@ -201,21 +202,25 @@ class Cluster:
 
     def __init__(self, config: SyncConfig, ray: Any) -> None:
         from kvmove.sync.actors import EngineActor, TrainerActor
-        from kvmove.transport import get_transport
+        from kvmove.transport import GlooGroup, create_rdt_group, get_transport
 
         self.config, self.ray = config, ray
         self.transport = get_transport(config.transport).name
         self._engine_cls: Any = EngineActor
         cfg, tl, el = config.model, config.trainer, config.engine
+        self._gloo = GlooGroup.local(tl.world + el.world) if self.transport == "gloo" else None
         opts = {"num_cpus": 0, "max_concurrency": 64}
         trainer_cls: Any = TrainerActor
         self.trainers = [
-            trainer_cls.options(**opts).remote(cfg, tl, r, config.seed, self.transport) for r in range(tl.world)
+            trainer_cls.options(**opts).remote(cfg, tl, r, config.seed, self.transport, self._options(r))
+            for r in range(tl.world)
         ]
+        self.engines: list[Any] = [self._new_engine(e) for e in range(el.world)]
+        if self.transport == "rdt-gloo":
+            create_rdt_group([*self.trainers, *self.engines])
         host, port = ray.get(self.trainers[0].address.remote(config.ray_address is None))
         ray.get([t.init_collectives.remote(host, port, config.deadline_s) for t in self.trainers])
         self._check_ownership()
-        self.engines: list[Any] = [self._new_engine(e) for e in range(el.world)]
         self.plans = self._build_plans(range(el.world))
         self.ownership = Ownership(cfg, tl)
         self.pulls: dict[str, tuple[PullPlan, ...]] = {}
@@ -233,10 +238,13 @@ class Cluster:
             self._setup_engine(e)
 
     # -- init -------------------------------------------------------------------------------------------------
+    def _options(self, member: int) -> dict[str, Any]:
+        return {"group": self._gloo.for_rank(member)} if self._gloo is not None else {}
+
     def _new_engine(self, rank: int) -> Any:
         c = self.config
         return self._engine_cls.options(num_cpus=0, max_concurrency=8).remote(
-            c.model, c.engine, rank, self.transport, c.engine_kind
+            c.model, c.engine, rank, self.transport, self._options(c.trainer.world + rank), c.engine_kind
         )
 
     def _check_ownership(self) -> None:
@@ -339,7 +347,12 @@ def run_syncs(config: SyncConfig, progress: Callable[[str], None] | None = None)
     config.trainer.validate(config.model)
     config.engine.validate(config.model)
     check_memory(config)
-    check_transport(config.transport)
+    transport = check_transport(config.transport)
+    if transport in TWO_SIDED and config.faults:
+        raise KvmoveError(
+            f"fault injection needs a transport a restarted replica can rejoin (nixl, rdt-nixl, object-store); "
+            f"{transport} binds every rank into one fixed group"
+        )
     ray = start_ray(config.ray_address)
     say = progress or (lambda _m: None)
     say(f"starting {config.trainer.world} trainer and {config.engine.world} engine ranks")

@@ -89,3 +89,25 @@ def test_bad_input_is_refused_before_any_actor_starts(monkeypatch) -> None:
     monkeypatch.setattr(nixl.NixlTransport, "is_available", classmethod(lambda cls: False))
     with pytest.raises(MissingDependencyError, match=r"pip install 'kvmove\[nixl\]'"):
         list(run_syncs(_config(transport="nixl")))
+
+
+@pytest.mark.parametrize("transport", ["nixl", "rdt-nixl", "rdt-gloo", "gloo", "object-store"])
+def test_each_transport_syncs_bit_exact(transport: str) -> None:
+    from kvmove.transport import available_transports
+
+    if transport not in available_transports():
+        pytest.skip(f"{transport} is not installed here")
+    config = _config(
+        trainer=TrainerLayout.parse("tp=2"),
+        engine=EngineLayout.parse("tp=1"),
+        strategies=tuple(parse_strategies("v2,v3")),
+        transport=transport,
+    )
+    results = list(run_syncs(config))
+    assert all(r.verified and r.transport == transport for r in results)
+    assert results[0].bytes == results[1].bytes == 2 * 256_192  # one engine rank holding the whole model
+
+
+def test_two_sided_transports_refuse_fault_injection() -> None:
+    with pytest.raises(KvmoveError, match="rejoin"):
+        list(run_syncs(_config(transport="gloo", faults=(Fault(0, 1),))))

@@ -1,7 +1,39 @@
-"""kvmove's own inference engine: vLLM-style fused parameters, loader, and (later) forward passes."""
+"""kvmove's own inference engine: vLLM-style fused parameters, loader, paged forward pass and rollout worker.
 
+Pipeline: ``request`` -> ``scheduler`` (priorities, KV budget) -> ``kv_manager`` (page ownership, radix cache)
+-> ``runner`` (batch -> ``forward``) -> ``worker`` (submit / step / abort, migration hooks, stats).
+"""
+
+from kvmove.engines.reference.kv_manager import ExportedKV, ImportResult
 from kvmove.engines.reference.layers import RankContext
 from kvmove.engines.reference.loader import load_weights
 from kvmove.engines.reference.model import ReferenceModel, rank_context
+from kvmove.engines.reference.request import (
+    FinishReason,
+    Request,
+    RequestError,
+    RequestState,
+    SamplingParams,
+    UnknownRequestError,
+)
+from kvmove.engines.reference.worker import RolloutWorker, StepOutput, WorkerConfig, WorkerStats, build_model
 
-__all__ = ["RankContext", "ReferenceModel", "load_weights", "rank_context"]
+__all__ = [
+    "ExportedKV",
+    "FinishReason",
+    "ImportResult",
+    "RankContext",
+    "ReferenceModel",
+    "Request",
+    "RequestError",
+    "RequestState",
+    "RolloutWorker",
+    "SamplingParams",
+    "StepOutput",
+    "UnknownRequestError",
+    "WorkerConfig",
+    "WorkerStats",
+    "build_model",
+    "load_weights",
+    "rank_context",
+]

@@ -1,0 +1,49 @@
+"""Model runner: turns a scheduled batch into one paged forward pass and samples one token per request."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmove.engines.reference.forward import ForwardBatch, SeqSpan, forward
+from kvmove.engines.reference.kv_manager import KVAllocation
+from kvmove.engines.reference.model import ReferenceModel
+from kvmove.engines.reference.request import Request
+from kvmove.engines.reference.scheduler import ScheduledBatch
+from kvmove.kvcache import KVPool
+
+
+class ModelRunner:
+    def __init__(self, model: ReferenceModel, pool: KVPool) -> None:
+        self.model = model
+        self.pool = pool
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, allocs: dict[str, KVAllocation]) -> list[int]:
+        """Compute each request's tokens ``all_ids[kv_len:]``, advance ``kv_len``, return one sampled token each."""
+        fb = self.prepare(batch.requests, allocs)
+        logits = forward(self.model, self.pool, fb)
+        for req, span in zip(batch.requests, fb.seqs, strict=True):
+            req.kv_len += span.num_new
+            req.computed_tokens += span.num_new
+        return [sample(req, row) for req, row in zip(batch.requests, logits, strict=True)]
+
+    def prepare(self, reqs: tuple[Request, ...], allocs: dict[str, KVAllocation]) -> ForwardBatch:
+        ids, positions, out_slots, seqs = [], [], [], []
+        offset = 0
+        for req in reqs:
+            start, end = req.kv_len, req.num_tokens
+            slots = self.pool.token_slots(allocs[req.rid].pages)[:end]
+            ids.append(torch.tensor(req.all_ids[start:end], dtype=torch.int64))
+            positions.append(torch.arange(start, end, dtype=torch.int64))
+            out_slots.append(slots[start:end])
+            seqs.append(SeqSpan(offset, end - start, slots))
+            offset += end - start
+        return ForwardBatch(torch.cat(ids), torch.cat(positions), torch.cat(out_slots), tuple(seqs))
+
+
+def sample(req: Request, logits: torch.Tensor) -> int:
+    """Greedy argmax, or a draw from ``softmax(logits / temperature)`` with the request's own generator."""
+    if req.sampling.greedy:
+        return int(logits.argmax())
+    probs = (logits.float() / req.sampling.temperature).softmax(dim=-1)
+    return int(torch.multinomial(probs, 1, generator=req.sampler()))
