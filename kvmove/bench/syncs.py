@@ -1,12 +1,24 @@
-"""Result rows of weight syncs."""
+"""Sync benchmark: the demo model's syncs per strategy next to the raw transport bandwidth of the same run.
+
+The raw bandwidth is measured between two Ray actors (the same kind of process as trainer and engine ranks)
+with the same transport, at the size of the largest pull and at 64 MiB, so every sync figure is a ratio.
+"""
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Callable
+
 from kvmove.bench.results import Row
-from kvmove.sync.runner import SyncConfig, SyncResult
+from kvmove.layout import EngineLayout, TrainerLayout
+from kvmove.models import resolve_model
+from kvmove.sync.runner import SyncConfig, SyncResult, check_transport, run_syncs, start_ray
+from kvmove.sync.strategies import parse_strategies
+
+RAW_SIZES = (1 << 20, 16 << 20, 64 << 20)
 
 
-def sync_row(config: SyncConfig, r: SyncResult, suite: str = "sync") -> Row:
+def sync_row(config: SyncConfig, r: SyncResult, suite: str = "sync", extra: dict[str, object] | None = None) -> Row:
     """One measured row per (strategy, sync)."""
     return Row(
         kind="measured",
@@ -26,9 +38,79 @@ def sync_row(config: SyncConfig, r: SyncResult, suite: str = "sync") -> Row:
             "sync": r.sync,
             "verified": r.verified,
             "live_engines": r.live_engines,
+            "transfer_gbps": r.transfer_gbps,
             "peak_extra_bytes": r.peak_extra_bytes,
             "dead_replicas": list(r.dead_replicas),
             "group_size": config.options.group_size,
             "lookahead": config.options.lookahead,
+            **(extra or {}),
         },
     )
+
+
+def raw_rows(transport: str, sizes: tuple[int, ...] = RAW_SIZES, repeats: int = 5) -> list[Row]:
+    """Raw reads between two Ray actors with ``transport`` (the ceiling a sync's transfer phase is held to)."""
+    from kvmove.transport.bandwidth import measure_bandwidth
+
+    rows = []
+    for n in sizes:
+        b = measure_bandwidth(transport, n, repeats)
+        rows.append(
+            Row(
+                kind="measured",
+                suite="transport",
+                name=f"raw {transport}",
+                transport=transport,
+                bytes=n,
+                seconds=b.seconds,
+                gbps=b.gb_per_s,
+                extra={"processes": b.processes, "repeats": repeats},
+            )
+        )
+    return rows
+
+
+def sync_suite(
+    model: str = "qwen3-moe-small",
+    trainer: str = "tp=2,pp=2,ep=2",
+    engine: str = "tp=2,ep=2",
+    replicas: int = 2,
+    transport: str = "auto",
+    syncs: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> list[Row]:
+    """Raw bandwidth, then ``syncs`` verified syncs of every strategy, all in one Ray session."""
+    name = check_transport(transport)
+    start_ray(None)
+    say = progress or (lambda _m: None)
+    say(f"raw {name} bandwidth")
+    raw = raw_rows(name)
+    config = SyncConfig(
+        model=resolve_model(model),
+        trainer=TrainerLayout.parse(trainer),
+        engine=EngineLayout.parse(engine, replicas),
+        strategies=tuple(parse_strategies("v1,v2,v3,broadcast")),
+        transport=name,
+        syncs=syncs,
+        verify=True,
+    )
+    results = list(run_syncs(config, progress=say))
+    ceiling = max(r.gbps for r in raw)
+    rows = []
+    for r in results:
+        fraction = r.transfer_gbps / ceiling if ceiling and r.strategy != "broadcast" else None
+        rows.append(sync_row(config, r, extra={"raw_gbps": ceiling, "transfer_fraction_of_raw": fraction}))
+    return raw + rows
+
+
+def summarize(rows: list[Row]) -> dict[str, float]:
+    """Mean seconds per strategy and the v3 ratios the issue asks for (same run)."""
+    by: dict[str, list[float]] = {}
+    for r in rows:
+        if r.suite == "sync":
+            by.setdefault(r.strategy, []).append(r.seconds)
+    mean = {s: statistics.mean(v) for s, v in by.items()}
+    out = {f"mean_seconds_{s}": v for s, v in mean.items()}
+    if "v3" in mean:
+        out |= {f"v3_speedup_vs_{s}": mean[s] / mean["v3"] for s in ("v1", "v2", "broadcast") if s in mean}
+    return out

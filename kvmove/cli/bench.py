@@ -15,13 +15,15 @@ app = typer.Typer(no_args_is_help=True, help="Benchmarks: measured and simulated
 
 ResultsOpt = Annotated[Path, typer.Option("--results", help="Directory of result parquet files.")]
 
-SUITES = ("plan", "quick", "full")
+SUITES = ("plan", "sync", "quick", "full")
 
 
 @app.command("run")
 def run(
     suite: Annotated[str, typer.Option("--suite", help=f"One of {', '.join(SUITES)}.")] = "quick",
     results: ResultsOpt = Path("results"),
+    transport: Annotated[str, typer.Option("--transport", help="Transport of the sync suite.")] = "auto",
+    syncs: Annotated[int, typer.Option("--syncs", min=1, help="Syncs per strategy in the sync suite.")] = 3,
 ) -> None:
     """Run a benchmark suite and append its rows to results/.
 
@@ -29,8 +31,15 @@ def run(
     """
     if suite not in SUITES:
         raise KvmoveError(f"unknown suite {suite!r} (known: {', '.join(SUITES)})")
-    from kvmove.bench.plans import plan_rows
+    if suite in ("plan", "full"):
+        from kvmove.bench.plans import plan_rows
 
-    rows = plan_rows()
-    path = append_rows(results, "plan", rows)
-    render.bench_rows(rows, path)
+        rows = plan_rows()
+        render.bench_rows(rows, append_rows(results, "plan", rows))
+    if suite in ("sync", "quick", "full"):
+        from kvmove.bench.syncs import summarize, sync_suite
+
+        rows = sync_suite(transport=transport, syncs=syncs)
+        append_rows(results, "transport", [r for r in rows if r.suite == "transport"])
+        render.bench_rows(rows, append_rows(results, "sync", [r for r in rows if r.suite == "sync"]))
+        render.summary(summarize(rows))

@@ -160,3 +160,8 @@ def sync_table(rows: Sequence[Any]) -> None:
         console.print(f"v3 vs v1: {means['v1'] / means['v3']:.2f}x faster (mean over syncs, same run)")
     if "broadcast" in means and "v3" in means and means["v3"] > 0:
         console.print(f"v3 vs broadcast: {means['broadcast'] / means['v3']:.2f}x faster")
+
+
+def summary(values: dict[str, float]) -> None:
+    for key, value in values.items():
+        console.print(f"{key}: {value:.3f}")

@@ -82,6 +82,8 @@ class SyncResult(NamedTuple):
     seconds: float
     bytes: int
     gbps: float
+    transfer_gbps: float
+    """Mean over engine ranks of bytes received / seconds spent in the transport's reads."""
     verified: bool | None
     engine_ranks: int
     trainer_ranks: int
@@ -99,6 +101,7 @@ class SyncResult(NamedTuple):
         out = self._asdict()
         out["seconds"] = round(self.seconds, 5)
         out["gbps"] = round(self.gbps, 5)
+        out["transfer_gbps"] = round(self.transfer_gbps, 5)
         out["phases"] = {k: round(v, 5) for k, v in self.phases.items()}
         out["replica_seconds"] = {str(k): round(v, 5) for k, v in self.replica_seconds.items()}
         for key in ("dead_replicas", "rejoined_replicas", "bytes_per_engine_rank", "bytes_per_trainer_rank", "notes"):

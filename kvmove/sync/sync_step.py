@@ -138,6 +138,10 @@ def _verify(cluster: Cluster, version: int) -> bool:
     return bool(live) and all(ok for ok, _ in results)
 
 
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
 def _result(
     cluster: Cluster,
     strategy: Strategy,
@@ -171,6 +175,9 @@ def _result(
         seconds=seconds,
         bytes=total,
         gbps=total / seconds / 1e9 if seconds > 0 else 0.0,
+        transfer_gbps=_mean(
+            [s.bytes_received / s.transfer_seconds / 1e9 for s in engines.values() if s.transfer_seconds > 0]
+        ),
         verified=verified,
         engine_ranks=c.engine.world,
         trainer_ranks=c.trainer.world,
