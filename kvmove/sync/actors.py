@@ -14,7 +14,7 @@ import torch
 from kvmove.engines import get_engine
 from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models.config import ModelConfig
-from kvmove.models.tensors import hf_tensors
+from kvmove.sync.broadcast import receive_all, send_all
 from kvmove.sync.collectives import Collectives, free_port
 from kvmove.sync.engine import EngineRank, EngineStats
 from kvmove.sync.packing import SliceSpec
@@ -122,34 +122,10 @@ class TrainerActor(ServesSlots):
     def broadcast_sync(self, host: str, port: int, size: int, prefix: str, timeout_s: float) -> TrainerStats:
         """Baseline: gather every tensor onto rank 0, which broadcasts it to every live engine rank."""
         assert self.source is not None
-        start = time.perf_counter()
-        calls0 = self.source.coll.collective_calls
         pg = None
         if self.rank == 0:
             self._bcast_store, pg = _gloo_group(host, port, 0, size, prefix, timeout_s)
-        gather = send = 0.0
-        sent = peak = 0
-        for meta in hf_tensors(self.cfg):
-            t0 = time.perf_counter()
-            (_, full), *_ = self.source.materialize([meta.name], "root")
-            gather += time.perf_counter() - t0
-            if pg is not None and full is not None:
-                t1 = time.perf_counter()
-                pg.broadcast(full.contiguous().view(torch.uint8).view(-1), 0).wait()
-                send += time.perf_counter() - t1
-                sent += meta.nbytes
-                peak = max(peak, meta.nbytes)
-        return TrainerStats(
-            self.rank,
-            time.perf_counter() - start,
-            gather,
-            0.0,
-            send,
-            sent,
-            0,
-            peak,
-            self.source.coll.collective_calls - calls0,
-        )
+        return send_all(self.source, pg)
 
 
 @ray.remote(**ACTOR_OPTIONS)
@@ -216,21 +192,8 @@ class EngineActor(ServesSlots):
         self, host: str, port: int, group_rank: int, size: int, prefix: str, timeout_s: float
     ) -> EngineStats:
         """Baseline: receive every full tensor (the whole model), then run the engine's loader over them."""
-        start = time.perf_counter()
         _, pg = _gloo_group(host, port, group_rank, size, prefix, timeout_s)
-        received: list[tuple[str, torch.Tensor]] = []
-        transfer = 0.0
-        for meta in hf_tensors(self.cfg):
-            buf = torch.empty(meta.shape, dtype=meta.dtype)
-            t0 = time.perf_counter()
-            pg.broadcast(buf.view(torch.uint8).view(-1), 0).wait()
-            transfer += time.perf_counter() - t0
-            received.append((meta.name, buf))
-        t1 = time.perf_counter()
-        self.adapter.load_weights(self.model, received)
-        load = time.perf_counter() - t1
-        total = sum(t.numel() * t.element_size() for _, t in received)
-        return EngineStats(self.rank, time.perf_counter() - start, 0.0, transfer, load, total, len(received), total)
+        return receive_all(self.cfg, pg, self.adapter, self.model, self.rank)
 
     def verify(self, version: int, seed: int) -> tuple[bool, list[str]]:
         """Bit-exact check against this engine's own loader fed the full checkpoint of ``version``."""

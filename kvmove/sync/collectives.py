@@ -23,12 +23,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Collectives:
-    """Gloo process groups among trainer ranks; ``rank`` is this process's trainer rank."""
+    """Process groups among trainer ranks (gloo on CPU, NCCL with ``device`` "cuda:N"); ``rank`` is ours."""
 
-    def __init__(self, rank: int, world: int, host: str, port: int, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, rank: int, world: int, host: str, port: int, timeout_s: float = 120.0, device: str = "cpu"
+    ) -> None:
         import torch.distributed as dist
 
-        self.rank, self.world, self.host = rank, world, host
+        self.rank, self.world, self.host, self.device = rank, world, host, device
         self.timeout = timedelta(seconds=timeout_s)
         self._dist = dist
         self._store = dist.TCPStore(host, port, world, rank == 0, timeout=self.timeout)
@@ -44,10 +46,15 @@ class Collectives:
             if pg is None:
                 dist = self._dist
                 prefix = dist.PrefixStore("g" + "-".join(map(str, key)), self._store)
-                options = dist.ProcessGroupGloo._Options()
-                options._timeout = self.timeout
-                options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
-                pg = dist.ProcessGroupGloo(prefix, key.index(self.rank), len(key), options)
+                if self.device.startswith("cuda"):
+                    nccl_options = dist.ProcessGroupNCCL.Options()
+                    nccl_options._timeout = self.timeout
+                    pg = dist.ProcessGroupNCCL(prefix, key.index(self.rank), len(key), nccl_options)
+                else:
+                    options = dist.ProcessGroupGloo._Options()
+                    options._timeout = self.timeout
+                    options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+                    pg = dist.ProcessGroupGloo(prefix, key.index(self.rank), len(key), options)
                 self._groups[key] = pg
             return pg
 

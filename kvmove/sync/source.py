@@ -45,8 +45,16 @@ class WeightSource(ABC):
 class ShardedSource(WeightSource):
     """One trainer rank's Megatron shards of a seeded model; ``set_version`` stands in for an optimizer step."""
 
-    def __init__(self, cfg: ModelConfig, layout: TrainerLayout, rank: int, collectives: Collectives, seed: int = 0):
-        self.cfg, self.layout, self.rank, self.seed = cfg, layout, rank, seed
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layout: TrainerLayout,
+        rank: int,
+        collectives: Collectives,
+        seed: int = 0,
+        device: str = "cpu",
+    ):
+        self.cfg, self.layout, self.rank, self.seed, self.device = cfg, layout, rank, seed, device
         self.coll = collectives
         self.ownership = Ownership(cfg, layout)
         self.version = -1
@@ -64,10 +72,10 @@ class ShardedSource(WeightSource):
 
     def set_version(self, version: int) -> None:
         """Weights of training step ``version`` (deterministic: same seed and version, same bits everywhere)."""
-        self.shards = {
-            name: seeded_tensor(self._metas[name], self.seed, version)[box.slices()].contiguous()
-            for name, box in self._boxes.items()
-        }
+        self.shards = {}  # NOTE: drop the old version first, so two never coexist in device memory
+        for name, box in self._boxes.items():
+            full = seeded_tensor(self._metas[name], self.seed, version, self.device)
+            self.shards[name] = full if box == Box.full(full.shape) else full[box.slices()].contiguous()
         self.version = version
 
     def metadata(self) -> list[TensorMeta]:
@@ -94,7 +102,7 @@ class ShardedSource(WeightSource):
         if self.rank not in members:
             return None
         if full is None:
-            full = torch.empty(meta.shape, dtype=meta.dtype)
+            full = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
         return self.coll.broadcast(members, full, root)
 
     def _gather_in_group(self, meta: TensorMeta) -> torch.Tensor:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvmove.errors import KvmoveError
+from kvmove.layout import EngineLayout
 from kvmove.sync.engine import EngineStats
 from kvmove.sync.runner import Cluster, SyncResult, trainer_syncs
 from kvmove.sync.strategies import Strategy
@@ -49,7 +50,19 @@ def run_one(cluster: Cluster, strategy: Strategy, index: int, sync_id: int, vers
     trainer_stats = _collect_trainers(cluster, t_refs, notes)
     seconds = time.perf_counter() - start
     verified = _verify(cluster, version) if c.verify else None
-    return _result(cluster, strategy, index, seconds, verified, engine_stats, trainer_stats, done_at, rejoined, notes)
+    return build_result(
+        SyncContext(
+            c.engine, c.trainer.world, cluster.transport, tuple(sorted(cluster.dead_replicas())), tuple(rejoined)
+        ),
+        strategy,
+        index,
+        seconds,
+        verified,
+        engine_stats,
+        trainer_stats,
+        done_at,
+        notes,
+    )
 
 
 def _launch_broadcast(cluster: Cluster, sync_id: int, live: list[int]) -> tuple[list[Any], dict[int, Any]]:
@@ -142,8 +155,19 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def _result(
-    cluster: Cluster,
+class SyncContext(NamedTuple):
+    """What a result needs to know about the run beyond the stats of its ranks."""
+
+    engine: EngineLayout
+    trainer_ranks: int
+    transport: str
+    dead_replicas: tuple[int, ...] = ()
+    rejoined_replicas: tuple[int, ...] = ()
+    broadcast_backend: str = "gloo"
+
+
+def build_result(
+    ctx: SyncContext,
     strategy: Strategy,
     index: int,
     seconds: float,
@@ -151,10 +175,9 @@ def _result(
     engines: dict[int, EngineStats],
     trainers: list[TrainerStats],
     done_at: dict[int, float],
-    rejoined: list[int],
     notes: list[str],
 ) -> SyncResult:
-    c = cluster.config
+    """One sync's result from the stats its trainer and engine ranks returned."""
     total = sum(s.bytes_received for s in engines.values())
     phases = {
         "gather": max((t.gather_seconds for t in trainers), default=0.0),
@@ -166,11 +189,11 @@ def _result(
     }
     replica_seconds: dict[int, float] = {}
     for e, t in done_at.items():
-        r = c.engine.coord(e).replica
+        r = ctx.engine.coord(e).replica
         replica_seconds[r] = max(replica_seconds.get(r, 0.0), t)
     return SyncResult(
         strategy=strategy.name,
-        transport="gloo-broadcast" if strategy.scope == "root" else cluster.transport,
+        transport=f"{ctx.broadcast_backend}-broadcast" if strategy.scope == "root" else ctx.transport,
         sync=index,
         seconds=seconds,
         bytes=total,
@@ -179,17 +202,17 @@ def _result(
             [s.bytes_received / s.transfer_seconds / 1e9 for s in engines.values() if s.transfer_seconds > 0]
         ),
         verified=verified,
-        engine_ranks=c.engine.world,
-        trainer_ranks=c.trainer.world,
+        engine_ranks=ctx.engine.world,
+        trainer_ranks=ctx.trainer_ranks,
         live_engines=len(engines),
-        dead_replicas=tuple(sorted(cluster.dead_replicas())),
-        rejoined_replicas=tuple(rejoined),
+        dead_replicas=ctx.dead_replicas,
+        rejoined_replicas=ctx.rejoined_replicas,
         phases=phases,
         peak_extra_bytes={
             "trainer": max((t.peak_extra_bytes for t in trainers), default=0),
             "engine": max((s.peak_extra_bytes for s in engines.values()), default=0),
         },
-        bytes_per_engine_rank=tuple(engines[e].bytes_received if e in engines else 0 for e in range(c.engine.world)),
+        bytes_per_engine_rank=tuple(engines[e].bytes_received if e in engines else 0 for e in range(ctx.engine.world)),
         bytes_per_trainer_rank=tuple(t.bytes_served for t in trainers),
         replica_seconds=replica_seconds,
         notes=tuple(notes),

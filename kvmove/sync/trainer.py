@@ -204,6 +204,8 @@ class TrainerRank:
         t0 = time.perf_counter()
         try:
             layout = pack(self.slots[strategy][slot], specs, tensors)
+            if self.slots[strategy][slot].is_cuda:  # a reader in another process must see finished bytes
+                torch.cuda.current_stream(self.slots[strategy][slot].device).synchronize()
         except Exception:
             self.release_slot(strategy, slot)
             raise

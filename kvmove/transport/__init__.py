@@ -14,14 +14,25 @@ from kvmove.transport.base import (
     Transport,
     TransportError,
 )
+from kvmove.transport.cuda_ipc import CudaIpcTransport
 from kvmove.transport.gloo import GlooGroup, GlooTransport
+from kvmove.transport.nccl import NcclGroup, NcclTransport
 from kvmove.transport.nixl import NixlTransport
 from kvmove.transport.object_store import ObjectStoreTransport
 from kvmove.transport.rdt import RdtGlooTransport, RdtNixlTransport, create_rdt_group
 from kvmove.transport.slots import ACTOR_OPTIONS, ServesSlots
 
 TRANSPORTS: dict[str, type[Transport]] = {
-    t.name: t for t in (NixlTransport, RdtNixlTransport, RdtGlooTransport, GlooTransport, ObjectStoreTransport)
+    t.name: t
+    for t in (
+        NixlTransport,
+        RdtNixlTransport,
+        RdtGlooTransport,
+        GlooTransport,
+        ObjectStoreTransport,
+        NcclTransport,
+        CudaIpcTransport,
+    )
 }
 AUTO_ORDER = ("nixl", "rdt-nixl", "rdt-gloo", "gloo")
 
@@ -53,9 +64,12 @@ __all__ = [
     "AUTO_ORDER",
     "TRANSPORTS",
     "BufferDesc",
+    "CudaIpcTransport",
     "EndpointInfo",
     "GlooGroup",
     "GlooTransport",
+    "NcclGroup",
+    "NcclTransport",
     "NixlTransport",
     "ObjectStoreTransport",
     "Range",

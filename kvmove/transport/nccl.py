@@ -1,0 +1,138 @@
+"""NCCL point-to-point: pulls emulated over send/recv, one communicator per (reader, server) direction.
+
+NCCL is two-sided: the server runs one serving thread per connected reader, which receives a request
+(buffer id and spans) and sends the spans back. Each direction has its own two-member communicator, so no
+communicator is ever used by two threads. ``backend="gloo"`` runs the same protocol on CPU (for tests).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvmove.transport.base import BufferDesc, EndpointInfo, Transport, TransportError
+
+_READ, _STOP = 1, 2
+
+
+@dataclass(frozen=True)
+class NcclGroup:
+    """A TCP store every member reaches (member 0 hosts it); ``member`` is this process's id."""
+
+    member: int
+    world_size: int
+    host: str = "127.0.0.1"
+    port: int = 0
+    timeout_s: float = 120.0
+
+
+class NcclTransport(Transport):
+    name = "nccl"
+
+    def __init__(self, *, group: NcclGroup, device: str = "cuda", backend: str = "nccl") -> None:
+        import torch.distributed as dist
+
+        if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+            raise TransportError("the nccl transport needs CUDA and a torch built with NCCL")
+        super().__init__()
+        self.group, self.device, self.backend = group, torch.device(device), backend
+        timeout = timedelta(seconds=group.timeout_s)
+        self._dist = dist
+        self._store = dist.TCPStore(
+            group.host, group.port, group.world_size, group.member == 0, timeout=timeout, wait_for_workers=False
+        )
+        self._pairs: dict[tuple[int, int], Any] = {}
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def is_available(cls) -> bool:
+        try:
+            import torch.distributed as dist
+
+            return bool(torch.cuda.is_available() and dist.is_nccl_available())
+        except Exception:
+            return False
+
+    def _register(self, buf: torch.Tensor, buffer_id: int) -> None:
+        if (buf.device.type == "cuda") != (self.backend == "nccl"):
+            raise TransportError(f"the {self.backend} protocol cannot move a {buf.device.type} buffer")
+
+    def endpoint_info(self) -> EndpointInfo:
+        return EndpointInfo(self.name, self.endpoint, self.group.member)
+
+    def _pair(self, reader: int, server: int) -> Any:
+        """The communicator of ``reader`` pulling from ``server`` (reader is member 0 in it)."""
+        key = (reader, server)
+        with self._lock:
+            if key not in self._pairs:
+                dist = self._dist
+                prefix = dist.PrefixStore(f"pull-{reader}-{server}", self._store)
+                me = 0 if self.group.member == reader else 1
+                if self.backend == "nccl":
+                    options = dist.ProcessGroupNCCL.Options()
+                    options._timeout = timedelta(seconds=self.group.timeout_s)
+                    self._pairs[key] = dist.ProcessGroupNCCL(prefix, me, 2, options)
+                else:
+                    opts = dist.ProcessGroupGloo._Options()
+                    opts._timeout = timedelta(seconds=self.group.timeout_s)
+                    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.group.host)]
+                    self._pairs[key] = dist.ProcessGroupGloo(prefix, me, 2, opts)
+            return self._pairs[key]
+
+    def _connect(self, peer: EndpointInfo) -> None:
+        """Both sides call connect: we may read from ``peer`` and serve its reads of our buffers."""
+        other = int(peer.payload)
+        if other == self.group.member or not 0 <= other < self.group.world_size:
+            raise TransportError(f"nccl peer {other} is not another member of this group")
+        low, high = sorted((self.group.member, other))
+        self._pair(low, high)  # NOTE: both sides build the two communicators in the same order (gloo builds eagerly)
+        self._pair(high, low)
+        serve = self._pair(other, self.group.member)
+        thread = threading.Thread(target=self._serve, args=(serve,), daemon=True, name=f"kvmove-nccl-{other}")
+        thread.start()
+        self._threads.append(thread)
+
+    def _small(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _read(self, peer: EndpointInfo, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> None:
+        pg = self._pair(self.group.member, int(peer.payload))
+        pg.send([self._small([_READ, remote.buffer_id, len(spans)])], 1, 0).wait()
+        pg.send([torch.from_numpy(np.ascontiguousarray(spans[:, [0, 2]])).to(self.device)], 1, 1).wait()
+        status = self._small([0])
+        pg.recv([status], 1, 2).wait()
+        if int(status.item()) != 0:
+            raise TransportError(f"buffer {remote.buffer_id} is not registered with endpoint {remote.endpoint}")
+        for lo, n in spans[:, 1:].tolist():
+            pg.recv([local[lo : lo + n]], 1, 3).wait()
+        if local.is_cuda:
+            torch.cuda.current_stream(local.device).synchronize()
+
+    def _serve(self, pg: Any) -> None:
+        header = self._small([0, 0, 0])
+        while True:
+            pg.recv([header], 0, 0).wait()
+            op, buffer_id, count = (int(x) for x in header.tolist())
+            if op == _STOP:
+                return
+            spans = torch.empty((count, 2), dtype=torch.int64, device=self.device)
+            pg.recv([spans], 0, 1).wait()
+            buf = self._buffers.get(buffer_id)
+            pg.send([self._small([0 if buf is not None else 1])], 0, 2).wait()
+            if buf is None:
+                continue
+            for ro, n in spans.tolist():
+                pg.send([buf[ro : ro + n]], 0, 3).wait()
+            if buf.is_cuda:
+                torch.cuda.current_stream(buf.device).synchronize()
+
+    def _close(self) -> None:
+        for (reader, _server), pg in list(self._pairs.items()):
+            if reader == self.group.member:  # stop the peer's thread that serves our reads
+                pg.send([self._small([_STOP, 0, 0])], 1, 0).wait()
