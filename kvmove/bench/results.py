@@ -102,6 +102,9 @@ def versions() -> dict[str, str]:
 
 
 def git_commit() -> str:
+    """The short commit of this checkout (``KVMOVE_GIT_COMMIT`` where the tree travelled without .git)."""
+    if os.environ.get("KVMOVE_GIT_COMMIT"):
+        return os.environ["KVMOVE_GIT_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"],

@@ -9,13 +9,14 @@ import typer
 
 from kvmove.bench.results import append_rows
 from kvmove.cli import render
+from kvmove.cli import report as report_cli
 from kvmove.errors import KvmoveError
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks: measured and simulated rows in results/.")
 
 ResultsOpt = Annotated[Path, typer.Option("--results", help="Directory of result parquet files.")]
 
-SUITES = ("plan", "sync", "quick", "full")
+SUITES = ("plan", "sync", "quick", "full", "gpu")
 
 
 @app.command("run")
@@ -31,6 +32,15 @@ def run(
     """
     if suite not in SUITES:
         raise KvmoveError(f"unknown suite {suite!r} (known: {', '.join(SUITES)})")
+    if suite == "gpu":
+        import torch
+
+        if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+            raise KvmoveError("the gpu suite needs two CUDA GPUs (see kvmove/bench/gpu.py for the exact command)")
+        from kvmove.bench.gpu import main as gpu_main
+
+        gpu_main(["--out", str(results)])
+        return
     if suite in ("plan", "full"):
         from kvmove.bench.plans import plan_rows
 
@@ -43,3 +53,6 @@ def run(
         append_rows(results, "transport", [r for r in rows if r.suite == "transport"])
         render.bench_rows(rows, append_rows(results, "sync", [r for r in rows if r.suite == "sync"]))
         render.summary(summarize(rows))
+
+
+app.command("report")(report_cli.report)

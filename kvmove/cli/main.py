@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from kvmove.cli import bench, models, sync
+from kvmove.cli import bench, migrate, models, serve, sync
 from kvmove.errors import KvmoveError
 
 app = typer.Typer(
@@ -18,6 +18,8 @@ app = typer.Typer(
 app.add_typer(models.app, name="models")
 app.command("sync-weights")(sync.sync_weights)
 app.add_typer(bench.app, name="bench")
+app.command("serve")(serve.serve)
+app.command("migrate")(migrate.migrate)
 
 
 def main() -> None:

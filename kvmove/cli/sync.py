@@ -70,12 +70,26 @@ def sync_weights(
     deadline: Annotated[
         float, typer.Option("--deadline", help="Seconds without progress before a peer is dropped.")
     ] = 60.0,
+    simulate: Annotated[bool, typer.Option("--simulate", help="Predict full-scale times (no bytes move).")] = False,
+    cluster: Annotated[
+        str,
+        typer.Option("--cluster", help="gpus_per_node=8,nic_gbps=400 (Gb/s per NIC),nvlink_gbps=450 (GB/s)"),
+    ] = "gpus_per_node=8,nic_gbps=400,nvlink_gbps=450",
+    trainer_nodes: Annotated[int, typer.Option("--trainer-nodes", min=1, help="Nodes of trainer ranks.")] = 1,
+    engine_nodes: Annotated[int, typer.Option("--engine-nodes", min=1, help="Nodes of engine ranks.")] = 1,
+    published_constraints: Annotated[
+        bool,
+        typer.Option("--published-constraints", help="Serial PP groups, layer-wise reload, synchronized replicas."),
+    ] = False,
 ) -> None:
     """Sync weights from trainer ranks (Ray actors) to engine ranks, or plan it (--dry-run).
 
     Example: kvmove sync-weights --strategy v1,v2,v3,broadcast --syncs 3 --verify --json
 
     Example: kvmove sync-weights --model kimi-k2 --trainer tp=8,pp=8,ep=32 --engine tp=32,ep=32 --replicas 4 --dry-run
+
+    Example: kvmove sync-weights --simulate --model kimi-k2 --trainer tp=8,pp=8,ep=32 --engine tp=32,ep=32
+    --replicas 4 --trainer-nodes 32 --engine-nodes 16 --published-constraints
     """
     cfg = resolve_model(model, parse_overrides(override or []))
     engine_layout = EngineLayout.parse(engine, replicas if replicas is not None else _default_replicas(engine))
@@ -88,6 +102,22 @@ def sync_weights(
         seed=seed,
         reuse=not no_reuse,
     )
+    if simulate:
+        from kvmove.cli.report import simulate as simulate_rows
+
+        predictions = simulate_rows(
+            cfg,
+            config.trainer,
+            engine_layout,
+            [s.name for s in config.strategies],
+            cluster,
+            trainer_nodes,
+            engine_nodes,
+            published_constraints,
+            None if no_record else results,
+        )
+        render.json_lines(predictions)
+        return
     if not dry_run:
         sync_config = SyncConfig(
             model=cfg,

@@ -84,14 +84,26 @@ class HostKVPool:
     def write_back(self, device_pool: KVPool, device_pages: PageIds, host_pages: PageIds) -> None:
         """Copy ``device_pages[i]`` of ``device_pool`` into ``host_pages[i]`` of this pool, every layer buffer."""
         dev, host = self._pair(device_pool, device_pages, host_pages)
+        runs = _runs(dev, host)
         for src, dst in zip(device_pool.page_views(), self._buffers, strict=True):
-            dst[host] = src[dev.to(src.device)].to("cpu")
+            if runs is None:
+                dst[host] = src[dev.to(src.device)].to("cpu")
+                continue
+            for d, h, n in runs:  # NOTE: whole runs straight into (pinned) host memory: one DMA each
+                dst[h : h + n].copy_(src[d : d + n], non_blocking=True)
+        _synchronize(device_pool)
 
     def load_back(self, device_pool: KVPool, device_pages: PageIds, host_pages: PageIds) -> None:
         """Copy ``host_pages[i]`` of this pool into ``device_pages[i]`` of ``device_pool``, every layer buffer."""
         dev, host = self._pair(device_pool, device_pages, host_pages)
+        runs = _runs(dev, host)
         for dst, src in zip(device_pool.page_views(), self._buffers, strict=True):
-            dst[dev.to(dst.device)] = src[host].to(dst.device)
+            if runs is None:
+                dst[dev.to(dst.device)] = src[host].to(dst.device)
+                continue
+            for d, h, n in runs:
+                dst[d : d + n].copy_(src[h : h + n], non_blocking=True)
+        _synchronize(device_pool)
 
     def read_pages(self, pages: PageIds) -> torch.Tensor:
         """Bytes of ``pages`` as a uint8 tensor ``[2 * num_layers, len(pages), page_bytes]`` (a copy)."""
@@ -134,3 +146,22 @@ class HostKVPool:
         if not device_pool.is_allocated(dev):
             raise KVCacheError("device pages not allocated")
         return dev, host
+
+
+def _runs(dev: torch.Tensor, host: torch.Tensor, max_runs: int = 64) -> list[tuple[int, int, int]] | None:
+    """(device start, host start, length) of runs where both page lists advance by one; None if too fragmented."""
+    d, h = dev.tolist(), host.tolist()
+    runs: list[tuple[int, int, int]] = []
+    for i, (a, b) in enumerate(zip(d, h, strict=True)):
+        if i and runs and a == d[i - 1] + 1 and b == h[i - 1] + 1:
+            s_d, s_h, n = runs[-1]
+            runs[-1] = (s_d, s_h, n + 1)
+        else:
+            runs.append((a, b, 1))
+    return runs if len(runs) <= max_runs else None
+
+
+def _synchronize(pool: KVPool) -> None:
+    device = pool.page_views()[0].device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,227 @@
+"""The benchmark report: every row under results/ turned into tables (DataFrames), markdown and CSV.
+
+Library only: it returns data and file paths; the CLI (kvmove.cli.report) renders to the terminal.
+Unreadable or empty files are skipped with a note (the report says which); unknown columns are kept.
+Published figures come from the simulated rows that carry them (``extra.published``), labelled published.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from kvmove.bench.results import COLUMNS, read_file
+from kvmove.bench.simulator import COST_SOURCES, FIGURES
+from kvmove.errors import KvmoveError
+
+SYNC_SUITES_EXCLUDED = ("plan", "migration")
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything the report shows, as DataFrames (empty ones when a kind of row is absent)."""
+
+    rows: pd.DataFrame
+    sync: pd.DataFrame
+    published: pd.DataFrame
+    migrations: pd.DataFrame
+    calibration: pd.DataFrame
+    notes: tuple[str, ...] = field(default=())
+
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {
+            "sync": self.sync,
+            "published": self.published,
+            "migrations": self.migrations,
+            "calibration": self.calibration,
+        }
+
+
+def load_rows(results_dir: Path) -> tuple[pd.DataFrame, list[str]]:
+    """All readable rows; notes name every file skipped. A KvmoveError if nothing is readable."""
+    if not results_dir.is_dir():
+        raise KvmoveError(f"results directory {results_dir} does not exist; run `kvmove bench run` first")
+    files = sorted(results_dir.glob("*.parquet"))
+    if not files:
+        raise KvmoveError(f"no results (*.parquet) under {results_dir}; run `kvmove bench run` first")
+    frames, notes = [], []
+    for f in files:
+        try:
+            df = read_file(f)
+        except KvmoveError as exc:
+            notes.append(f"skipped: {exc}")
+            continue
+        if df.empty:
+            notes.append(f"skipped: results file {f} has no rows")
+            continue
+        unknown = sorted(set(df.columns) - set(COLUMNS))
+        if unknown:
+            notes.append(f"{f.name}: kept unknown column(s) {', '.join(unknown)} (written by a newer kvmove?)")
+        frames.append(df.assign(source_file=f.name))
+    if not frames:
+        raise KvmoveError(f"no readable rows under {results_dir} ({'; '.join(notes)})")
+    rows = pd.concat(frames, ignore_index=True)
+    for c in COLUMNS:
+        if c not in rows.columns:
+            rows[c] = pd.NA
+    for c in ("bytes", "seconds", "gbps", "link_limit_gbps"):
+        rows[c] = pd.to_numeric(rows[c], errors="coerce").fillna(0.0)
+    rows["phases_d"] = rows["phases"].map(_json_dict)
+    rows["extra_d"] = rows["extra"].map(_json_dict)
+    return rows, notes
+
+
+def _json_dict(value: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    try:
+        out = json.loads(value) if isinstance(value, str) else {}
+    except ValueError:
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+def build_report(results_dir: Path) -> Report:
+    rows, notes = load_rows(results_dir)
+    return report_from_rows(rows, notes)
+
+
+def report_from_rows(rows: pd.DataFrame, notes: list[str] | None = None) -> Report:
+    """The report of rows already loaded (and decorated) by :func:`load_rows`."""
+    notes = list(notes or [])
+    sync = sync_table(rows)
+    if sync.empty:
+        notes.append("no weight-sync rows (measured or simulated)")
+    migrations = migration_table(rows)
+    if migrations.empty:
+        notes.append("no migration rows (results/migration.parquet)")
+    return Report(rows, sync, published_table(rows), migrations, calibration_table(rows), tuple(notes))
+
+
+def sync_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per (kind, setup, constraints, strategy, transport): median time, GB/s, % of link limit, speedups."""
+    df = rows[(rows["strategy"].fillna("") != "") & ~rows["suite"].isin(SYNC_SUITES_EXCLUDED)].copy()
+    if df.empty:
+        return pd.DataFrame()
+    df["constraints"] = df["extra_d"].map(lambda e: e.get("constraints", ""))
+    df["hardware"] = df["hardware"].fillna("")
+    keys = ["kind", "model", "trainer", "engine", "constraints", "hardware", "strategy", "transport"]
+    for k in keys:
+        df[k] = df[k].fillna("").astype(str)
+    out = df.groupby(keys, sort=False).agg(
+        runs=("seconds", "size"),
+        seconds=("seconds", "median"),
+        bytes=("bytes", "median"),
+        gbps=("gbps", "median"),
+        link_limit_gbps=("link_limit_gbps", "median"),
+    )
+    out = out.reset_index()
+    out["pct_of_link_limit"] = (100 * out["gbps"] / out["link_limit_gbps"]).where(out["link_limit_gbps"] > 0)
+    setup = ["kind", "model", "trainer", "engine", "constraints", "hardware"]
+    for base in ("v1", "broadcast"):
+        ref = out[out["strategy"] == base].groupby(setup)["seconds"].min().rename(f"ref_{base}")
+        out = out.join(ref, on=setup)
+        out[f"speedup_vs_{base}"] = out[f"ref_{base}"] / out["seconds"]
+        out = out.drop(columns=f"ref_{base}")
+    return out
+
+
+def published_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Published figures next to simulated rows with the published constraints on (error in %)."""
+    sim = rows[(rows["kind"] == "simulated") & rows["extra_d"].map(lambda e: bool(e.get("published")))]
+    recs = []
+    for f in FIGURES:
+        match = sim[sim["extra_d"].map(lambda e, f=f: e.get("setup") == f.setup) & (sim["strategy"] == f.strategy)]
+        if match.empty:
+            continue
+        r = match.iloc[-1]
+        value = {"seconds": r["seconds"], "bytes": r["bytes"], "gib_per_s": r["extra_d"].get("gib_per_s", 0.0)}
+        simulated = float(value[f.metric])
+        recs.append(
+            {
+                "setup": f.setup,
+                "strategy": f.strategy,
+                "metric": f.metric,
+                "published": f.value,
+                "simulated": simulated,
+                "error_pct": 100 * (simulated / f.value - 1),
+                "source": f"published: {f.source}",
+                "sol_ratio": r["extra_d"].get("sol_ratio"),
+                "serial_pp_sol_ratio": r["seconds"]
+                / r["extra_d"].get("serial_pp_speed_of_light_seconds", float("nan")),
+            }
+        )
+    return pd.DataFrame(recs)
+
+
+def migration_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Migration rows: latency split (phases), GB/s, and resume vs re-prefill where the row records them."""
+    df = rows[rows["suite"] == "migration"]
+    if df.empty:
+        return pd.DataFrame()
+    recs = []
+    for _, r in df.iterrows():
+        e = r["extra_d"]
+        rec = {"kind": r["kind"], "name": r["name"], "seconds": r["seconds"], "bytes": r["bytes"], "gbps": r["gbps"]}
+        rec.update({f"phase_{k}": v for k, v in r["phases_d"].items()})
+        for key in ("prompt_len", "resume_seconds", "reprefill_seconds", "verified"):
+            if key in e:
+                rec[key] = e[key]
+        if "resume_seconds" in e and "reprefill_seconds" in e and e["resume_seconds"]:
+            rec["resume_speedup"] = e["reprefill_seconds"] / e["resume_seconds"]
+        recs.append(rec)
+    return pd.DataFrame(recs)
+
+
+def calibration_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """The simulator's costs (value and source) as recorded in the newest simulated row, else the defaults."""
+    sim = rows[rows["kind"] == "simulated"]
+    costs: dict[str, Any] = {}
+    sources: dict[str, str] = dict(COST_SOURCES)
+    if not sim.empty:
+        extra = sim.iloc[-1]["extra_d"]
+        costs, sources = extra.get("costs", {}), extra.get("cost_sources", sources)
+    return pd.DataFrame([{"parameter": k, "value": costs.get(k, ""), "source": v} for k, v in sources.items()])
+
+
+def to_markdown(report: Report) -> str:
+    parts = ["# kvmove benchmark report", ""]
+    titles = {
+        "sync": "Weight sync (per strategy and transport)",
+        "published": "Simulated vs published (published engine's constraints on)",
+        "migrations": "KV-cache migrations",
+        "calibration": "Simulator calibration",
+    }
+    for key, df in report.tables().items():
+        parts += [f"## {titles[key]}", ""]
+        parts += [_markdown(df) if not df.empty else "_no rows_", ""]
+    if report.notes:
+        parts += ["## Notes", "", *[f"- {n}" for n in report.notes], ""]
+    return "\n".join(parts)
+
+
+def _markdown(df: pd.DataFrame) -> str:
+    cols = list(df.columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for _, r in df.iterrows():
+        lines.append("| " + " | ".join(_cell(r[c]) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return "" if pd.isna(v) else f"{v:.4g}"
+    return str(v).replace("|", "/")
+
+
+def to_csv(report: Report) -> str:
+    """All tables stacked, with a ``table`` column naming each."""
+    frames = [df.assign(table=name) for name, df in report.tables().items() if not df.empty]
+    if not frames:
+        return ""
+    out = pd.concat(frames, ignore_index=True)
+    return str(out[["table", *[c for c in out.columns if c != "table"]]].to_csv(index=False))

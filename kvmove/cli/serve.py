@@ -1,0 +1,67 @@
+"""`kvmove serve`: one rollout worker behind SGLang-compatible HTTP routes, optionally with KV migration."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from kvmove.cli.options import ModelOpt
+from kvmove.server.config import LOOPBACK, ServerConfig
+
+
+def serve(
+    port: Annotated[int, typer.Option("--port", help="TCP port to listen on.")] = 30000,
+    host: Annotated[str, typer.Option("--host", help="Address to bind (loopback by default).")] = LOOPBACK,
+    enable_kv_migration: Annotated[
+        bool, typer.Option("--enable-kv-migration", help="Serve the KV-migration routes.")
+    ] = False,
+    kv_migration_watchdog_timeout: Annotated[
+        float,
+        typer.Option("--kv-migration-watchdog-timeout", help="Seconds before an uncommitted migration is rolled back."),
+    ] = 60.0,
+    watchdog_interval: Annotated[
+        float, typer.Option("--watchdog-interval", help="Seconds between watchdog checks.")
+    ] = 1.0,
+    model: ModelOpt = "qwen3-tiny",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the model's random weights.")] = 1,
+    num_pages: Annotated[int, typer.Option("--num-pages", min=1, help="Device KV pool pages.")] = 128,
+    page_size: Annotated[int, typer.Option("--page-size", min=1, help="Tokens per KV page.")] = 16,
+    host_pages: Annotated[int, typer.Option("--host-pages", min=0, help="Host KV pool pages (0: --num-pages).")] = 0,
+    max_running: Annotated[int, typer.Option("--max-running", min=1, help="Most requests in one batch.")] = 16,
+    max_prefill_tokens: Annotated[
+        int, typer.Option("--max-prefill-tokens", min=1, help="Prefill budget per step.")
+    ] = 2048,
+    dtype: Annotated[str, typer.Option("--dtype", help="KV and compute dtype: float32 or bfloat16.")] = "float32",
+    weight_version: Annotated[str, typer.Option("--weight-version", help="Namespace of cached K/V.")] = "0",
+    transport: Annotated[str, typer.Option("--transport", help="KV data plane between servers: nixl.")] = "nixl",
+    max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help="Larger request bodies get 413.")] = 8 << 20,
+    peer_timeout: Annotated[float, typer.Option("--peer-timeout", help="Seconds to wait for a peer server.")] = 60.0,
+) -> None:
+    """Serve one rollout worker over HTTP (/generate, /tokenize, /health, /metrics and the migration routes).
+
+    Example: kvmove serve --port 30001 --enable-kv-migration --kv-migration-watchdog-timeout 30
+    """
+    from kvmove.server.launch import serve as run  # NOTE: fastapi/uvicorn are the optional `serve` extra
+
+    run(
+        ServerConfig(
+            host=host,
+            port=port,
+            model=model,
+            seed=seed,
+            num_pages=num_pages,
+            page_size=page_size,
+            max_running=max_running,
+            max_prefill_tokens=max_prefill_tokens,
+            dtype=dtype,
+            weight_version=weight_version,
+            enable_kv_migration=enable_kv_migration,
+            kv_migration_watchdog_timeout=kv_migration_watchdog_timeout,
+            watchdog_interval=watchdog_interval,
+            host_pages=host_pages,
+            transport=transport,
+            max_body_bytes=max_body_bytes,
+            peer_timeout=peer_timeout,
+        )
+    )

@@ -1,0 +1,57 @@
+"""Migration errors; each carries the HTTP status the server answers with (always ``{"success": false, ...}``)."""
+
+from __future__ import annotations
+
+from kvmove.errors import KvmoveError
+
+
+class MigrationError(KvmoveError):
+    """A migration call refused; nothing was changed on this side."""
+
+    status = 400
+
+
+class MigrationDisabledError(MigrationError):
+    status = 403
+
+
+class UnknownMigrationError(MigrationError):
+    status = 404
+
+
+class PeerMismatchError(MigrationError):
+    """Page size, layer count, dtype, KV heads or weight version differ between the peers."""
+
+    status = 409
+
+
+class MigrationConflictError(MigrationError):
+    """The cache changed since the caller looked (matched + extra != total), or a migration was already filled."""
+
+    status = 409
+
+
+class OutOfPagesError(MigrationError):
+    status = 503
+
+
+class PeerUnreachableError(MigrationError):
+    """The peer server did not answer or failed (dead source/target, transport failure)."""
+
+    status = 502
+
+
+_BY_STATUS: dict[int, type[MigrationError]] = {
+    400: MigrationError,
+    403: MigrationDisabledError,
+    404: UnknownMigrationError,
+    409: MigrationConflictError,
+    503: OutOfPagesError,
+}
+
+
+def error_for_status(status: int, message: str) -> MigrationError:
+    """The error a client raises for a peer's failure answer (status and ``message`` kept)."""
+    err = _BY_STATUS.get(status, PeerUnreachableError)(message)
+    err.status = status
+    return err

@@ -1,0 +1,328 @@
+"""Typed wire messages of a kvmove server: the SGLang KV-migration routes, kvmove's own, and generation.
+
+The migration bodies mirror the public SGLang fork's ``io_types.py`` and ``http_server.py`` field by field (see
+docs/notes/sglang-kv-migration.md), so a client written against those servers drives kvmove workers unchanged.
+kvmove adds fields (never renames one): a handshake ``geometry``/``weight_version`` per rank, and ``bytes``,
+``seconds``, ``transport`` on the transfer answer.
+
+Units: every ``*_token_size`` is page aligned; ``kv_indices`` are host **token slots** (``len == extra_token_size``,
+whole pages in consecutive runs), as SGLang clients expect. kvmove's host pool addresses pages, so the target and
+the source convert them with ``slots_to_pages`` and refuse anything that is not whole pages.
+Request models ignore unknown keys (SGLang's ``BaseReq`` adds ``rid`` and ``http_worker_ipc``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Failure(Response):
+    """Body of every failed call, with a 4xx/5xx status."""
+
+    success: bool = False
+    message: str
+
+
+# -- handshake: GET /get_transfer_session_ids --------------------------------------------------------------------
+
+
+class Topology(Response):
+    tp_size: int
+    pp_size: int
+    page_size: int
+
+
+class GeometryInfo(BaseModel):
+    """kvmove addition: what two peers must agree on before any byte moves."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str
+
+
+class RankSession(BaseModel):
+    """One rank's transfer endpoint. kvmove's ``session_id`` is the rank's HTTP address ``host:port``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    tp: int
+    pp: int
+    session_id: str
+    host_kv_data_ptrs: list[int]
+    host_kv_item_lens: list[int]
+    geometry: GeometryInfo | None = None
+    weight_version: str | None = None
+    transport: str | None = None
+
+
+class TransferSessionIds(Response):
+    topology: Topology
+    ranks: list[RankSession]
+
+
+# -- target: POST /get_request_extra_token_size, /allocate_token_for_transfer_request ---------------------------
+
+
+class GetRequestExtraTokenSizeReq(Request):
+    input_ids: list[int]
+    extra_key: str | None = None
+
+
+class GetRequestExtraTokenSizeResp(Response):
+    success: bool = True
+    extra_token_size: int
+    matched_token_size: int
+    total_token_size: int
+
+
+class AllocateTokenForTransferReq(Request):
+    input_ids: list[int]
+    extra_key: str | None = None
+    extra_token_size: int = 0
+    migration_id: str | None = None
+
+
+class RankKVIndices(Response):
+    tp: int
+    pp: int
+    kv_indices: list[int]
+
+
+class AllocateTokenForTransferResp(Response):
+    success: bool = True
+    migration_id: str
+    per_rank_kv_indices: list[RankKVIndices]
+
+
+# -- source: POST /transfer_request_kvcache ------------------------------------------------------------------------
+
+
+class TransferTarget(Request):
+    """One target rank: the join of its ``RankSession`` and its ``RankKVIndices`` on ``(tp, pp)``."""
+
+    tp: int
+    pp: int
+    session_id: str
+    host_kv_data_ptrs: list[int]
+    host_kv_item_lens: list[int]
+    kv_indices: list[int]
+
+
+class TransferRequestKVCacheReq(Request):
+    input_ids: list[int]
+    extra_key: str | None = None
+    matched_token_size: int = 0
+    extra_token_size: int = 0
+    target_per_rank: list[TransferTarget] = Field(default_factory=list)
+
+
+class TransferRequestKVCacheResp(Response):
+    success: bool = True
+    bytes: int = 0
+    seconds: float = 0.0
+    transport: str = ""
+
+
+# -- target: POST /commit_transfer_request_kvcache, /abort_transfer_request_kvcache (kvmove) -------------------
+
+
+class CommitTransferReq(Request):
+    migration_id: str = ""
+
+
+class CommitTransferResp(Response):
+    success: bool = True
+    matched_after_commit: int
+    message: str = ""
+
+
+class AbortTransferReq(Request):
+    migration_id: str
+
+
+class AbortTransferResp(Response):
+    success: bool = True
+    released_pages: int
+
+
+# -- kvmove data plane: POST /kvmove/pull_kv (target pulls from the source's host pool) --------------------------
+
+
+class BufferInfo(BaseModel):
+    endpoint: str
+    buffer_id: int
+    nbytes: int
+    address: int
+
+
+class SourceEndpoint(BaseModel):
+    """The source rank's transport endpoint: ``endpoint_info`` is its ``EndpointInfo`` payload, base64."""
+
+    session_id: str
+    transport: str
+    endpoint: str
+    endpoint_info: str
+    buffers: list[BufferInfo]
+    geometry: GeometryInfo
+    weight_version: str
+
+
+class PullKVReq(Request):
+    """Sent by the source to the target it was told about. The target pulls only into the host slots it allocated
+    for the pending migration whose ``kv_indices``, tokens and namespace equal these."""
+
+    input_ids: list[int]
+    extra_key: str | None = None
+    matched_token_size: int
+    kv_indices: list[int]
+    src_pages: list[int]
+    source: SourceEndpoint
+
+
+class PullKVResp(Response):
+    success: bool = True
+    migration_id: str
+    bytes: int
+    seconds: float
+    transport: str
+
+
+# -- kvmove request hand-over: POST /kvmove/hold_request, /kvmove/release_request (source) -----------------------
+
+
+class SamplingParamsMsg(Request):
+    """SGLang's sampling params, the subset kvmove's worker runs (defaults as SGLang's)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+
+
+class ResumeState(BaseModel):
+    """Everything a request needs to continue elsewhere: tokens so far, sampling state, priority, namespace."""
+
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    sampling_params: SamplingParamsMsg
+    priority: int = 0
+    extra_key: str | None = None
+    generator_state: str | None = None
+
+
+class HoldRequestReq(Request):
+    rid: str
+
+
+class HoldRequestResp(Response):
+    """``input_ids``: the whole-page prefix whose K/V the source holds (locked) for this request: migrate these."""
+
+    success: bool = True
+    rid: str
+    input_ids: list[int]
+    request: ResumeState
+
+
+class ReleaseRequestReq(Request):
+    rid: str
+    migrated: bool
+    target: str = ""
+
+
+class ReleaseRequestResp(Response):
+    success: bool = True
+    rid: str
+    state: str
+
+
+# -- generation, tokenizer, metrics --------------------------------------------------------------------------------
+
+
+class ResumeInfo(BaseModel):
+    output_ids: list[int]
+    generator_state: str | None = None
+
+
+class GenerateReq(Request):
+    text: str | None = None
+    input_ids: list[int] | None = None
+    rid: str | None = None
+    sampling_params: SamplingParamsMsg = Field(default_factory=SamplingParamsMsg)
+    stream: bool = False
+    priority: int | None = None
+    extra_key: str | None = None
+    resume: ResumeInfo | None = None
+
+
+class GenerateResp(Response):
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+
+
+class TokenizeReq(Request):
+    model: str = "default"
+    prompt: str | list[str]
+    add_special_tokens: bool = True
+
+
+class TokenizeResp(Response):
+    tokens: list[int] | list[list[int]]
+    count: int | list[int]
+    max_model_len: int
+
+
+class DetokenizeReq(Request):
+    tokens: list[int]
+    skip_special_tokens: bool = True
+
+
+class DetokenizeResp(Response):
+    text: str
+
+
+class Metrics(Response):
+    waiting_per_priority: dict[str, int]
+    waiting_rids: dict[str, list[str]]
+    running: int
+    running_rids: list[str]
+    held_rids: list[str]
+    free_pages: int
+    used_pages: int
+    cached_pages: int
+    total_pages: int
+    page_size: int
+    host_free_pages: int
+    migrations_pending: int
+    weight_version: str
+
+
+class Integrity(Response):
+    success: bool = True
+    ok: bool
+    message: str = ""
+
+
+class Health(Response):
+    status: str = "ok"
+
+
+class FlushCacheResp(Response):
+    success: bool = True
+    freed_pages: int

@@ -1,0 +1,140 @@
+"""Running servers: in the foreground (``kvmove serve``), in a thread of this process (tests), or as loopback
+subprocesses (the migration controller), each bounded in time."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import IO
+
+import httpx
+import uvicorn
+
+from kvmove.errors import KvmoveError
+from kvmove.server.app import create_app
+from kvmove.server.config import ServerConfig
+from kvmove.server.runtime import Runtime
+
+
+def serve(config: ServerConfig) -> None:
+    """Run one server until interrupted."""
+    rt = Runtime(config)
+    rt.start()
+    try:
+        uvicorn.run(create_app(rt), host=config.host, port=config.port, log_level="warning")
+    finally:
+        rt.stop()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class ServerThread:
+    """A server in a thread of this process; ``runtime`` is inspectable (integrity, pending migrations)."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.runtime = Runtime(config)
+        cfg = uvicorn.Config(create_app(self.runtime), host=config.host, port=config.port, log_level="warning")
+        self._server = uvicorn.Server(cfg)
+        self._thread = threading.Thread(target=self._server.run, name=f"uvicorn-{config.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.runtime.start()
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise KvmoveError(f"server on {self.url} did not start within {timeout:.0f} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self.runtime.stop()
+
+
+def serve_args(config: ServerConfig) -> list[str]:
+    """``kvmove serve`` flags reproducing ``config``."""
+    args = []
+    for f in fields(config):
+        value = getattr(config, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            args += [flag] if value else []
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+def spawn(config: ServerConfig, log: IO[bytes] | None = None) -> subprocess.Popen[bytes]:
+    """Start ``kvmove serve`` as a subprocess (bound to ``config.host``, loopback by default)."""
+    cmd = [sys.executable, "-m", "kvmove.cli.main", "serve", *serve_args(config)]
+    return subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=log or subprocess.STDOUT)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout: float, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-2000:] if log is not None and log.exists() else ""
+            raise KvmoveError(f"server {url} exited with code {proc.returncode}: {tail}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise KvmoveError(f"server {url} not healthy within {timeout:.0f} s")
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout)
+
+
+class LocalCluster:
+    """``n`` ``kvmove serve`` subprocesses on loopback ports (logs in ``log_dir``); stopped on exit."""
+
+    def __init__(self, configs: list[ServerConfig], log_dir: Path, start_timeout: float = 90.0) -> None:
+        self.configs, self.log_dir, self.start_timeout = configs, log_dir, start_timeout
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def urls(self) -> list[str]:
+        return [c.url for c in self.configs]
+
+    def __enter__(self) -> LocalCluster:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for c in self.configs:
+                with open(self.log_dir / f"serve-{c.port}.log", "wb") as log:
+                    self.procs.append(spawn(c, log))
+            for c, p in zip(self.configs, self.procs, strict=True):
+                wait_healthy(c.url, p, self.start_timeout, self.log_dir / f"serve-{c.port}.log")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            stop_process(p)

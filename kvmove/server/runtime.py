@@ -1,0 +1,386 @@
+"""A server's runtime: the rollout worker stepped by a background thread, generation futures, request hand-over,
+and (with ``enable_kv_migration``) the migration target, source and watchdog.
+
+Locks: ``lock`` guards the worker and the request tables; the migration target's own lock is always taken
+before it (never after), so generation keeps stepping while a migration pulls pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import httpx
+import torch
+
+from kvmove.engines.reference import (
+    ExportedKV,
+    FinishReason,
+    Request,
+    RequestError,
+    RolloutWorker,
+    SamplingParams,
+    UnknownRequestError,
+    WorkerConfig,
+)
+from kvmove.migration.endpoint import HostEndpoint
+from kvmove.migration.errors import (
+    MigrationConflictError,
+    MigrationDisabledError,
+    PeerUnreachableError,
+    error_for_status,
+)
+from kvmove.migration.messages import (
+    FlushCacheResp,
+    GenerateReq,
+    GenerateResp,
+    HoldRequestReq,
+    HoldRequestResp,
+    Integrity,
+    Metrics,
+    PullKVReq,
+    PullKVResp,
+    RankSession,
+    ReleaseRequestReq,
+    ReleaseRequestResp,
+    ResumeState,
+    SamplingParamsMsg,
+    Topology,
+    TransferSessionIds,
+)
+from kvmove.migration.session import geometry_info
+from kvmove.migration.source import MigrationSource
+from kvmove.migration.target import MigrationTarget
+from kvmove.migration.watchdog import Watchdog
+from kvmove.models import resolve_model
+from kvmove.server.config import ServerConfig
+from kvmove.server.tokenizer import ByteTokenizer
+from kvmove.sync.verify import seeded_checkpoint
+
+
+@dataclass
+class _InFlight:
+    future: Future[GenerateResp]
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+
+@dataclass
+class _Held:
+    request: Request
+    exported: ExportedKV
+    inflight: _InFlight
+
+
+class Runtime:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        model = resolve_model(config.model)
+        dtype = getattr(torch, config.dtype)
+        worker_config = WorkerConfig(
+            config.num_pages,
+            config.page_size,
+            config.max_running,
+            config.max_prefill_tokens,
+            dtype,
+            config.weight_version,
+        )
+        self.worker = RolloutWorker(model, seeded_checkpoint(model, config.seed).items(), worker_config)
+        self.tokenizer = ByteTokenizer(model.vocab_size)
+        self.lock = threading.RLock()
+        self._wake = threading.Condition(self.lock)
+        self._inflight: dict[str, _InFlight] = {}
+        self._held: dict[str, _Held] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"kvmove-worker-{config.port}", daemon=True)
+        self._target: MigrationTarget | None = None
+        self._source: MigrationSource | None = None
+        self.watchdog: Watchdog | None = None
+        self.endpoint: HostEndpoint | None = None
+        if config.enable_kv_migration:
+            self.endpoint = HostEndpoint(self.worker.pool.geometry, config.num_host_pages, config.transport)
+            self._target = MigrationTarget(self.worker, self.lock, self.endpoint, config.kv_migration_watchdog_timeout)
+            self._source = MigrationSource(self.worker, self.lock, self.endpoint, self.rank_session, self._send_pull)
+            self.watchdog = Watchdog(self._target, config.watchdog_interval)
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._wake:
+            self._wake.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        if self.endpoint is not None:
+            self.endpoint.close()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._wake:
+                if self.worker.is_idle:
+                    self._wake.wait(timeout=min(0.05, self.config.watchdog_interval))
+                else:
+                    self._step()
+            if self.watchdog is not None:
+                self.watchdog.tick()
+
+    def _step(self) -> None:
+        try:
+            out = self.worker.step()
+        except Exception as exc:  # NOTE: a bug in a step must not hang every client
+            for rid in list(self.worker.scheduler.running):
+                self.worker.abort(rid)
+                self._inflight.pop(rid).future.set_exception(exc)
+            return
+        now = time.perf_counter()
+        for rid in out.new_tokens:
+            pending = self._inflight.get(rid)
+            if pending is not None and pending.first_token_at is None:
+                pending.first_token_at = now
+        for req in out.finished:
+            pending = self._inflight.pop(req.rid, None)
+            if pending is not None:
+                pending.future.set_result(self._response(req, pending))
+
+    # -- generation ----------------------------------------------------------------------------------------------
+
+    async def generate(self, body: GenerateReq) -> GenerateResp:
+        return await asyncio.wrap_future(self.submit(body))
+
+    def submit(self, body: GenerateReq) -> Future[GenerateResp]:
+        req = self._request(body)
+        future: Future[GenerateResp] = Future()
+        with self._wake:
+            if req.rid in self._inflight or req.rid in self._held:
+                raise RequestError(f"request {req.rid!r} is already waiting, running or held")
+            self.worker.submit(req)
+            self._inflight[req.rid] = _InFlight(future)
+            self._wake.notify()
+        return future
+
+    def _request(self, body: GenerateReq) -> Request:
+        if (body.text is None) == (body.input_ids is None):
+            raise RequestError("pass exactly one of text or input_ids")
+        if body.stream:
+            raise RequestError("stream=true is not supported by kvmove's server")
+        sp = body.sampling_params
+        if sp.top_p != 1.0 or sp.top_k not in (-1, 0):
+            raise RequestError("only top_p=1 and top_k=-1 are supported (greedy or plain temperature sampling)")
+        params = SamplingParams(
+            sp.max_new_tokens, sp.temperature, sp.sampling_seed or 0, tuple(sp.stop_token_ids or ())
+        )
+        ids = body.input_ids if body.input_ids is not None else self.tokenizer.encode(body.text or "")
+        resume = body.resume
+        return Request(
+            rid=body.rid or uuid.uuid4().hex,
+            prompt_ids=ids,
+            sampling=params,
+            priority=body.priority or 0,
+            extra_key=body.extra_key,
+            output_ids=resume.output_ids if resume else [],
+            generator=_generator(resume.generator_state) if resume and resume.generator_state else None,
+        )
+
+    def _response(self, req: Request, pending: _InFlight, **extra: object) -> GenerateResp:
+        now = time.perf_counter()
+        reason = extra.pop("finish_reason", None) or _finish_reason(req)
+        first = pending.first_token_at
+        meta = {
+            "id": req.rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "weight_version": self.worker.weight_version,
+            "total_retractions": 0,
+            "reasoning_tokens": 0,
+            "e2e_latency": now - pending.submitted_at,
+            "first_token_seconds": None if first is None else first - pending.submitted_at,
+            **extra,
+        }
+        return GenerateResp(text=self.tokenizer.decode(req.output_ids), output_ids=req.output_ids, meta_info=meta)
+
+    # -- hand-over of a request to another worker ------------------------------------------------------------------
+
+    def hold(self, body: HoldRequestReq) -> HoldRequestResp:
+        """Take ``rid`` out of the scheduler (its computed whole pages stay cached and locked); still owned here."""
+        with self.lock:
+            if body.rid in self._held:
+                raise MigrationConflictError(f"request {body.rid!r} is already held")
+            inflight = self._inflight.get(body.rid)
+            if inflight is None:
+                raise UnknownRequestError(f"no waiting or running request with rid {body.rid!r}")
+            req = self.worker.abort(body.rid).continuation()
+            usable = (req.num_tokens - 1) // self.config.page_size * self.config.page_size
+            exported = self.worker.export_request_kv(tokens=req.all_ids[:usable], extra_key=req.extra_key, lock=True)
+            self._held[body.rid] = _Held(req, exported, self._inflight.pop(body.rid))
+        return HoldRequestResp(rid=body.rid, input_ids=list(exported.token_ids), request=_resume_state(req))
+
+    def release(self, body: ReleaseRequestReq) -> ReleaseRequestResp:
+        """``migrated``: the target committed, this worker lets go (its client gets an abort naming the target);
+        otherwise the request resumes here."""
+        with self._wake:
+            held = self._held.get(body.rid)
+            if held is None:
+                raise UnknownRequestError(f"request {body.rid!r} is not held")
+            if not body.migrated:
+                self.worker.submit(held.request)
+                self._inflight[body.rid] = held.inflight
+                self._wake.notify()
+            del self._held[body.rid]
+            if held.exported.node is not None:
+                self.worker.unlock_export(held.exported)
+        if body.migrated:
+            reason = {"type": "abort", "message": f"migrated to {body.target}", "status_code": None, "err_type": None}
+            held.inflight.future.set_result(
+                self._response(held.request, held.inflight, finish_reason=reason, migrated_to=body.target)
+            )
+        return ReleaseRequestResp(rid=body.rid, state="migrated" if body.migrated else "resumed")
+
+    # -- migration -------------------------------------------------------------------------------------------------
+
+    @property
+    def target(self) -> MigrationTarget:
+        if self._target is None:
+            raise MigrationDisabledError("kv migration not enabled (start the server with --enable-kv-migration)")
+        return self._target
+
+    @property
+    def source(self) -> MigrationSource:
+        if self._source is None:
+            raise MigrationDisabledError("kv migration not enabled (start the server with --enable-kv-migration)")
+        return self._source
+
+    def rank_session(self) -> RankSession:
+        endpoint = self.target.endpoint
+        return RankSession(
+            tp=0,
+            pp=0,
+            session_id=self.config.session_id,
+            host_kv_data_ptrs=endpoint.pool.data_ptrs(),
+            host_kv_item_lens=endpoint.pool.item_lens(),
+            geometry=geometry_info(endpoint.pool.geometry),
+            weight_version=self.worker.weight_version,
+            transport=endpoint.transport_name,
+        )
+
+    def session_ids(self) -> TransferSessionIds:
+        topology = Topology(tp_size=1, pp_size=1, page_size=self.config.page_size)
+        return TransferSessionIds(topology=topology, ranks=[self.rank_session()])
+
+    def _send_pull(self, session_id: str, body: PullKVReq) -> PullKVResp:
+        try:
+            resp = httpx.post(
+                f"http://{session_id}/kvmove/pull_kv", json=body.model_dump(), timeout=self.config.peer_timeout
+            )
+        except httpx.HTTPError as exc:
+            raise PeerUnreachableError(f"target {session_id} unreachable: {exc}") from exc
+        if resp.status_code != 200:
+            raise error_for_status(resp.status_code, f"target {session_id}: {_message(resp)}")
+        return PullKVResp.model_validate(resp.json())
+
+    # -- metrics, invariants -----------------------------------------------------------------------------------------
+
+    def metrics(self) -> Metrics:
+        with self.lock:
+            s = self.worker.stats()
+            waiting = self.worker.scheduler.waiting
+            return Metrics(
+                waiting_per_priority={str(p): n for p, n in s.waiting_per_priority.items()},
+                waiting_rids={str(p): [r.rid for r in q] for p, q in sorted(waiting.items(), reverse=True) if q},
+                running=s.running,
+                running_rids=list(self.worker.scheduler.running),
+                held_rids=list(self._held),
+                free_pages=s.free_pages,
+                used_pages=s.used_pages,
+                cached_pages=s.cached_pages,
+                total_pages=s.total_pages,
+                page_size=self.config.page_size,
+                host_free_pages=self.endpoint.pool.free_pages if self.endpoint else 0,
+                migrations_pending=len(self._target.pending) if self._target else 0,
+                weight_version=s.weight_version,
+            )
+
+    def integrity(self) -> Integrity:
+        try:
+            self.check_integrity()
+        except Exception as exc:
+            return Integrity(ok=False, message=str(exc))
+        return Integrity(ok=True)
+
+    def check_integrity(self) -> None:
+        """Worker invariants; host pages used == pending migrations' + staged; no lock without a holder."""
+        with self.lock:
+            self.worker.check_integrity()
+            if self.endpoint is not None and self._target is not None and self._source is not None:
+                self.endpoint.pool.check_integrity()
+                owned = self._target.host_pages_in_use + self._source.staged_pages
+                if self.endpoint.pool.used_pages != owned:
+                    raise MigrationConflictError(
+                        f"host pool: {self.endpoint.pool.used_pages} pages used != {owned} owned by migrations"
+                    )
+
+    def flush_cache(self) -> FlushCacheResp:
+        with self.lock:
+            if not self.worker.is_idle or self._held or (self._target and self._target.pending):
+                raise MigrationConflictError("cannot flush the cache while requests or migrations are in flight")
+            pages = self.worker.kv.tree.evict(self.worker.kv.tree.total_pages).pages
+            self.worker.pool.free(pages)
+        return FlushCacheResp(freed_pages=pages.numel())
+
+
+def _finish_reason(req: Request) -> dict[str, object] | None:
+    if req.finish_reason is FinishReason.STOP:
+        return {"type": "stop", "matched": req.output_ids[-1]}
+    if req.finish_reason is FinishReason.LENGTH:
+        return {"type": "length", "length": len(req.output_ids)}
+    if req.finish_reason is FinishReason.ABORT:
+        return {"type": "abort", "message": "aborted", "status_code": None, "err_type": None}
+    return None
+
+
+def _resume_state(req: Request) -> ResumeState:
+    sp = req.sampling
+    params = SamplingParamsMsg(
+        max_new_tokens=sp.max_new_tokens,
+        temperature=sp.temperature,
+        stop_token_ids=list(sp.stop_token_ids),
+        sampling_seed=sp.seed,
+    )
+    state = None
+    if req.generator is not None:
+        state = base64.b64encode(req.generator.get_state().numpy().tobytes()).decode()
+    return ResumeState(
+        rid=req.rid,
+        prompt_ids=req.prompt_ids,
+        output_ids=req.output_ids,
+        sampling_params=params,
+        priority=req.priority,
+        extra_key=req.extra_key,
+        generator_state=state,
+    )
+
+
+def _generator(state: str) -> torch.Generator:
+    try:
+        raw = bytearray(base64.b64decode(state, validate=True))
+        gen = torch.Generator()
+        gen.set_state(torch.frombuffer(raw, dtype=torch.uint8))
+    except (ValueError, RuntimeError) as exc:
+        raise RequestError(f"resume.generator_state is not a valid generator state: {exc}") from exc
+    return gen
+
+
+def _message(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json().get("message", resp.text))
+    except ValueError:
+        return resp.text

@@ -1,0 +1,204 @@
+"""The migration protocol end to end between two real servers on loopback: exact continuation, prefix dedup,
+abort, watchdog, dead peer, and that nothing leaks (integrity on both sides after every path)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
+from kvmove.migration import messages as m
+from kvmove.migration.client import WorkerClient
+from kvmove.migration.controller import migrate_request, resume_body, transfer_body
+from kvmove.migration.errors import MigrationError, PeerMismatchError, PeerUnreachableError, UnknownMigrationError
+from kvmove.migration.session import check_peer
+from kvmove.models import resolve_model
+from kvmove.sync.verify import seeded_checkpoint
+
+PAGE_BYTES = 4 * 2 * 16 * 4  # page_size * kv heads * head_dim * float32, qwen3-tiny
+BUFFERS = 8  # K and V of 4 layers
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _greedy(ids: list[int], n: int) -> list[int]:
+    cfg = resolve_model("qwen3-tiny")
+    w = RolloutWorker(cfg, seeded_checkpoint(cfg, 1).items(), WorkerConfig(num_pages=64, page_size=4))
+    w.submit(Request("ref", ids, SamplingParams(max_new_tokens=n)))
+    return w.run_until_idle()[0].output_ids
+
+
+def _clean(*servers) -> None:
+    for s in servers:
+        s.runtime.check_integrity()
+        assert not s.runtime.target.pending
+        assert s.runtime.endpoint.pool.used_pages == 0, "host pages leaked"
+
+
+def _cache(c: WorkerClient, ids: list[int], key: str) -> None:
+    body = m.GenerateReq(
+        input_ids=ids, sampling_params=m.SamplingParamsMsg(max_new_tokens=1, temperature=0), extra_key=key
+    )
+    c.generate(body)
+
+
+def test_migrated_request_continues_exactly_as_without_migration(pair) -> None:
+    a, b = pair
+    src, dst = WorkerClient(a.url), WorkerClient(b.url)
+    ids = _ids(22, seed=1)
+    body = m.GenerateReq(
+        input_ids=ids,
+        rid="mig-exact",
+        priority=5,
+        extra_key="exact",
+        sampling_params=m.SamplingParamsMsg(max_new_tokens=60, temperature=0),
+    )
+    out: dict[str, m.GenerateResp] = {}
+    t = threading.Thread(target=lambda: out.setdefault("src", src.generate(body)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while "mig-exact" not in src.metrics().running_rids:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    time.sleep(0.05)  # let it decode a few tokens first
+    rec = migrate_request(src, dst, "mig-exact")
+    assert rec.ok, rec.error
+    t.join(timeout=30)
+    assert out["src"].meta_info["finish_reason"]["type"] == "abort"
+    assert out["src"].meta_info["migrated_to"] == b.url
+    done = dst.generate(resume_body(rec.held))
+    assert rec.held is not None and len(rec.held.request.output_ids) > 0, "moved mid-decode"
+    assert done.output_ids == _greedy(ids, 60)
+    assert done.meta_info["cached_tokens"] == len(rec.held.input_ids) > 0, "resumed from migrated K/V, no recompute"
+    assert rec.bytes == len(rec.held.input_ids) // 4 * PAGE_BYTES * BUFFERS
+    _clean(a, b)
+
+
+@pytest.mark.parametrize("warm_tokens", [0, 8])
+def test_only_the_pages_the_target_lacks_are_sent(pair, warm_tokens: int) -> None:
+    a, b = pair
+    src, dst = WorkerClient(a.url), WorkerClient(b.url)
+    key, ids = f"dedup-{warm_tokens}", _ids(20, seed=2)
+    _cache(src, ids, key)  # 20 tokens of K/V: 5 pages
+    if warm_tokens:
+        _cache(dst, ids[:warm_tokens], key)  # the target has the first 2 pages
+    size = dst.extra_token_size(m.GetRequestExtraTokenSizeReq(input_ids=ids, extra_key=key))
+    assert (size.matched_token_size, size.extra_token_size, size.total_token_size) == (
+        warm_tokens,
+        20 - warm_tokens,
+        20,
+    )
+    alloc = dst.allocate(m.AllocateTokenForTransferReq(input_ids=ids, extra_key=key, extra_token_size=20 - warm_tokens))
+    assert len(alloc.per_rank_kv_indices[0].kv_indices) == 20 - warm_tokens
+    done = src.transfer(transfer_body(ids, key, size, dst.session_ids(), alloc))
+    assert done.bytes == (20 - warm_tokens) // 4 * PAGE_BYTES * BUFFERS
+    assert dst.commit(alloc.migration_id).matched_after_commit == 20
+    after = dst.extra_token_size(m.GetRequestExtraTokenSizeReq(input_ids=ids, extra_key=key))
+    assert after.matched_token_size == 20
+    with pytest.raises(UnknownMigrationError, match="not found"):
+        dst.commit(alloc.migration_id)  # already committed
+    _clean(a, b)
+
+
+def test_abort_releases_everything_and_unknown_ids_are_404(pair) -> None:
+    a, b = pair
+    dst = WorkerClient(b.url)
+    ids = _ids(16, seed=3)
+    alloc = dst.allocate(m.AllocateTokenForTransferReq(input_ids=ids, extra_key="abort", extra_token_size=16))
+    assert dst.metrics().migrations_pending == 1
+    assert dst.abort(alloc.migration_id).released_pages == 4
+    for call in (dst.abort, dst.commit):
+        with pytest.raises(UnknownMigrationError):
+            call(alloc.migration_id)
+    _clean(a, b)
+
+
+def test_watchdog_releases_an_uncommitted_migration(pair) -> None:
+    a, b = pair
+    dst = WorkerClient(b.url)
+    _cache(dst, _ids(8, seed=4), "wd")
+    ids = _ids(8, seed=4) + _ids(8, seed=5)
+    alloc = dst.allocate(m.AllocateTokenForTransferReq(input_ids=ids, extra_key="wd", extra_token_size=8))
+    assert b.runtime.worker.kv.tree.protected_pages > 0, "matched prefix locked"
+    deadline = time.monotonic() + 10
+    while dst.metrics().migrations_pending:
+        assert time.monotonic() < deadline, "watchdog never fired"
+        time.sleep(0.05)
+    assert alloc.migration_id in b.runtime.watchdog.expired
+    with pytest.raises(UnknownMigrationError, match="not found"):
+        dst.commit(alloc.migration_id)
+    assert b.runtime.worker.kv.tree.protected_pages == 0
+    _clean(a, b)
+
+
+def test_dead_source_mid_migration_leaves_no_leak(start_server, pair) -> None:
+    _, b = pair
+    a = start_server()
+    src, dst = WorkerClient(a.url, timeout=5), WorkerClient(b.url)
+    ids = _ids(12, seed=6)
+    _cache(src, ids, "dead")
+    size = dst.extra_token_size(m.GetRequestExtraTokenSizeReq(input_ids=ids, extra_key="dead"))
+    alloc = dst.allocate(m.AllocateTokenForTransferReq(input_ids=ids, extra_key="dead", extra_token_size=12))
+    body = transfer_body(ids, "dead", size, dst.session_ids(), alloc)
+    a.stop()
+    with pytest.raises(PeerUnreachableError):
+        src.transfer(body)
+    deadline = time.monotonic() + 10
+    while dst.metrics().migrations_pending:  # nobody aborts: the watchdog releases it
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    _clean(b)
+
+
+def test_pull_into_slots_not_allocated_for_a_migration_is_refused(pair) -> None:
+    a, b = pair
+    src, dst = WorkerClient(a.url), WorkerClient(b.url)
+    ids = _ids(8, seed=7)
+    _cache(src, ids, "forged")
+    alloc = dst.allocate(m.AllocateTokenForTransferReq(input_ids=ids, extra_key="forged", extra_token_size=8))
+    size = m.GetRequestExtraTokenSizeResp(extra_token_size=8, matched_token_size=0, total_token_size=8)
+    forged = alloc.model_copy(
+        update={"per_rank_kv_indices": [m.RankKVIndices(tp=0, pp=0, kv_indices=list(range(40, 48)))]}
+    )
+    with pytest.raises(UnknownMigrationError, match="not allocated"):
+        src.transfer(transfer_body(ids, "forged", size, dst.session_ids(), forged))
+    partial = alloc.model_copy(update={"per_rank_kv_indices": [m.RankKVIndices(tp=0, pp=0, kv_indices=[1, 2, 3, 5])]})
+    r = httpx.post(
+        f"{a.url}/transfer_request_kvcache",
+        json=transfer_body(ids, "forged", size, dst.session_ids(), partial).model_dump(),
+    )
+    assert r.status_code == 400 and "page-aligned" in r.json()["message"]
+    dst.abort(alloc.migration_id)
+    _clean(a, b)
+
+
+@pytest.mark.parametrize("mismatch", [{"page_size": 8}, {"dtype": "bfloat16"}, {"weight_version": "7"}])
+def test_mismatched_peers_are_refused_before_anything_moves(start_server, pair, mismatch: dict) -> None:
+    a, b = pair
+    other = start_server(**mismatch)
+    src, odd = WorkerClient(a.url), WorkerClient(other.url)
+
+    with pytest.raises(PeerMismatchError, match=next(iter(mismatch))):
+        check_peer(src.session_ids().ranks[0], odd.session_ids().ranks[0])
+    ids = _ids(16, seed=8)
+    _cache(src, ids, "mm")
+    size = m.GetRequestExtraTokenSizeResp(extra_token_size=16, matched_token_size=0, total_token_size=16)
+    alloc = odd.allocate(m.AllocateTokenForTransferReq(input_ids=ids, extra_key="mm", extra_token_size=16))
+    if "weight_version" not in mismatch:  # the source refuses the target's layout (item lens) itself
+        alloc = alloc.model_copy(
+            update={"per_rank_kv_indices": [m.RankKVIndices(tp=0, pp=0, kv_indices=list(range(16)))]}
+        )
+    with pytest.raises(MigrationError, match=r"item_lens|mismatch") as err:
+        src.transfer(transfer_body(ids, "mm", size, odd.session_ids(), alloc))
+    assert err.value.status == 409
+    assert a.runtime.endpoint.pool.used_pages == 0 and a.runtime.source.staged_pages == 0, "nothing staged"
+    assert not any(m.filled for m in other.runtime.target.pending.values()), "no byte moved"
+    odd.abort(alloc.migration_id)
+    _clean(a, b, other)
+    other.stop()
