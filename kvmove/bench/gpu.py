@@ -152,10 +152,14 @@ def weight_sync(
                 engine_devices=(devices[1],),
                 deadline_s=900,
             )
-            for r in run_local(config, progress=say):
-                say(f"  {transport} {r.strategy} sync {r.sync}: {r.seconds:.3f} s, {r.gbps:.1f} GB/s, ok={r.verified}")
-                row = sync_row(config, r, suite="gpu")  # type: ignore[arg-type]
-                rows.append(row)
+            try:
+                for r in run_local(config, progress=say):
+                    head = f"  {transport} {r.strategy} sync {r.sync}: {r.seconds:.3f} s, {r.gbps:.1f} GB/s"
+                    say(f"{head}, verified={r.verified}")
+                    say(f"    phases {r.phases} peak extra {r.peak_extra_bytes} transfer {r.transfer_gbps:.1f} GB/s")
+                    rows.append(sync_row(config, r, suite="gpu"))  # type: ignore[arg-type]
+            except Exception as exc:  # one failed transport must not lose the others' rows
+                say(f"  {transport} {strategy} FAILED: {type(exc).__name__}: {str(exc)[:2000]}")
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return rows

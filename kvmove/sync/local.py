@@ -32,7 +32,7 @@ from kvmove.sync.ownership import Ownership
 from kvmove.sync.packing import SliceSpec, pack_layout
 from kvmove.sync.plan import ShardingPlan, plan_rank
 from kvmove.sync.routing import route
-from kvmove.sync.runner import SERVE_SLOTS, SyncResult
+from kvmove.sync.runner import SyncResult, serve_slot_count
 from kvmove.sync.schedule import PullPlan, SyncOptions, consumers, pull_plans, tensor_groups
 from kvmove.sync.source import ShardedSource
 from kvmove.sync.strategies import Strategy
@@ -337,10 +337,9 @@ class LocalCluster:
         sizes: list[dict[str, tuple[int, int]]] = [{} for _ in range(self.config.trainer.world)]
         for s, pps in self.pulls.items():
             for t in range(self.config.trainer.world):
-                biggest = max(
-                    (self._pull_bytes(p, pp.engine) for pp in pps for p in pp.pulls if p.trainer == t), default=16
-                )
-                sizes[t][s] = (SERVE_SLOTS, max(biggest, 16))
+                mine = [(p, pp.engine) for pp in pps for p in pp.pulls if p.trainer == t]
+                biggest = max((self._pull_bytes(p, e) for p, e in mine), default=16)
+                sizes[t][s] = (serve_slot_count(s, len({e for _, e in mine})), max(biggest, 16))
         return sizes
 
     def _recv_sizes(self, e: int) -> dict[str, tuple[int, int]]:

@@ -30,6 +30,13 @@ from kvmove.sync.trainer import TrainerSync
 from kvmove.sync.verify import check_verifiable
 
 SERVE_SLOTS = 4
+
+
+def serve_slot_count(strategy: str, consumers: int) -> int:
+    """Slots a trainer rank needs: one per engine rank that can have a pull in flight (two for v3's overlap)."""
+    return max(1, min(SERVE_SLOTS, consumers * (2 if strategy == "v3" else 1)))
+
+
 TWO_SIDED = ("gloo", "rdt-gloo")
 MEMORY_FRACTION = 0.6
 
@@ -289,13 +296,15 @@ class Cluster:
         sizes: dict[int, dict[str, tuple[int, int]]] = defaultdict(dict)
         for s, pps in self.pulls.items():
             biggest: dict[int, int] = defaultdict(int)
+            readers: dict[int, set[int]] = defaultdict(set)
             for pp in pps:
                 plan = self.plans[self.config.engine.coord(pp.engine).local]
                 for p in pp.pulls:
                     n = pack_layout([plan.regions[r].nbytes for r in p.regions]).nbytes
                     biggest[p.trainer] = max(biggest[p.trainer], n)
+                    readers[p.trainer].add(pp.engine)
             for t in range(self.config.trainer.world):
-                sizes[t][s] = (SERVE_SLOTS, max(biggest[t], 16))
+                sizes[t][s] = (serve_slot_count(s, len(readers[t])), max(biggest[t], 16))
         infos = self.ray.get([t.setup_slots.remote(sizes[r]) for r, t in enumerate(self.trainers)])
         return dict(enumerate(infos))
 
