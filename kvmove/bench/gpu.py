@@ -187,7 +187,7 @@ def kv_migration(
     for tokens in prompt_lens:
         n = -(-tokens // geo.page_size)
         ids = torch.arange(n)
-        nbytes = n * geo.page_bytes
+        nbytes = n * geo.page_bytes * geo.num_buffers  # every K and V buffer of every layer
         legs = {
             "device->host": _timed(partial(host_a.write_back, src, ids, ids), repeats),
             "host->host": _timed(partial(_host_copy, host_a, host_b, n), repeats),

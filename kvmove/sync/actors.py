@@ -213,9 +213,11 @@ class _Client:
     def __init__(self, actor: EngineActor, strategy: str, timeout_s: float) -> None:
         self.a, self.strategy, self.timeout_s = actor, strategy, timeout_s
 
-    def pack(self, trainer: int, sync_id: int, pull_id: int) -> tuple[int, int]:
-        ref = self.a._trainers[trainer].pack.remote(sync_id, self.strategy, self.a.rank, pull_id, self.timeout_s)
-        slot, nbytes = ray.get(ref, timeout=self.timeout_s + 5)
+    def request(self, trainer: int, sync_id: int, pull_id: int) -> Any:
+        return self.a._trainers[trainer].pack.remote(sync_id, self.strategy, self.a.rank, pull_id, self.timeout_s)
+
+    def wait(self, handle: Any) -> tuple[int, int]:
+        slot, nbytes = ray.get(handle, timeout=self.timeout_s + 5)
         return int(slot), int(nbytes)
 
     def read(self, trainer: int, slot: int, recv: int, nbytes: int) -> float:

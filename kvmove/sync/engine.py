@@ -11,9 +11,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -26,7 +26,12 @@ from kvmove.sync.schedule import PullPlan
 class TrainerClient(Protocol):
     """How an engine rank reaches trainer ranks (Ray actor calls plus a transport, in practice)."""
 
-    def pack(self, trainer: int, sync_id: int, pull_id: int) -> tuple[int, int]: ...
+    def request(self, trainer: int, sync_id: int, pull_id: int) -> Any:
+        """Ask ``trainer`` to pack pull ``pull_id``; returns a handle for :meth:`wait` (does not block)."""
+
+    def wait(self, handle: Any) -> tuple[int, int]:
+        """The (slot, nbytes) of a requested pull, once the trainer has packed it."""
+
     def read(self, trainer: int, slot: int, recv: int, nbytes: int) -> float: ...
     def finish(self, trainer: int, sync_id: int, group: int, slot: int) -> None:
         """Free the trainer's slot and tell it this engine has all it pulls of ``group`` from it."""
@@ -56,7 +61,9 @@ class EngineRank:
 
     def load(self, regions: Sequence[Region], buf: torch.Tensor) -> None:
         for region, data in zip(regions, unpack(buf, regions), strict=True):
-            region.dst.apply(self.params[region.param].data).copy_(data)
+            region.dst.apply(self.params[region.param].data).copy_(data, non_blocking=True)
+        if buf.is_cuda:  # the slot is reusable, and the time real, only once the copies ran
+            torch.cuda.current_stream(buf.device).synchronize()
 
     def run_sync(
         self,
@@ -69,38 +76,42 @@ class EngineRank:
         delay_s: float = 0.0,
     ) -> EngineStats:
         start = time.perf_counter()
-        per_group: dict[int, list[int]] = defaultdict(list)
-        for i, p in enumerate(pulls.pulls):
-            per_group[p.group].append(i)
+        order = sorted(range(len(pulls.pulls)), key=lambda i: pulls.pulls[i].group)
         recv = self.recv[strategy]
         loader = _Loader(self, recv) if pipelined else None
+        # NOTE: pipelined syncs keep one request ahead, so the trainer packs pull k+1 while we read pull k
+        depth = 2 if pipelined else 1
+        pending = deque((i, client.request(pulls.pulls[i].trainer, sync_id, i)) for i in order[:depth])
         request = transfer = load = 0.0
         received = 0
-        k = 0
+        group: int | None = None
         try:
-            for group in sorted(per_group):
-                if delay_s:
+            for k in range(len(order)):
+                i, handle = pending.popleft()
+                pull = pulls.pulls[i]
+                if pull.group != group and delay_s:
                     time.sleep(delay_s)  # fault injection: a slow replica
-                for i in per_group[group]:
-                    pull = pulls.pulls[i]
-                    slot_index = k % len(recv)
-                    k += 1
-                    if loader is not None:
-                        loader.wait_free(slot_index)
-                    t0 = time.perf_counter()
-                    slot, nbytes = client.pack(pull.trainer, sync_id, i)
-                    request += time.perf_counter() - t0
-                    transfer += client.read(pull.trainer, slot, slot_index, nbytes)
-                    # NOTE: pulls are bucketed by (group, trainer), so this one pull is all of the group from it
-                    client.finish(pull.trainer, sync_id, group, slot)
-                    received += nbytes
-                    regions = [self.plan.regions[r] for r in pull.regions]
-                    if loader is None:
-                        t2 = time.perf_counter()
-                        self.load(regions, recv[slot_index])
-                        load += time.perf_counter() - t2
-                    else:
-                        loader.submit(slot_index, regions)
+                group = pull.group
+                slot_index = k % len(recv)
+                if loader is not None:
+                    loader.wait_free(slot_index)
+                t0 = time.perf_counter()
+                slot, nbytes = client.wait(handle)
+                request += time.perf_counter() - t0
+                if k + depth < len(order):
+                    nxt = order[k + depth]
+                    pending.append((nxt, client.request(pulls.pulls[nxt].trainer, sync_id, nxt)))
+                transfer += client.read(pull.trainer, slot, slot_index, nbytes)
+                # NOTE: pulls are bucketed by (group, trainer), so this one pull is all of the group from it
+                client.finish(pull.trainer, sync_id, pull.group, slot)
+                received += nbytes
+                regions = [self.plan.regions[r] for r in pull.regions]
+                if loader is None:
+                    t2 = time.perf_counter()
+                    self.load(regions, recv[slot_index])
+                    load += time.perf_counter() - t2
+                else:
+                    loader.submit(slot_index, regions)
         finally:
             if loader is not None:
                 load += loader.close()
@@ -127,6 +138,7 @@ class _Loader:
             e.set()
         self.seconds = 0.0
         self.error: BaseException | None = None
+        self.stream = torch.cuda.Stream(recv[0].device) if recv and recv[0].is_cuda else None
         self.thread = threading.Thread(target=self._run, name="kvmove-loader", daemon=True)
         self.thread.start()
 
@@ -144,7 +156,11 @@ class _Loader:
             slot, regions = job
             t0 = time.perf_counter()
             try:
-                self.engine.load(regions, self.recv[slot])
+                if self.stream is not None:  # loads overlap the next read, which runs on the default stream
+                    with torch.cuda.stream(self.stream):
+                        self.engine.load(regions, self.recv[slot])
+                else:
+                    self.engine.load(regions, self.recv[slot])
             except BaseException as exc:  # surfaced to the puller at its next wait
                 self.error = exc
             self.seconds += time.perf_counter() - t0

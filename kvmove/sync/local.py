@@ -131,8 +131,9 @@ def _trainer_main(
         slots = {s: [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(k)] for s, (k, n) in sizes.items()}
         descs = {s: [transport.register(t) for t in ts] for s, ts in slots.items()}
         state["impl"] = TrainerRank(source, slots)
-        for e, conn in engines.items():
-            threading.Thread(target=_serve_engine, args=(state["impl"], e, conn), daemon=True).start()
+        for e, (packs, notes) in engines.items():
+            threading.Thread(target=_serve_packs, args=(state["impl"], e, packs), daemon=True).start()
+            threading.Thread(target=_serve_notes, args=(state["impl"], e, notes), daemon=True).start()
         return transport.endpoint_info(), descs
 
     def broadcast(host_: str, port: int, size: int, prefix: str) -> Any:
@@ -157,23 +158,29 @@ def _connect_all(transport: Transport, infos: list[Any]) -> None:
         transport.connect(info)
 
 
-def _serve_engine(impl: TrainerRank, engine: int, conn: Any) -> None:
-    """One engine rank's requests to this trainer rank: ("pack", ...) -> (slot, nbytes); ("finish", ...)."""
+def _serve_packs(impl: TrainerRank, engine: int, conn: Any) -> None:
+    """One engine rank's pack requests to this trainer rank, answered in order: -> (slot, nbytes)."""
     while True:
         try:
-            message = conn.recv()
+            _, sync_id, strategy, pull_id, timeout_s = conn.recv()
         except EOFError:
             return
-        if message[0] == "pack":
-            _, sync_id, strategy, pull_id, timeout_s = message
-            try:
-                conn.send(("ok", impl.pack(sync_id, strategy, engine, pull_id, timeout_s)))
-            except Exception as exc:
-                conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        elif message[0] == "finish":
-            _, sync_id, strategy, group, slot = message
-            impl.release_slot(strategy, slot)
-            impl.done(sync_id, group, engine)
+        try:
+            conn.send(("ok", impl.pack(sync_id, strategy, engine, pull_id, timeout_s)))
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _serve_notes(impl: TrainerRank, engine: int, conn: Any) -> None:
+    """One engine rank's "finish" notes (slot free, group done), on their own pipe: a pack waiting for its
+    group must never hold up the note that releases an earlier group."""
+    while True:
+        try:
+            _, sync_id, strategy, group, slot = conn.recv()
+        except EOFError:
+            return
+        impl.release_slot(strategy, slot)
+        impl.done(sync_id, group, engine)
 
 
 class _PipeClient:
@@ -185,9 +192,13 @@ class _PipeClient:
         self.pipes, self.transport, self.slots, self.recv = pipes, transport, slots, recv
         self.strategy, self.timeout_s = strategy, timeout_s
 
-    def pack(self, trainer: int, sync_id: int, pull_id: int) -> tuple[int, int]:
-        pipe = self.pipes[trainer]
-        pipe.send(("pack", sync_id, self.strategy, pull_id, self.timeout_s))
+    def request(self, trainer: int, sync_id: int, pull_id: int) -> Any:
+        self.pipes[trainer][0].send(("pack", sync_id, self.strategy, pull_id, self.timeout_s))
+        return trainer
+
+    def wait(self, handle: Any) -> tuple[int, int]:
+        trainer = int(handle)
+        pipe = self.pipes[trainer][0]  # NOTE: replies come back in request order on each trainer's pipe
         if not pipe.poll(self.timeout_s + 5):
             raise KvmoveError(f"trainer rank {trainer} did not answer within {self.timeout_s:.0f} s")
         status, value = pipe.recv()
@@ -200,7 +211,7 @@ class _PipeClient:
         return self.transport.read(self.slots[trainer][self.strategy][slot], local, [(0, 0, nbytes)]).seconds
 
     def finish(self, trainer: int, sync_id: int, group: int, slot: int) -> None:
-        self.pipes[trainer].send(("finish", sync_id, self.strategy, group, slot))
+        self.pipes[trainer][1].send(("finish", sync_id, self.strategy, group, slot))
 
 
 def _engine_main(rank: int, config: LocalConfig, ports: tuple[int, int], ctrl: Any, trainers: dict[int, Any]) -> None:
@@ -260,16 +271,17 @@ class LocalCluster:
         ctx = mp.get_context("spawn")
         tl, el = config.trainer, config.engine
         self.host, ports = "127.0.0.1", (free_port(), free_port())
-        pairs = {(t, e): ctx.Pipe() for t in range(tl.world) for e in range(el.world)}
+        packs = {(t, e): ctx.Pipe() for t in range(tl.world) for e in range(el.world)}
+        notes = {(t, e): ctx.Pipe(duplex=False) for t in range(tl.world) for e in range(el.world)}
         self.trainers, self.engines, self.procs = [], [], []
         for t in range(tl.world):
             mine, theirs = ctx.Pipe()
-            peers = {e: pairs[(t, e)][0] for e in range(el.world)}
+            peers = {e: (packs[(t, e)][0], notes[(t, e)][0]) for e in range(el.world)}
             self.procs.append(ctx.Process(target=_trainer_main, args=(t, config, self.host, ports, theirs, peers)))
             self.trainers.append(mine)
         for e in range(el.world):
             mine, theirs = ctx.Pipe()
-            peers = {t: pairs[(t, e)][1] for t in range(tl.world)}
+            peers = {t: (packs[(t, e)][1], notes[(t, e)][1]) for t in range(tl.world)}
             self.procs.append(ctx.Process(target=_engine_main, args=(e, config, ports, theirs, peers)))
             self.engines.append(mine)
         for p in self.procs:
@@ -407,13 +419,16 @@ class LocalCluster:
         return value
 
     def close(self) -> None:
-        for conn in [*self.trainers, *self.engines]:
-            with contextlib.suppress(BrokenPipeError, OSError):
-                conn.send(("stop",))
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
+        """Engines first: they hold mappings of the trainers' buffers, which must outlive them."""
+        n = self.config.trainer.world
+        for conns, procs in ((self.engines, self.procs[n:]), (self.trainers, self.procs[:n])):
+            for conn in conns:
+                with contextlib.suppress(BrokenPipeError, OSError):
+                    conn.send(("stop",))
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.terminate()
 
 
 def run_local(config: LocalConfig, progress: Callable[[str], None] | None = None) -> Iterator[SyncResult]:
