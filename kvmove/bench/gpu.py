@@ -124,6 +124,7 @@ def weight_sync(
     say: Callable[[str], None],
     model: str = "qwen3-235b-a22b",
     devices: tuple[str, str] = ("cuda:0", "cuda:1"),
+    record: Callable[[list[Row]], object] = lambda rows: None,
 ) -> list[Row]:
     from kvmove.bench.syncs import sync_row
     from kvmove.layout import EngineLayout, TrainerLayout
@@ -150,7 +151,7 @@ def weight_sync(
                 options=SyncOptions(group_size=1, lookahead=1),
                 trainer_devices=(devices[0],),
                 engine_devices=(devices[1],),
-                deadline_s=900,
+                deadline_s=150,
             )
             try:
                 for r in run_local(config, progress=say):
@@ -158,6 +159,7 @@ def weight_sync(
                     say(f"{head}, verified={r.verified}")
                     say(f"    phases {r.phases} peak extra {r.peak_extra_bytes} transfer {r.transfer_gbps:.1f} GB/s")
                     rows.append(sync_row(config, r, suite="gpu"))  # type: ignore[arg-type]
+                    record(rows[-1:])  # NOTE: kept as it lands, so a later hang loses nothing
             except Exception as exc:  # one failed transport must not lose the others' rows
                 say(f"  {transport} {strategy} FAILED: {type(exc).__name__}: {str(exc)[:2000]}")
             if torch.cuda.is_available():
@@ -256,9 +258,13 @@ def main(argv: list[str] | None = None) -> None:
         append_rows(args.out, "gpu", kv, labels)
         rows += kv
     if "sync" not in skip:
-        sync = weight_sync(args.layers, args.transports.split(","), args.syncs, say)
-        append_rows(args.out, "gpu", sync, labels)
-        rows += sync
+        rows += weight_sync(
+            args.layers,
+            args.transports.split(","),
+            args.syncs,
+            say,
+            record=lambda r: append_rows(args.out, "gpu", r, labels),
+        )
     say(f"{len(rows)} rows -> {args.out / 'gpu.parquet'}")
 
 

@@ -8,6 +8,7 @@ communicator is ever used by two threads. ``backend="gloo"`` runs the same proto
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -86,15 +87,15 @@ class NcclTransport(Transport):
             return self._pairs[key]
 
     def _connect(self, peer: EndpointInfo) -> None:
-        """Both sides call connect: we may read from ``peer`` and serve its reads of our buffers."""
+        """Both sides call connect: we may read from ``peer`` and serve its reads of our buffers.
+
+        A direction's communicator is only built once its reader announces its first read in the store, so a
+        direction nobody reads never starts an NCCL init (which would block other inits of this process).
+        """
         other = int(peer.payload)
         if other == self.group.member or not 0 <= other < self.group.world_size:
             raise TransportError(f"nccl peer {other} is not another member of this group")
-        low, high = sorted((self.group.member, other))
-        self._pair(low, high)  # NOTE: both sides build the two communicators in the same order (gloo builds eagerly)
-        self._pair(high, low)
-        serve = self._pair(other, self.group.member)
-        thread = threading.Thread(target=self._serve, args=(serve,), daemon=True, name=f"kvmove-nccl-{other}")
+        thread = threading.Thread(target=self._serve, args=(other,), daemon=True, name=f"kvmove-nccl-{other}")
         thread.start()
         self._threads.append(thread)
 
@@ -102,7 +103,10 @@ class NcclTransport(Transport):
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _read(self, peer: EndpointInfo, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> None:
-        pg = self._pair(self.group.member, int(peer.payload))
+        other = int(peer.payload)
+        if (self.group.member, other) not in self._pairs:
+            self._store.set(f"reader-{self.group.member}-{other}", "1")
+        pg = self._pair(self.group.member, other)
         pg.send([self._small([_READ, remote.buffer_id, len(spans)])], 1, 0).wait()
         pg.send([torch.from_numpy(np.ascontiguousarray(spans[:, [0, 2]])).to(self.device)], 1, 1).wait()
         status = self._small([0])
@@ -114,7 +118,13 @@ class NcclTransport(Transport):
         if local.is_cuda:
             torch.cuda.current_stream(local.device).synchronize()
 
-    def _serve(self, pg: Any) -> None:
+    def _serve(self, reader: int) -> None:
+        key = f"reader-{reader}-{self.group.member}"
+        while not self._store.check([key]):
+            if self._closed:
+                return
+            time.sleep(0.02)
+        pg = self._pair(reader, self.group.member)
         header = self._small([0, 0, 0])
         while True:
             pg.recv([header], 0, 0).wait()
