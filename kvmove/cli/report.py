@@ -20,7 +20,7 @@ from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models.config import ModelConfig
 
 FORMATS = ("table", "markdown", "csv")
-console = Console(width=None if sys.stdout.isatty() else 160)
+console = Console(width=None if sys.stdout.isatty() else 220)
 
 
 def report(
@@ -64,7 +64,15 @@ def _tables(rep: Report) -> None:
             continue
         table = Table(title=titles[key])
         for c in df.columns:
-            table.add_column(str(c), overflow="fold")
+            numeric = pd.api.types.is_numeric_dtype(df[c])
+            table.add_column(
+                str(c),
+                overflow="ellipsis",
+                no_wrap=True,
+                justify="right" if numeric else "left",
+                min_width=9 if numeric else None,
+                max_width=None if numeric else 18,
+            )
         for _, r in df.iterrows():
             table.add_row(*(_cell(v) for v in r))
         console.print(table)
