@@ -24,7 +24,7 @@ def _config(**kw) -> SyncConfig:
         transport="object-store",
         syncs=1,
         verify=True,
-        deadline_s=20.0,
+        deadline_s=60.0,
     )
     base.update(kw)
     return SyncConfig(**base)
