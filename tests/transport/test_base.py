@@ -18,7 +18,7 @@ LOCAL = BufferDesc("nixl", "client", 0, 50)
 
 
 def test_registry_names():
-    assert set(TRANSPORTS) == {"nixl", "rdt-nixl", "rdt-gloo", "gloo", "object-store"}
+    assert set(TRANSPORTS) == {"nixl", "rdt-nixl", "rdt-gloo", "gloo", "object-store", "nccl", "cuda-ipc"}
     assert all(TRANSPORTS[n].name == n for n in TRANSPORTS)
 
 

@@ -19,7 +19,10 @@ def _skip_unless_available(name: str) -> None:
         pytest.skip(f"{name}: its package is not installed here (pip install 'kvmove[{TRANSPORTS[name].extra}]')")
 
 
-@pytest.fixture(scope="module", params=list(TRANSPORTS))
+CUDA_ONLY = {"nccl", "cuda-ipc"}  # device-memory transports: tests/transport/test_cuda.py (gpu marker)
+
+
+@pytest.fixture(scope="module", params=[name for name in TRANSPORTS if name not in CUDA_ONLY])
 def pair(request, ray_session):
     """A server actor (seeded bytes) and a client actor (zeros), connected once, shared by this module."""
     name = request.param
