@@ -47,6 +47,9 @@ def run_one(cluster: Cluster, strategy: Strategy, index: int, sync_id: int, vers
     engine_stats, done_at = _collect_engines(cluster, e_refs, sync_id, start, notes, dropped)
     if killer is not None:
         killer.join()
+        for e in cluster.dead:  # a replica killed after it finished is still out of this sync's results
+            engine_stats.pop(e, None)
+            done_at.pop(e, None)
     trainer_stats = _collect_trainers(cluster, t_refs, notes)
     seconds = time.perf_counter() - start
     verified = _verify(cluster, version) if c.verify else None

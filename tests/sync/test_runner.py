@@ -54,7 +54,13 @@ def test_dead_replica_is_skipped_then_rejoins_verified() -> None:
 
 def test_engine_dying_mid_sync_never_hangs_the_trainer() -> None:
     t0 = time.monotonic()
-    config = _config(strategies=tuple(parse_strategies("v2")), syncs=2, faults=(Fault(0, 1, during=True),))
+    # replica 0 is slowed down so the kill (0.3 s into the sync) always lands while it is still pulling
+    config = _config(
+        strategies=tuple(parse_strategies("v2")),
+        syncs=2,
+        faults=(Fault(0, 1, during=True),),
+        slow_replicas=((0, 2.0),),
+    )
     results = list(run_syncs(config))
     assert time.monotonic() - t0 < 120
     mid, after = results
