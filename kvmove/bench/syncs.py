@@ -43,6 +43,7 @@ def sync_row(config: SyncConfig, r: SyncResult, suite: str = "sync", extra: dict
             "dead_replicas": list(r.dead_replicas),
             "group_size": config.options.group_size,
             "lookahead": config.options.lookahead,
+            "direct": config.options.direct,
             **(extra or {}),
         },
     )

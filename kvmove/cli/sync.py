@@ -67,6 +67,13 @@ def sync_weights(
     ] = None,
     group_size: Annotated[int, typer.Option("--group-size", min=1, help="v3: decoder blocks per group.")] = 1,
     lookahead: Annotated[int, typer.Option("--lookahead", min=0, help="v3: groups gathered ahead.")] = 1,
+    direct: Annotated[
+        bool,
+        typer.Option(
+            "--direct/--no-direct",
+            help="v2/v3: read regions lying in a trainer shard straight from its arena into the parameters.",
+        ),
+    ] = True,
     deadline: Annotated[
         float, typer.Option("--deadline", help="Seconds without progress before a peer is dropped.")
     ] = 60.0,
@@ -128,7 +135,7 @@ def sync_weights(
             syncs=syncs,
             verify=verify,
             seed=seed,
-            options=SyncOptions(group_size=group_size, lookahead=lookahead),
+            options=SyncOptions(group_size=group_size, lookahead=lookahead, direct=direct),
             ray_address=ray_address,
             faults=tuple(Fault.parse(f) for f in fail_engine or []),
             slow_replicas=tuple(_slow(s) for s in slow_engine or []),

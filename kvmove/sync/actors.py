@@ -16,7 +16,7 @@ from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models.config import ModelConfig
 from kvmove.sync.broadcast import receive_all, send_all
 from kvmove.sync.collectives import Collectives, free_port
-from kvmove.sync.engine import EngineRank, EngineStats
+from kvmove.sync.engine import ByteReader, EngineRank, EngineStats, TrainerEndpoint, register_params
 from kvmove.sync.packing import SliceSpec
 from kvmove.sync.plan import ShardingPlan, plan_rank
 from kvmove.sync.schedule import PullPlan
@@ -77,13 +77,15 @@ class TrainerActor(ServesSlots):
         assert self.source is not None
         return [(n, b.start, b.stop) for n, b in self.source._boxes.items()]
 
-    def setup_slots(self, sizes: dict[str, tuple[int, int]]) -> tuple[EndpointInfo, dict[str, list[BufferDesc]]]:
-        """Init step 5: allocate and register ``count`` slots of ``nbytes`` per strategy, once."""
+    def setup_slots(self, sizes: dict[str, tuple[int, int]]) -> TrainerEndpoint:
+        """Init step 5: allocate and register ``count`` slots of ``nbytes`` per strategy, and the arena, once."""
         assert self.source is not None
         slots = {s: [torch.empty(n, dtype=torch.uint8) for _ in range(k)] for s, (k, n) in sizes.items()}
         descs = {s: [self.transport.register(t) for t in ts] for s, ts in slots.items()}
+        arena = self.source.arena()
         self.impl = TrainerRank(self.source, slots)
-        return self.transport.endpoint_info(), descs
+        arena_desc = self.transport.register(arena[0]) if arena is not None else None
+        return TrainerEndpoint(self.transport.endpoint_info(), descs, arena_desc)
 
     def connect(self, peers: list[EndpointInfo]) -> None:
         for peer in peers:
@@ -150,8 +152,9 @@ class EngineActor(ServesSlots):
         self.impl: EngineRank | None = None
         self.plan: ShardingPlan | None = None
         self._trainers: dict[int, Any] = {}
-        self._slots: dict[int, dict[str, list[BufferDesc]]] = {}
+        self._endpoints: dict[int, TrainerEndpoint] = {}
         self._recv: dict[str, list[BufferDesc]] = {}
+        self._params: dict[str, BufferDesc] = {}
         self._pulls: dict[str, PullPlan] = {}
 
     def pid(self) -> int:
@@ -167,18 +170,20 @@ class EngineActor(ServesSlots):
         self,
         pulls: dict[str, PullPlan],
         recv_sizes: dict[str, tuple[int, int]],
+        direct_params: list[str],
         trainers: dict[int, Any],
-        trainer_info: dict[int, tuple[EndpointInfo, dict[str, list[BufferDesc]]]],
+        trainer_info: dict[int, TrainerEndpoint],
     ) -> EndpointInfo:
-        """Init step 5 on the engine side: register receive slots once, connect to every source trainer."""
+        """Init step 5 on the engine side: register receive slots and the parameters direct pulls write, once;
+        connect to every source trainer."""
         assert self.plan is not None
         recv = {s: [torch.empty(n, dtype=torch.uint8) for _ in range(k)] for s, (k, n) in recv_sizes.items()}
         self._recv = {s: [self.transport.register(t) for t in ts] for s, ts in recv.items()}
+        self._params = register_params(self.transport, self.model, direct_params)
         self.impl = EngineRank(self.model, self.plan, recv)
-        self._pulls, self._trainers = pulls, trainers
-        for rank, (info, descs) in trainer_info.items():
-            self.transport.connect(info)
-            self._slots[rank] = descs
+        self._pulls, self._trainers, self._endpoints = pulls, trainers, dict(trainer_info)
+        for ep in trainer_info.values():
+            self.transport.connect(ep.info)
         return self.transport.endpoint_info()
 
     def run_sync(self, sync_id: int, strategy: str, pipelined: bool, delay_s: float, timeout_s: float) -> EngineStats:
@@ -207,11 +212,12 @@ class EngineActor(ServesSlots):
         return socket.gethostname()
 
 
-class _Client:
+class _Client(ByteReader):
     """TrainerClient over Ray actor calls (control) and the transport (bytes)."""
 
     def __init__(self, actor: EngineActor, strategy: str, timeout_s: float) -> None:
-        self.a, self.strategy, self.timeout_s = actor, strategy, timeout_s
+        super().__init__(actor.transport, actor._endpoints, actor._recv, actor._params, strategy)
+        self.a, self.timeout_s = actor, timeout_s
 
     def request(self, trainer: int, sync_id: int, pull_id: int) -> Any:
         return self.a._trainers[trainer].pack.remote(sync_id, self.strategy, self.a.rank, pull_id, self.timeout_s)
@@ -219,11 +225,6 @@ class _Client:
     def wait(self, handle: Any) -> tuple[int, int]:
         slot, nbytes = ray.get(handle, timeout=self.timeout_s + 5)
         return int(slot), int(nbytes)
-
-    def read(self, trainer: int, slot: int, recv: int, nbytes: int) -> float:
-        remote = self.a._slots[trainer][self.strategy][slot]
-        local = self.a._recv[self.strategy][recv]
-        return self.a.transport.read(remote, local, [(0, 0, nbytes)]).seconds
 
     def finish(self, trainer: int, sync_id: int, group: int, slot: int) -> None:
         self.a._trainers[trainer].finish.remote(sync_id, self.strategy, group, self.a.rank, slot)

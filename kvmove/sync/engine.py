@@ -1,9 +1,10 @@
 """An engine rank during syncs: pull each group's packed regions from their trainer ranks and load them.
 
-Pulls go group by group, in plan order. After a group's bytes from a trainer rank have arrived, the engine
-signals ``done`` so that trainer rank can release the group. With ``pipelined`` (v3) a loader thread copies
-group g into the parameters while group g+1 is being pulled (double-buffered receive slots); otherwise each
-pull is loaded before the next one starts.
+Pulls go group by group, in plan order. A packed pull asks the trainer rank to pack, reads the slot and
+signals ``done`` so that trainer rank can release the group; with ``pipelined`` (v3) the next packed pull is
+requested before the current one is read, and a loader thread copies group g into the parameters while group
+g+1 is being pulled (double-buffered receive slots); otherwise each pull is loaded before the next one starts.
+A direct pull reads straight from the trainer rank's arena into the parameters: no request, no load.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
+from kvmove.errors import KvmoveError
 from kvmove.sync.packing import unpack
 from kvmove.sync.plan import Region, ShardingPlan
 from kvmove.sync.schedule import PullPlan
+from kvmove.transport import BufferDesc, EndpointInfo, Transport
 
 
 class TrainerClient(Protocol):
@@ -33,8 +36,55 @@ class TrainerClient(Protocol):
         """The (slot, nbytes) of a requested pull, once the trainer has packed it."""
 
     def read(self, trainer: int, slot: int, recv: int, nbytes: int) -> float: ...
+    def read_direct(self, trainer: int, spans: Sequence[tuple[str, Any]]) -> float:
+        """Read (parameter, byte spans) runs from ``trainer``'s arena into the registered parameters; seconds."""
     def finish(self, trainer: int, sync_id: int, group: int, slot: int) -> None:
         """Free the trainer's slot and tell it this engine has all it pulls of ``group`` from it."""
+
+
+class TrainerEndpoint(NamedTuple):
+    """What an engine rank needs to read a trainer rank's bytes: its endpoint, serve slots and arena."""
+
+    info: EndpointInfo
+    slots: dict[str, list[BufferDesc]]
+    arena: BufferDesc | None
+
+
+class ByteReader:
+    """The data half of a :class:`TrainerClient`: reads trainer slots and arenas into registered local memory."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        trainers: Mapping[int, TrainerEndpoint],
+        recv: Mapping[str, Sequence[BufferDesc]],
+        params: Mapping[str, BufferDesc],
+        strategy: str,
+    ) -> None:
+        self.transport, self.trainers, self.recv, self.params = transport, trainers, recv, params
+        self.strategy = strategy
+
+    def read(self, trainer: int, slot: int, recv: int, nbytes: int) -> float:
+        remote = self.trainers[trainer].slots[self.strategy][slot]
+        return self.transport.read(remote, self.recv[self.strategy][recv], [(0, 0, nbytes)]).seconds
+
+    def read_direct(self, trainer: int, spans: Sequence[tuple[str, Any]]) -> float:
+        arena = self.trainers[trainer].arena
+        if arena is None:
+            raise KvmoveError(f"trainer rank {trainer} registered no arena, so nothing can be read from it directly")
+        return sum(self.transport.read(arena, self.params[name], runs).seconds for name, runs in spans)
+
+
+def register_params(transport: Transport, model: nn.Module, names: Sequence[str]) -> dict[str, BufferDesc]:
+    """Register parameters ``names`` of ``model`` (as flat bytes) for direct pulls; once, at init."""
+    params = dict(model.named_parameters())
+    out = {}
+    for name in names:
+        data = params[name].data
+        if not data.is_contiguous():
+            raise KvmoveError(f"parameter {name} is not contiguous; it cannot receive direct pulls")
+        out[name] = transport.register(data.view(-1).view(torch.uint8))
+    return out
 
 
 class EngineStats(NamedTuple):
@@ -77,30 +127,37 @@ class EngineRank:
     ) -> EngineStats:
         start = time.perf_counter()
         order = sorted(range(len(pulls.pulls)), key=lambda i: pulls.pulls[i].group)
-        recv = self.recv[strategy]
-        loader = _Loader(self, recv) if pipelined else None
+        packed = [i for i in order if not pulls.pulls[i].direct]
+        recv = self.recv.get(strategy, [])
+        loader = _Loader(self, recv) if pipelined and packed else None
         # NOTE: pipelined syncs keep one request ahead, so the trainer packs pull k+1 while we read pull k
         depth = 2 if pipelined else 1
-        pending = deque((i, client.request(pulls.pulls[i].trainer, sync_id, i)) for i in order[:depth])
+        pending = deque((i, client.request(pulls.pulls[i].trainer, sync_id, i)) for i in packed[:depth])
         request = transfer = load = 0.0
-        received = 0
+        received = k = 0
         group: int | None = None
         try:
-            for k in range(len(order)):
-                i, handle = pending.popleft()
+            for i in order:
                 pull = pulls.pulls[i]
                 if pull.group != group and delay_s:
                     time.sleep(delay_s)  # fault injection: a slow replica
                 group = pull.group
+                if pull.direct:
+                    transfer += client.read_direct(pull.trainer, pull.direct)
+                    received += pull.nbytes
+                    continue
+                j, handle = pending.popleft()
+                assert j == i
                 slot_index = k % len(recv)
                 if loader is not None:
                     loader.wait_free(slot_index)
                 t0 = time.perf_counter()
                 slot, nbytes = client.wait(handle)
                 request += time.perf_counter() - t0
-                if k + depth < len(order):
-                    nxt = order[k + depth]
+                if k + depth < len(packed):
+                    nxt = packed[k + depth]
                     pending.append((nxt, client.request(pulls.pulls[nxt].trainer, sync_id, nxt)))
+                k += 1
                 transfer += client.read(pull.trainer, slot, slot_index, nbytes)
                 # NOTE: pulls are bucketed by (group, trainer), so this one pull is all of the group from it
                 client.finish(pull.trainer, sync_id, pull.group, slot)

@@ -24,20 +24,17 @@ from kvmove.engines import get_engine
 from kvmove.errors import KvmoveError
 from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models.config import ModelConfig
-from kvmove.models.tensors import hf_tensors
+from kvmove.sync.blueprint import Blueprint
 from kvmove.sync.broadcast import receive_all, send_all
 from kvmove.sync.collectives import Collectives, free_port
-from kvmove.sync.engine import EngineRank
-from kvmove.sync.ownership import Ownership
-from kvmove.sync.packing import SliceSpec, pack_layout
+from kvmove.sync.engine import ByteReader, EngineRank, TrainerEndpoint, register_params
 from kvmove.sync.plan import ShardingPlan, plan_rank
-from kvmove.sync.routing import route
-from kvmove.sync.runner import SyncResult, serve_slot_count
-from kvmove.sync.schedule import PullPlan, SyncOptions, consumers, pull_plans, tensor_groups
+from kvmove.sync.runner import SyncResult
+from kvmove.sync.schedule import PullPlan, SyncOptions
 from kvmove.sync.source import ShardedSource
 from kvmove.sync.strategies import Strategy
 from kvmove.sync.sync_step import SyncContext, build_result
-from kvmove.sync.trainer import TrainerRank, TrainerSync
+from kvmove.sync.trainer import TrainerRank
 from kvmove.sync.verify import verify_streaming
 from kvmove.transport import Transport, get_transport
 from kvmove.transport.gloo import GlooGroup
@@ -127,14 +124,15 @@ def _trainer_main(
     transport = _make_transport(config.transport, rank, config.trainer.world + config.engine.world, ports[1], device)
     state: dict[str, Any] = {}
 
-    def setup_slots(sizes: dict[str, tuple[int, int]]) -> tuple[Any, Any]:
+    def setup_slots(sizes: dict[str, tuple[int, int]]) -> TrainerEndpoint:
         slots = {s: [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(k)] for s, (k, n) in sizes.items()}
         descs = {s: [transport.register(t) for t in ts] for s, ts in slots.items()}
+        arena = transport.register(source.arena()[0])
         state["impl"] = TrainerRank(source, slots)
         for e, (packs, notes) in engines.items():
             threading.Thread(target=_serve_packs, args=(state["impl"], e, packs), daemon=True).start()
             threading.Thread(target=_serve_notes, args=(state["impl"], e, notes), daemon=True).start()
-        return transport.endpoint_info(), descs
+        return TrainerEndpoint(transport.endpoint_info(), descs, arena)
 
     def broadcast(host_: str, port: int, size: int, prefix: str) -> Any:
         pg = _group(host_, port, 0, size, prefix, device, config.deadline_s)[1] if rank == 0 else None
@@ -183,14 +181,12 @@ def _serve_notes(impl: TrainerRank, engine: int, conn: Any) -> None:
         impl.done(sync_id, group, engine)
 
 
-class _PipeClient:
+class _PipeClient(ByteReader):
     """TrainerClient over pipes (control) and the transport (bytes)."""
 
-    def __init__(
-        self, pipes: dict[int, Any], transport: Transport, slots: Any, recv: Any, strategy: str, timeout_s: float
-    ):
-        self.pipes, self.transport, self.slots, self.recv = pipes, transport, slots, recv
-        self.strategy, self.timeout_s = strategy, timeout_s
+    def __init__(self, pipes: dict[int, Any], reader: ByteReader, strategy: str, timeout_s: float):
+        super().__init__(reader.transport, reader.trainers, reader.recv, reader.params, strategy)
+        self.pipes, self.timeout_s = pipes, timeout_s
 
     def request(self, trainer: int, sync_id: int, pull_id: int) -> Any:
         self.pipes[trainer][0].send(("pack", sync_id, self.strategy, pull_id, self.timeout_s))
@@ -205,10 +201,6 @@ class _PipeClient:
         if status != "ok":
             raise KvmoveError(value)
         return int(value[0]), int(value[1])
-
-    def read(self, trainer: int, slot: int, recv: int, nbytes: int) -> float:
-        local = self.recv[self.strategy][recv]
-        return self.transport.read(self.slots[trainer][self.strategy][slot], local, [(0, 0, nbytes)]).seconds
 
     def finish(self, trainer: int, sync_id: int, group: int, slot: int) -> None:
         self.pipes[trainer][1].send(("finish", sync_id, self.strategy, group, slot))
@@ -228,17 +220,23 @@ def _engine_main(rank: int, config: LocalConfig, ports: tuple[int, int], ctrl: A
         state["plan"] = plan_rank(config.model, layout, coord, engine=adapter)
         return state["plan"]
 
-    def setup(pulls: dict[str, PullPlan], sizes: dict[str, tuple[int, int]], infos: dict[int, Any]) -> Any:
+    def setup(
+        pulls: dict[str, PullPlan],
+        sizes: dict[str, tuple[int, int]],
+        direct_params: list[str],
+        infos: dict[int, TrainerEndpoint],
+    ) -> Any:
         recv = {s: [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(k)] for s, (k, n) in sizes.items()}
-        state["recv"] = {s: [transport.register(t) for t in ts] for s, ts in recv.items()}
+        recv_descs = {s: [transport.register(t) for t in ts] for s, ts in recv.items()}
+        params = register_params(transport, model, direct_params)
         state["impl"] = EngineRank(model, state["plan"], recv)
-        state["pulls"], state["slots"] = pulls, {t: descs for t, (_, descs) in infos.items()}
-        for info, _ in infos.values():
-            transport.connect(info)
+        state["pulls"], state["reader"] = pulls, ByteReader(transport, infos, recv_descs, params, "")
+        for ep in infos.values():
+            transport.connect(ep.info)
         return transport.endpoint_info()
 
     def run_sync(sync_id: int, strategy: str, pipelined: bool) -> Any:
-        client = _PipeClient(trainers, transport, state["slots"], state["recv"], strategy, config.deadline_s)
+        client = _PipeClient(trainers, state["reader"], strategy, config.deadline_s)
         stats = state["impl"].run_sync(sync_id, strategy, state["pulls"][strategy], client, pipelined=pipelined)
         if device.startswith("cuda"):
             torch.cuda.synchronize(device)
@@ -307,80 +305,34 @@ class LocalCluster:
         return out
 
     def _init(self) -> None:
-        c, tl, el = self.config, self.config.trainer, self.config.engine
+        c, el = self.config, self.config.engine
         plans = self.call(self.engines, "plan")
         self.plans = tuple(plans[i] for i in range(el.ranks_per_replica))
-        ownership = Ownership(c.model, tl)
-        self.pulls: dict[str, tuple[PullPlan, ...]] = {}
-        self.groups: dict[str, dict[int, list[str]]] = {}
-        for s in c.strategies:
-            if s.scope == "root":
-                continue
-            groups = tensor_groups(c.model, tl, s, c.options)
-            self.pulls[s.name] = pull_plans(self.plans, el, route(self.plans, el, ownership, s), groups)
-            self.groups[s.name] = {g: [t.name for t in ts] for g, ts in groups.items()}
-        self.ownership = ownership
-        sizes = self._slot_sizes()
+        bp = self.blueprint = Blueprint(c.model, c.trainer, el, self.plans, c.strategies, c.options)
+        self.pulls = bp.pulls
+        sizes = bp.slot_sizes()
         infos = self.call_many([(t, ("setup_slots", sizes[r])) for r, t in enumerate(self.trainers)])
         self.trainer_info = dict(enumerate(infos))
         engine_infos = self.call(self.engines, "info")
         setups = [
-            (conn, ("setup", {s: p[e] for s, p in self.pulls.items()}, self._recv_sizes(e), self.trainer_info))
+            (
+                conn,
+                (
+                    "setup",
+                    {s: p[e] for s, p in self.pulls.items()},
+                    bp.recv_sizes(e),
+                    bp.direct_params(e),
+                    self.trainer_info,
+                ),
+            )
             for e, conn in enumerate(self.engines)
         ]
         two_sided = c.transport in ("nccl", "gloo")  # servers answer reads, so they connect to their readers too
         self.call_many(setups + ([(t, ("connect", engine_infos)) for t in self.trainers] if two_sided else []))
-        shapes = {t.name: t.shape for t in hf_tensors(c.model)}
-        for name, pps in self.pulls.items():
-            for pp in pps:
-                plan = self.plans[el.coord(pp.engine).local]
-                per_trainer: dict[int, dict[int, tuple[int, tuple[SliceSpec, ...]]]] = {}
-                for i, p in enumerate(pp.pulls):
-                    specs = tuple(SliceSpec.of(plan.regions[r], shapes[plan.regions[r].hf_name]) for r in p.regions)
-                    per_trainer.setdefault(p.trainer, {})[i] = (p.group, specs)
-                for t, specs_ in per_trainer.items():
-                    self.call([self.trainers[t]], "register_pulls", name, pp.engine, specs_)
-
-    def _pull_bytes(self, pull: Any, engine: int) -> int:
-        plan = self.plans[self.config.engine.coord(engine).local]
-        return pack_layout([plan.regions[r].nbytes for r in pull.regions]).nbytes
-
-    def _slot_sizes(self) -> list[dict[str, tuple[int, int]]]:
-        sizes: list[dict[str, tuple[int, int]]] = [{} for _ in range(self.config.trainer.world)]
-        for s, pps in self.pulls.items():
-            for t in range(self.config.trainer.world):
-                mine = [(p, pp.engine) for pp in pps for p in pp.pulls if p.trainer == t]
-                biggest = max((self._pull_bytes(p, e) for p, e in mine), default=16)
-                sizes[t][s] = (serve_slot_count(s, len({e for _, e in mine})), max(biggest, 16))
-        return sizes
-
-    def _recv_sizes(self, e: int) -> dict[str, tuple[int, int]]:
-        return {
-            s: (2 if s == "v3" else 1, max(max((self._pull_bytes(p, e) for p in pps[e].pulls), default=16), 16))
-            for s, pps in self.pulls.items()
-        }
-
-    def _trainer_syncs(self, strategy: Strategy, sync_id: int, version: int) -> list[TrainerSync]:
-        c = self.config
-        held: dict[int, set[str]] = {r: set() for r in range(c.trainer.world)}
-        for t in hf_tensors(c.model):
-            for h in self.ownership.slices(t):
-                held[h.rank].add(t.name)
-        lookahead = c.options.lookahead if strategy.name == "v3" else 0
-        out = []
-        for r in range(c.trainer.world):
-            groups = [
-                (g, mine)
-                for g, names in self.groups[strategy.name].items()
-                if (mine := tuple(names) if strategy.scope == "global" else tuple(n for n in names if n in held[r]))
-            ]
-            cons = {g: frozenset(es) for g, es in consumers(self.pulls[strategy.name], r).items()}
-            out.append(
-                TrainerSync(
-                    sync_id, version, strategy.name, strategy.scope, tuple(groups), cons, lookahead, c.deadline_s
-                )
-            )
-        return out
+        for name in self.pulls:
+            for e in range(el.world):
+                for t, specs in bp.specs(name, e).items():
+                    self.call([self.trainers[t]], "register_pulls", name, e, specs)
 
     def sync(self, strategy: Strategy, index: int, sync_id: int, version: int) -> SyncResult:
         c = self.config
@@ -393,7 +345,8 @@ class LocalCluster:
             for e, conn in enumerate(self.engines):
                 conn.send(("broadcast", self.host, port, 1 + e, size, f"bcast-{sync_id}"))
         else:
-            for t, ts in zip(self.trainers, self._trainer_syncs(strategy, sync_id, version), strict=True):
+            syncs = self.blueprint.trainer_syncs(strategy, sync_id, version, set(range(c.engine.world)), c.deadline_s)
+            for t, ts in zip(self.trainers, syncs, strict=True):
                 t.send(("run_sync", ts))
             for conn in self.engines:
                 conn.send(("run_sync", sync_id, strategy.name, strategy.name == "v3"))

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvmove.layout import EngineLayout
+from kvmove.sync.direct import DirectPlanner
 from kvmove.sync.ownership import Ownership
-from kvmove.sync.plan import ShardingPlan
+from kvmove.sync.plan import Box, ShardingPlan
 from kvmove.sync.strategies import Strategy
 
 
@@ -35,16 +36,29 @@ class SourceMap(NamedTuple):
         return [(e, i) for e, srcs in enumerate(self.sources) for i, t in enumerate(srcs) if t == trainer_rank]
 
 
-def route(plans: Sequence[ShardingPlan], layout: EngineLayout, ownership: Ownership, strategy: Strategy) -> SourceMap:
-    """Assign every region of every engine rank (all replicas) to one trainer rank holding it."""
-    cands: dict[str, tuple[int, ...]] = {}
+def route(
+    plans: Sequence[ShardingPlan],
+    layout: EngineLayout,
+    ownership: Ownership,
+    strategy: Strategy,
+    direct: DirectPlanner | None = None,
+) -> SourceMap:
+    """Assign every region of every engine rank (all replicas) to one trainer rank holding it.
+
+    With ``direct`` (stage scope only), a region goes to a rank whose *raw* shard contains it when there is one,
+    so it can be read from that rank's arena without a gather.
+    """
+    cands: dict[tuple[str, Box], tuple[int, ...]] = {}
     jobs: list[tuple[int, int, int, tuple[int, ...]]] = []  # (-bytes, engine rank, region index, candidates)
     for e in range(layout.world):
         plan = plans[layout.coord(e).local]
         for i, region in enumerate(plan.regions):
-            c = cands.get(region.hf_name)
+            c = cands.get((region.hf_name, region.box))
             if c is None:
-                c = cands[region.hf_name] = ownership.holders(region.hf_name, strategy.scope)
+                c = ownership.holders(region.hf_name, strategy.scope)
+                if direct is not None and strategy.scope == "stage":
+                    c = direct.shard_holders(region, c) or c
+                cands[(region.hf_name, region.box)] = c
             jobs.append((-region.nbytes, e, i, c))
     jobs.sort(key=lambda j: (len(j[3]) > 1, j[0], j[1], j[2]))
     loads = [0] * ownership.layout.world

@@ -11,7 +11,6 @@ re-initialized, at the next sync.
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -20,22 +19,13 @@ from kvmove.errors import KvmoveError
 from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models.config import ModelConfig
 from kvmove.models.tensors import hf_tensors, model_totals
+from kvmove.sync.blueprint import Blueprint
 from kvmove.sync.ownership import Ownership
-from kvmove.sync.packing import SliceSpec, pack_layout
 from kvmove.sync.plan import ShardingPlan
-from kvmove.sync.routing import route
-from kvmove.sync.schedule import PullPlan, SyncOptions, consumers, pull_plans, tensor_groups
+from kvmove.sync.schedule import SyncOptions
 from kvmove.sync.strategies import Strategy
 from kvmove.sync.trainer import TrainerSync
 from kvmove.sync.verify import check_verifiable
-
-SERVE_SLOTS = 4
-
-
-def serve_slot_count(strategy: str, consumers: int) -> int:
-    """Slots a trainer rank needs: one per engine rank that can have a pull in flight (two for v3's overlap)."""
-    return max(1, min(SERVE_SLOTS, consumers * (2 if strategy == "v3" else 1)))
-
 
 TWO_SIDED = ("gloo", "rdt-gloo")
 MEMORY_FRACTION = 0.6
@@ -232,16 +222,8 @@ class Cluster:
         ray.get([t.init_collectives.remote(host, port, config.deadline_s) for t in self.trainers])
         self._check_ownership()
         self.plans = self._build_plans(range(el.world))
-        self.ownership = Ownership(cfg, tl)
-        self.pulls: dict[str, tuple[PullPlan, ...]] = {}
-        self.groups: dict[str, dict[int, list[str]]] = {}
-        for s in config.strategies:
-            if s.scope == "root":
-                continue
-            groups = tensor_groups(cfg, tl, s, config.options)
-            smap = route(self.plans, el, self.ownership, s)
-            self.pulls[s.name] = pull_plans(self.plans, el, smap, groups)
-            self.groups[s.name] = {g: [t.name for t in ts] for g, ts in groups.items()}
+        self.blueprint = Blueprint(cfg, tl, el, self.plans, config.strategies, config.options)
+        self.pulls = self.blueprint.pulls
         self.trainer_info = self._setup_trainers()
         self.dead: set[int] = set()
         for e in range(el.world):
@@ -282,44 +264,21 @@ class Cluster:
                 raise KvmoveError(f"engine replicas disagree on the plan of local rank {plan.coord.local}")
         return tuple(by_local[i] for i in sorted(by_local))
 
-    def _specs(self, strategy: str, engine: int) -> dict[int, dict[int, tuple[int, tuple[SliceSpec, ...]]]]:
-        """Per trainer rank: the pull specs engine ``engine`` will request under ``strategy``."""
-        plan = self.plans[self.config.engine.coord(engine).local]
-        shapes = {t.name: t.shape for t in hf_tensors(self.config.model)}
-        out: dict[int, dict[int, tuple[int, tuple[SliceSpec, ...]]]] = defaultdict(dict)
-        for i, p in enumerate(self.pulls[strategy][engine].pulls):
-            specs = tuple(SliceSpec.of(plan.regions[r], shapes[plan.regions[r].hf_name]) for r in p.regions)
-            out[p.trainer][i] = (p.group, specs)
-        return out
-
     def _setup_trainers(self) -> dict[int, Any]:
-        sizes: dict[int, dict[str, tuple[int, int]]] = defaultdict(dict)
-        for s, pps in self.pulls.items():
-            biggest: dict[int, int] = defaultdict(int)
-            readers: dict[int, set[int]] = defaultdict(set)
-            for pp in pps:
-                plan = self.plans[self.config.engine.coord(pp.engine).local]
-                for p in pp.pulls:
-                    n = pack_layout([plan.regions[r].nbytes for r in p.regions]).nbytes
-                    biggest[p.trainer] = max(biggest[p.trainer], n)
-                    readers[p.trainer].add(pp.engine)
-            for t in range(self.config.trainer.world):
-                sizes[t][s] = (serve_slot_count(s, len(readers[t])), max(biggest[t], 16))
+        sizes = self.blueprint.slot_sizes()
         infos = self.ray.get([t.setup_slots.remote(sizes[r]) for r, t in enumerate(self.trainers)])
         return dict(enumerate(infos))
 
     def _setup_engine(self, e: int) -> None:
-        recv: dict[str, tuple[int, int]] = {}
-        plan = self.plans[self.config.engine.coord(e).local]
-        for s, pps in self.pulls.items():
-            n = max((pack_layout([plan.regions[r].nbytes for r in p.regions]).nbytes for p in pps[e].pulls), default=16)
-            recv[s] = (2 if s == "v3" else 1, max(n, 16))
+        bp = self.blueprint
         pulls = {s: pps[e] for s, pps in self.pulls.items()}
         trainers = dict(enumerate(self.trainers))
-        info = self.ray.get(self.engines[e].setup.remote(pulls, recv, trainers, self.trainer_info))
+        info = self.ray.get(
+            self.engines[e].setup.remote(pulls, bp.recv_sizes(e), bp.direct_params(e), trainers, self.trainer_info)
+        )
         calls = [t.connect.remote([info]) for t in self.trainers]
         for s in self.pulls:
-            for t, specs in self._specs(s, e).items():
+            for t, specs in bp.specs(s, e).items():
                 calls.append(self.trainers[t].register_pulls.remote(s, e, specs))
         self.ray.get(calls)
 
@@ -389,21 +348,4 @@ def trainer_syncs(cluster: Cluster, strategy: Strategy, sync_id: int, version: i
     """Each trainer rank's loop for this sync: its groups and the live consumers of each."""
     c = cluster.config
     live = set(range(c.engine.world)) - cluster.dead
-    pps = cluster.pulls[strategy.name]
-    held: dict[int, set[str]] = {r: set() for r in range(c.trainer.world)}
-    for t in hf_tensors(c.model):
-        for h in cluster.ownership.slices(t):
-            held[h.rank].add(t.name)
-    lookahead = c.options.lookahead if strategy.name == "v3" else 0
-    out = []
-    for r in range(c.trainer.world):
-        groups = []
-        for g, names in cluster.groups[strategy.name].items():
-            mine = tuple(names) if strategy.scope == "global" else tuple(n for n in names if n in held[r])
-            if mine:
-                groups.append((g, mine))
-        cons = {g: frozenset(es & live) for g, es in consumers(pps, r).items()}
-        out.append(
-            TrainerSync(sync_id, version, strategy.name, strategy.scope, tuple(groups), cons, lookahead, c.deadline_s)
-        )
-    return out
+    return cluster.blueprint.trainer_syncs(strategy, sync_id, version, live, c.deadline_s)

@@ -13,9 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models.config import ModelConfig
 from kvmove.models.tensors import TensorMeta, hf_tensors, layer_of
+from kvmove.sync.direct import DirectPlanner
 from kvmove.sync.ownership import shard_rule
 from kvmove.sync.plan import ShardingPlan
 from kvmove.sync.routing import SourceMap
@@ -30,6 +33,8 @@ class SyncOptions:
     """Decoder blocks per group."""
     lookahead: int = 1
     """Groups a trainer rank may gather ahead of the oldest group not yet released by every consumer."""
+    direct: bool = True
+    """v2/v3: read regions that lie in a trainer rank's raw shard straight from its arena (kvmove.sync.direct)."""
 
 
 def group_key(cfg: ModelConfig, trainer: TrainerLayout, strategy: Strategy, options: SyncOptions, name: str) -> int:
@@ -43,12 +48,17 @@ def group_key(cfg: ModelConfig, trainer: TrainerLayout, strategy: Strategy, opti
 
 
 class Pull(NamedTuple):
-    """One pull: engine rank ``engine`` gets regions ``regions`` (plan indices) of ``group`` from ``trainer``."""
+    """One pull: engine rank ``engine`` gets regions ``regions`` (plan indices) of ``group`` from ``trainer``.
+
+    A packed pull is packed by the trainer into a slot, read into a receive slot and loaded; a direct pull
+    (``direct`` non-empty) is read from the trainer's arena into the parameters: (parameter, byte spans).
+    """
 
     group: int
     trainer: int
     regions: tuple[int, ...]
     nbytes: int
+    direct: tuple[tuple[str, np.ndarray], ...] = ()
 
 
 class PullPlan(NamedTuple):
@@ -75,27 +85,56 @@ def pull_plans(
     layout: EngineLayout,
     source_map: SourceMap,
     groups: dict[int, list[TensorMeta]],
+    direct: DirectPlanner | None = None,
 ) -> tuple[PullPlan, ...]:
-    """Per engine rank: its regions bucketed by (group, source trainer), in group order."""
+    """Per engine rank: its regions bucketed by (group, source trainer, direct or packed), in group order.
+
+    With ``direct``, every region it can serve from the source's arena goes into that bucket's direct pull.
+    """
     group_of = {t.name: g for g, ts in groups.items() for t in ts}
     out = []
     for e in range(layout.world):
         plan = plans[layout.coord(e).local]
-        buckets: dict[tuple[int, int], list[int]] = defaultdict(list)
+        dtypes = {p.name: p.dtype for p in plan.params}
+        buckets: dict[tuple[int, int, bool], list[int]] = defaultdict(list)
+        spans: dict[int, np.ndarray] = {}
         for i, (region, src) in enumerate(zip(plan.regions, source_map.sources[e], strict=True)):
-            buckets[(group_of[region.hf_name], src)].append(i)
-        pulls = [
-            Pull(g, t, tuple(idx), sum(plan.regions[i].nbytes for i in idx)) for (g, t), idx in sorted(buckets.items())
-        ]
+            runs = direct.spans(region, src, dtypes[region.param]) if direct is not None else None
+            if runs is not None:
+                spans[i] = runs
+            buckets[(group_of[region.hf_name], src, runs is not None)].append(i)
+        pulls = []
+        for (g, t, is_direct), idx in sorted(buckets.items()):
+            nbytes = sum(plan.regions[i].nbytes for i in idx)
+            by_param: dict[str, list[np.ndarray]] = defaultdict(list)
+            for i in idx if is_direct else ():
+                by_param[plan.regions[i].param].append(spans[i])
+            runs_ = tuple((name, np.concatenate(rs)) for name, rs in by_param.items())
+            pulls.append(Pull(g, t, tuple(idx), nbytes, runs_))
         out.append(PullPlan(e, tuple(pulls)))
     return tuple(out)
 
 
+def packed(pull_plan: PullPlan) -> list[tuple[int, Pull]]:
+    """(pull id, pull) of the pulls the trainer packs (not direct)."""
+    return [(i, p) for i, p in enumerate(pull_plan.pulls) if not p.direct]
+
+
 def consumers(pull_plans_: Sequence[PullPlan], trainer_rank: int) -> dict[int, set[int]]:
-    """Group -> engine ranks that pull something of it from ``trainer_rank`` (the release barrier)."""
+    """Group -> engine ranks that pull something packed of it from ``trainer_rank`` (the release barrier)."""
     out: dict[int, set[int]] = defaultdict(set)
     for pp in pull_plans_:
-        for p in pp.pulls:
+        for _, p in packed(pp):
             if p.trainer == trainer_rank:
                 out[p.group].add(pp.engine)
     return dict(out)
+
+
+def packed_names(plans: Sequence[ShardingPlan], layout: EngineLayout, pull_plans_: Sequence[PullPlan]) -> set[str]:
+    """HF tensors some packed pull reads: the only ones a trainer must materialize (gather) in the sync."""
+    out: set[str] = set()
+    for pp in pull_plans_:
+        plan = plans[layout.coord(pp.engine).local]
+        for _, p in packed(pp):
+            out.update(plan.regions[r].hf_name for r in p.regions)
+    return out

@@ -16,6 +16,7 @@ from kvmove.layout import TrainerLayout
 from kvmove.models.config import ModelConfig
 from kvmove.models.tensors import TensorMeta, hf_tensors
 from kvmove.sync.collectives import Collectives
+from kvmove.sync.direct import ArenaLayout, arena_layout, shard_views
 from kvmove.sync.ownership import Ownership
 from kvmove.sync.plan import Box
 from kvmove.sync.verify import seeded_tensor
@@ -41,6 +42,11 @@ class WeightSource(ABC):
     @abstractmethod
     def materialize(self, names: Sequence[str], scope: str) -> Iterator[tuple[str, torch.Tensor | None]]: ...
 
+    def arena(self) -> tuple[torch.Tensor, ArenaLayout] | None:
+        """This rank's raw shards in one persistent uint8 buffer laid out by ``kvmove.sync.direct.arena_layout``
+        (updated in place each step), so engines can read them directly; None if the source has no such buffer."""
+        return None
+
 
 class ShardedSource(WeightSource):
     """One trainer rank's Megatron shards of a seeded model; ``set_version`` stands in for an optimizer step."""
@@ -59,24 +65,29 @@ class ShardedSource(WeightSource):
         self.ownership = Ownership(cfg, layout)
         self.version = -1
         self._metas = {t.name: t for t in hf_tensors(cfg)}
-        self._boxes = {}
-        for t in self._metas.values():
-            for h in self.ownership.slices(t):
-                if h.rank == rank:
-                    self._boxes[t.name] = h.box
-        self.shards: dict[str, torch.Tensor] = {}
+        self._layout = arena_layout(self.ownership, self._metas.values(), rank)
+        self._boxes = dict(self._layout.boxes)
+        self._arena = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=device)
+        self.shards: dict[str, torch.Tensor] = shard_views(
+            self._arena, self._layout, {n: t.dtype for n, t in self._metas.items()}
+        )
 
     @property
     def shard_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.shards.values())
 
     def set_version(self, version: int) -> None:
-        """Weights of training step ``version`` (deterministic: same seed and version, same bits everywhere)."""
-        self.shards = {}  # NOTE: drop the old version first, so two never coexist in device memory
+        """Weights of training step ``version`` (deterministic: same seed and version, same bits everywhere),
+        written in place into the arena (as an optimizer step updates parameters in place)."""
         for name, box in self._boxes.items():
             full = seeded_tensor(self._metas[name], self.seed, version, self.device)
-            self.shards[name] = full if box == Box.full(full.shape) else full[box.slices()].contiguous()
+            self.shards[name].copy_(full[box.slices()])
+        if self._arena.is_cuda:  # peers read the arena from other processes: the bytes must be in place
+            torch.cuda.current_stream(self._arena.device).synchronize()
         self.version = version
+
+    def arena(self) -> tuple[torch.Tensor, ArenaLayout]:
+        return self._arena, self._layout
 
     def metadata(self) -> list[TensorMeta]:
         return list(self._metas.values())

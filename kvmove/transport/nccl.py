@@ -7,6 +7,7 @@ communicator is ever used by two threads. ``backend="gloo"`` runs the same proto
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class NcclTransport(Transport):
         self._pairs: dict[tuple[int, int], Any] = {}
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._reader_streams: dict[int, Any] = {}
 
     @classmethod
     def is_available(cls) -> bool:
@@ -102,11 +104,28 @@ class NcclTransport(Transport):
     def _small(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
+    def _stream(self, stream: Any = None) -> contextlib.AbstractContextManager[Any]:
+        """A private CUDA stream for the calling thread's NCCL work.
+
+        NOTE: ``work.wait()`` makes the *current* stream wait for the NCCL stream. On the shared default stream
+        a serving thread's posted receive (waiting for the next request, possibly a whole sync away) would
+        stall every later kernel of the process, packs and gathers included: each thread gets its own stream.
+        """
+        if self.backend != "nccl":
+            return contextlib.nullcontext()
+        return torch.cuda.stream(stream or torch.cuda.Stream(self.device))
+
     def _read(self, peer: EndpointInfo, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> None:
         other = int(peer.payload)
         if (self.group.member, other) not in self._pairs:
             self._store.set(f"reader-{self.group.member}-{other}", "1")
         pg = self._pair(self.group.member, other)
+        if other not in self._reader_streams and self.backend == "nccl":
+            self._reader_streams[other] = torch.cuda.Stream(self.device)
+        with self._stream(self._reader_streams.get(other)):
+            self._pull(pg, remote, local, spans)
+
+    def _pull(self, pg: Any, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> None:
         pg.send([self._small([_READ, remote.buffer_id, len(spans)])], 1, 0).wait()
         pg.send([torch.from_numpy(np.ascontiguousarray(spans[:, [0, 2]])).to(self.device)], 1, 1).wait()
         status = self._small([0])
@@ -124,7 +143,10 @@ class NcclTransport(Transport):
             if self._closed:
                 return
             time.sleep(0.02)
-        pg = self._pair(reader, self.group.member)
+        with self._stream():
+            self._answer(reader, self._pair(reader, self.group.member))
+
+    def _answer(self, reader: int, pg: Any) -> None:
         header = self._small([0, 0, 0])
         while True:
             pg.recv([header], 0, 0).wait()

@@ -1,0 +1,114 @@
+"""Direct pulls (pure planning): engine parameters read straight out of a trainer rank's registered shard arena.
+
+A trainer rank keeps its raw shards (what it holds before any gather) in one *arena*: a single uint8 buffer,
+registered with the transport once, overwritten in place every training step (Megatron keeps its parameters in
+one contiguous buffer the same way). A region whose slice lies inside the raw shard of the rank serving it, and
+whose bytes land unchanged in an engine parameter of the same dtype, needs neither a gather, nor a pack on the
+trainer, nor a load on the engine: the engine reads it from the arena into the parameter itself, as byte spans.
+Everything else (slices spanning shards, dtype casts, loader ops that copy) keeps the packed path.
+
+Both sides derive the arena's offsets from :func:`arena_layout` of the same ownership, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvmove.errors import PlanError
+from kvmove.models.tensors import TensorMeta
+from kvmove.sync.ownership import Ownership
+from kvmove.sync.plan import Box, Region, relative_view
+from kvmove.sync.recording import StridedView
+
+ARENA_ALIGN = 256
+"""Byte alignment of every shard in an arena (a GPU copy's sweet spot; harmless on CPU)."""
+MIN_SPAN_BYTES = 4096
+"""Regions whose contiguous runs are shorter than this are packed instead: per-span costs would dominate."""
+MAX_SPANS = 4096
+"""Regions that split into more byte spans than this are packed instead."""
+
+
+class ArenaLayout(NamedTuple):
+    """Where each raw shard of one trainer rank lives in its arena: name -> (byte offset, box of the HF tensor)."""
+
+    offsets: dict[str, int]
+    boxes: dict[str, Box]
+    nbytes: int
+
+
+def arena_layout(ownership: Ownership, tensors: Iterable[TensorMeta], rank: int) -> ArenaLayout:
+    """The arena of trainer rank ``rank``: its raw shards in checkpoint order, each ``ARENA_ALIGN``-aligned."""
+    offsets: dict[str, int] = {}
+    boxes: dict[str, Box] = {}
+    at = 0
+    for t in tensors:
+        for h in ownership.slices(t):
+            if h.rank == rank:
+                offsets[t.name], boxes[t.name] = at, h.box
+                at += -(-h.box.numel * t.dtype.itemsize // ARENA_ALIGN) * ARENA_ALIGN
+    return ArenaLayout(offsets, boxes, max(at, ARENA_ALIGN))
+
+
+def shard_views(arena: torch.Tensor, layout: ArenaLayout, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+    """Each raw shard as a typed, shaped view of ``arena`` (writing a view writes the arena)."""
+    out = {}
+    for name, off in layout.offsets.items():
+        box, dtype = layout.boxes[name], dtypes[name]
+        out[name] = arena[off : off + box.numel * dtype.itemsize].view(dtype).view(box.shape)
+    return out
+
+
+def byte_spans(src: StridedView, dst: StridedView, itemsize: int) -> np.ndarray:
+    """``(n, 3)`` int64 (src byte, dst byte, nbytes) runs copying view ``src`` onto view ``dst`` (same shape).
+
+    The innermost dims that are contiguous on both sides form one run; the outer dims enumerate the runs.
+    """
+    if src.shape != dst.shape:
+        raise PlanError(f"views of different shapes {src.shape} and {dst.shape}")
+    inner, k = 1, len(src.shape)
+    while k > 0 and (src.shape[k - 1] == 1 or (src.stride[k - 1] == inner and dst.stride[k - 1] == inner)):
+        inner *= src.shape[k - 1]
+        k -= 1
+    s_off = np.array([src.offset], dtype=np.int64)
+    d_off = np.array([dst.offset], dtype=np.int64)
+    for d in range(k):
+        steps = np.arange(src.shape[d], dtype=np.int64)
+        s_off = (s_off[:, None] + steps[None, :] * src.stride[d]).reshape(-1)
+        d_off = (d_off[:, None] + steps[None, :] * dst.stride[d]).reshape(-1)
+    out = np.empty((len(s_off), 3), dtype=np.int64)
+    out[:, 0], out[:, 1], out[:, 2] = s_off * itemsize, d_off * itemsize, inner * itemsize
+    return out
+
+
+class DirectPlanner:
+    """Decides, per (region, serving trainer rank), whether the region is read straight from the arena."""
+
+    def __init__(self, ownership: Ownership, tensors: Sequence[TensorMeta]) -> None:
+        self.ownership = ownership
+        self.shapes = {t.name: t.shape for t in tensors}
+        self.arenas = [arena_layout(ownership, tensors, r) for r in range(ownership.layout.world)]
+
+    def spans(self, region: Region, trainer: int, param_dtype: torch.dtype) -> np.ndarray | None:
+        """Byte spans (arena offset, parameter offset, nbytes) of ``region`` served by ``trainer``, or None."""
+        arena = self.arenas[trainer]
+        box = arena.boxes.get(region.hf_name)
+        if box is None or region.src is None or region.dtype != param_dtype or not box.contains(region.box):
+            return None
+        try:
+            src = relative_view(region.src, self.shapes[region.hf_name], box)
+        except PlanError:
+            return None
+        runs = byte_spans(src, region.dst, region.dtype.itemsize)
+        if len(runs) > MAX_SPANS or int(runs[0, 2]) < MIN_SPAN_BYTES:
+            return None
+        runs[:, 0] += arena.offsets[region.hf_name]
+        return runs
+
+    def shard_holders(self, region: Region, candidates: Sequence[int]) -> tuple[int, ...]:
+        """The candidates whose raw shard contains the region (serving from them needs no gather)."""
+        boxes = ((r, self.arenas[r].boxes.get(region.hf_name)) for r in candidates)
+        return tuple(r for r, b in boxes if b is not None and b.contains(region.box))
