@@ -128,8 +128,6 @@ class Blueprint:
                     groups.append((g, mine))
             cons = {g: frozenset(es & live) for g, es in consumers(self.pulls[strategy.name], r).items()}
             out.append(
-                TrainerSync(
-                    sync_id, version, strategy.name, strategy.scope, tuple(groups), cons, lookahead, deadline_s
-                )
+                TrainerSync(sync_id, version, strategy.name, strategy.scope, tuple(groups), cons, lookahead, deadline_s)
             )
         return out

@@ -38,6 +38,7 @@ class TrainerClient(Protocol):
     def read(self, trainer: int, slot: int, recv: int, nbytes: int) -> float: ...
     def read_direct(self, trainer: int, spans: Sequence[tuple[str, Any]]) -> float:
         """Read (parameter, byte spans) runs from ``trainer``'s arena into the registered parameters; seconds."""
+
     def finish(self, trainer: int, sync_id: int, group: int, slot: int) -> None:
         """Free the trainer's slot and tell it this engine has all it pulls of ``group`` from it."""
 
