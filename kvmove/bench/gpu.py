@@ -17,6 +17,7 @@ Rows go to ``<out>/gpu.parquet`` labelled measured, with the GPU model as hardwa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -117,6 +118,10 @@ def _nccl_send_recv(nbytes: int, repeats: int) -> float:
     return seconds
 
 
+VARIANTS = (("v1", True), ("v2", True), ("v3", True), ("v2", False), ("v3", False), ("broadcast", True))
+"""(strategy, direct pulls): v2 and v3 run with direct pulls (the default) and with every region packed."""
+
+
 def weight_sync(
     layers: int,
     transports: list[str],
@@ -137,9 +142,10 @@ def weight_sync(
     say(f"weight sync: {cfg.name} with {layers} layers, {model_totals(cfg).total_bytes / 1e9:.1f} GB per sync")
     rows = []
     for transport in transports:
-        for strategy in ("v1", "v2", "v3", "broadcast"):
+        for strategy, direct in VARIANTS:
             if strategy == "broadcast" and transport != transports[0]:
                 continue  # the baseline is one NCCL collective whatever the pull transport
+            say(f"{transport} {strategy} ({'direct' if direct else 'packed'} pulls)")
             config = LocalConfig(
                 model=cfg,
                 trainer=TrainerLayout(),
@@ -148,7 +154,7 @@ def weight_sync(
                 transport=transport,
                 syncs=syncs,
                 verify=True,
-                options=SyncOptions(group_size=1, lookahead=1),
+                options=SyncOptions(group_size=1, lookahead=1, direct=direct),
                 trainer_devices=(devices[0],),
                 engine_devices=(devices[1],),
                 deadline_s=150,
@@ -258,13 +264,12 @@ def main(argv: list[str] | None = None) -> None:
         append_rows(args.out, "gpu", kv, labels)
         rows += kv
     if "sync" not in skip:
-        rows += weight_sync(
-            args.layers,
-            args.transports.split(","),
-            args.syncs,
-            say,
-            record=lambda r: append_rows(args.out, "gpu", r, labels),
-        )
+        p2p = next((r.gbps for r in rows if r.name.startswith("ceiling p2p")), 0.0)
+
+        def record(new: list[Row]) -> None:  # every sync figure is held to the P2P copy measured in this run
+            append_rows(args.out, "gpu", [dataclasses.replace(r, link_limit_gbps=p2p) for r in new], labels)
+
+        rows += weight_sync(args.layers, args.transports.split(","), args.syncs, say, record=record)
     say(f"{len(rows)} rows -> {args.out / 'gpu.parquet'}")
 
 

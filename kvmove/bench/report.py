@@ -109,7 +109,8 @@ def sync_table(rows: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     df["constraints"] = df["extra_d"].map(lambda e: e.get("constraints", ""))
     df["hardware"] = df["hardware"].fillna("")
-    keys = ["kind", "model", "trainer", "engine", "constraints", "hardware", "strategy", "transport"]
+    df["pulls"] = [_pulls(k, s, e) for k, s, e in zip(df["kind"], df["strategy"], df["extra_d"], strict=True)]
+    keys = ["kind", "model", "trainer", "engine", "constraints", "hardware", "strategy", "pulls", "transport"]
     for k in keys:
         df[k] = df[k].fillna("").astype(str)
     out = df.groupby(keys, sort=False).agg(
@@ -128,6 +129,14 @@ def sync_table(rows: pd.DataFrame) -> pd.DataFrame:
         out[f"speedup_vs_{base}"] = out[f"ref_{base}"] / out["seconds"]
         out = out.drop(columns=f"ref_{base}")
     return out
+
+
+def _pulls(kind: str, strategy: str, extra: dict[str, Any]) -> str:
+    """How a measured v2/v3 sync moved its regions: "direct" (from trainer arenas where possible) or "packed"
+    (every region packed; rows written before direct pulls existed carry no flag and were packed)."""
+    if kind != "measured" or strategy not in ("v2", "v3"):
+        return ""
+    return "direct" if extra.get("direct") else "packed"
 
 
 def published_table(rows: pd.DataFrame) -> pd.DataFrame:
