@@ -118,8 +118,19 @@ def _nccl_send_recv(nbytes: int, repeats: int) -> float:
     return seconds
 
 
-VARIANTS = (("v1", True), ("v2", True), ("v3", True), ("v2", False), ("v3", False), ("broadcast", True))
-"""(strategy, direct pulls): v2 and v3 run with direct pulls (the default) and with every region packed."""
+VARIANTS = "v1,v2,v3,v2:packed,v3:packed,broadcast"
+"""Strategies to run; ``:packed`` turns direct pulls off (every region packed), so both are measured."""
+
+
+def parse_variants(text: str) -> list[tuple[str, bool]]:
+    """``"v3,v3:packed"`` -> [("v3", True), ("v3", False)]: (strategy, direct pulls)."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, _, mode = item.partition(":")
+        if mode not in ("", "packed", "direct"):
+            raise SystemExit(f"unknown variant {item!r} (strategy[:packed|:direct])")
+        out.append((name, mode != "packed"))
+    return out
 
 
 def weight_sync(
@@ -130,6 +141,7 @@ def weight_sync(
     model: str = "qwen3-235b-a22b",
     devices: tuple[str, str] = ("cuda:0", "cuda:1"),
     record: Callable[[list[Row]], object] = lambda rows: None,
+    variants: str = VARIANTS,
 ) -> list[Row]:
     from kvmove.bench.syncs import sync_row
     from kvmove.layout import EngineLayout, TrainerLayout
@@ -142,7 +154,7 @@ def weight_sync(
     say(f"weight sync: {cfg.name} with {layers} layers, {model_totals(cfg).total_bytes / 1e9:.1f} GB per sync")
     rows = []
     for transport in transports:
-        for strategy, direct in VARIANTS:
+        for strategy, direct in parse_variants(variants):
             if strategy == "broadcast" and transport != transports[0]:
                 continue  # the baseline is one NCCL collective whatever the pull transport
             say(f"{transport} {strategy} ({'direct' if direct else 'packed'} pulls)")
@@ -241,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--transports", default="cuda-ipc,nccl")
     p.add_argument("--prompt-lens", default="1024,4096,16384,32768")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: ceilings,sync,kv")
+    p.add_argument("--variants", default=VARIANTS, help="strategies to sync, strategy[:packed], comma-separated")
+    p.add_argument("--p2p-gbps", type=float, default=0.0, help="P2P ceiling of this run when ceilings are skipped")
     args = p.parse_args(argv)
     if torch.cuda.device_count() < 2:
         raise SystemExit("kvmove.bench.gpu needs two CUDA GPUs")
@@ -264,12 +278,13 @@ def main(argv: list[str] | None = None) -> None:
         append_rows(args.out, "gpu", kv, labels)
         rows += kv
     if "sync" not in skip:
-        p2p = next((r.gbps for r in rows if r.name.startswith("ceiling p2p")), 0.0)
+        p2p = next((r.gbps for r in rows if r.name.startswith("ceiling p2p")), args.p2p_gbps)
 
         def record(new: list[Row]) -> None:  # every sync figure is held to the P2P copy measured in this run
             append_rows(args.out, "gpu", [dataclasses.replace(r, link_limit_gbps=p2p) for r in new], labels)
 
-        rows += weight_sync(args.layers, args.transports.split(","), args.syncs, say, record=record)
+        transports = args.transports.split(",")
+        rows += weight_sync(args.layers, transports, args.syncs, say, record=record, variants=args.variants)
     say(f"{len(rows)} rows -> {args.out / 'gpu.parquet'}")
 
 

@@ -1,8 +1,12 @@
 """NCCL point-to-point: pulls emulated over send/recv, one communicator per (reader, server) direction.
 
-NCCL is two-sided: the server runs one serving thread per connected reader, which receives a request
-(buffer id and spans) and sends the spans back. Each direction has its own two-member communicator, so no
-communicator is ever used by two threads. ``backend="gloo"`` runs the same protocol on CPU (for tests).
+NCCL is two-sided: the server runs one serving thread per connected reader. A read is a request (buffer id
+and spans) posted in the group's TCP store, an acknowledgement there (the server checked the buffer and the
+bounds), then the spans as NCCL sends matched by the reader's receives. Requests travel over the store, not
+NCCL, on purpose: an NCCL receive posted while waiting for the next request would sit on the GPU for as long
+as the wait lasts, and any implicitly device-synchronizing call of that process (a ``cudaFree`` by the caching
+allocator, say) would then never return. Each direction has its own two-member communicator and each thread
+its own CUDA stream. ``backend="gloo"`` runs the same protocol on CPU (for tests).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class NcclTransport(Transport):
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._reader_streams: dict[int, Any] = {}
+        self._seq: dict[int, int] = {}
 
     @classmethod
     def is_available(cls) -> bool:
@@ -101,9 +106,6 @@ class NcclTransport(Transport):
         thread.start()
         self._threads.append(thread)
 
-    def _small(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
-
     def _stream(self, stream: Any = None) -> contextlib.AbstractContextManager[Any]:
         """A private CUDA stream for the calling thread's NCCL work.
 
@@ -117,25 +119,25 @@ class NcclTransport(Transport):
 
     def _read(self, peer: EndpointInfo, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> None:
         other = int(peer.payload)
+        key = f"pull/{self.group.member}/{other}"
         if (self.group.member, other) not in self._pairs:
             self._store.set(f"reader-{self.group.member}-{other}", "1")
         pg = self._pair(self.group.member, other)
-        if other not in self._reader_streams and self.backend == "nccl":
+        seq = self._seq[other] = self._seq.get(other, 0) + 1
+        request = np.concatenate(([_READ, remote.buffer_id, len(spans)], spans[:, [0, 2]].ravel())).astype(np.int64)
+        self._store.set(f"{key}/req/{seq}", request.tobytes())  # type: ignore[arg-type]  # bytes are fine
+        status = self._store.get(f"{key}/ack/{seq}").decode()
+        self._store.delete_key(f"{key}/ack/{seq}")
+        if status:
+            raise TransportError(status)
+        if self.backend == "nccl" and other not in self._reader_streams:
             self._reader_streams[other] = torch.cuda.Stream(self.device)
         with self._stream(self._reader_streams.get(other)):
-            self._pull(pg, remote, local, spans)
-
-    def _pull(self, pg: Any, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> None:
-        pg.send([self._small([_READ, remote.buffer_id, len(spans)])], 1, 0).wait()
-        pg.send([torch.from_numpy(np.ascontiguousarray(spans[:, [0, 2]])).to(self.device)], 1, 1).wait()
-        status = self._small([0])
-        pg.recv([status], 1, 2).wait()
-        if int(status.item()) != 0:
-            raise TransportError(f"buffer {remote.buffer_id} is not registered with endpoint {remote.endpoint}")
-        for lo, n in spans[:, 1:].tolist():
-            pg.recv([local[lo : lo + n]], 1, 3).wait()
-        if local.is_cuda:
-            torch.cuda.current_stream(local.device).synchronize()
+            works = [pg.recv([local[lo : lo + n]], 1, 0) for lo, n in spans[:, 1:].tolist()]
+            for w in works:
+                w.wait()
+            if local.is_cuda:
+                torch.cuda.current_stream(local.device).synchronize()
 
     def _serve(self, reader: int) -> None:
         key = f"reader-{reader}-{self.group.member}"
@@ -147,24 +149,45 @@ class NcclTransport(Transport):
             self._answer(reader, self._pair(reader, self.group.member))
 
     def _answer(self, reader: int, pg: Any) -> None:
-        header = self._small([0, 0, 0])
+        key, seq = f"pull/{reader}/{self.group.member}", 0
         while True:
-            pg.recv([header], 0, 0).wait()
-            op, buffer_id, count = (int(x) for x in header.tolist())
+            seq += 1
+            request = self._next_request(f"{key}/req/{seq}")
+            if request is None:
+                return
+            op, buffer_id, count = (int(x) for x in request[:3])
             if op == _STOP:
                 return
-            spans = torch.empty((count, 2), dtype=torch.int64, device=self.device)
-            pg.recv([spans], 0, 1).wait()
+            spans = request[3:].reshape(count, 2)
             buf = self._buffers.get(buffer_id)
-            pg.send([self._small([0 if buf is not None else 1])], 0, 2).wait()
-            if buf is None:
+            status = "" if buf is not None else f"buffer {buffer_id} is not registered with endpoint {self.endpoint}"
+            if buf is not None and len(spans) and int((spans[:, 0] + spans[:, 1]).max()) > buf.numel():
+                status = f"a span ends past the {buf.numel()}-byte buffer {buffer_id} of {self.endpoint}"
+            self._store.set(f"{key}/ack/{seq}", status)
+            if status or buf is None:
                 continue
-            for ro, n in spans.tolist():
-                pg.send([buf[ro : ro + n]], 0, 3).wait()
+            works = [pg.send([buf[ro : ro + n]], 0, 0) for ro, n in spans.tolist()]
+            for w in works:
+                w.wait()
             if buf.is_cuda:
                 torch.cuda.current_stream(buf.device).synchronize()
 
+    def _next_request(self, key: str) -> np.ndarray | None:
+        """The request posted under ``key`` (waits for it; None once this endpoint is closed)."""
+        while True:
+            try:
+                self._store.wait([key], timedelta(seconds=1))
+                break
+            except Exception:  # the store's timeout: look whether we were closed, then wait on
+                if self._closed:
+                    return None
+        request = np.frombuffer(self._store.get(key), dtype=np.int64)
+        self._store.delete_key(key)
+        return request
+
     def _close(self) -> None:
-        for (reader, _server), pg in list(self._pairs.items()):
+        for reader, server in list(self._pairs):
             if reader == self.group.member:  # stop the peer's thread that serves our reads
-                pg.send([self._small([_STOP, 0, 0])], 1, 0).wait()
+                seq = self._seq[server] = self._seq.get(server, 0) + 1
+                stop = np.array([_STOP, 0, 0], np.int64).tobytes()
+                self._store.set(f"pull/{reader}/{server}/req/{seq}", stop)  # type: ignore[arg-type]

@@ -30,3 +30,31 @@ def test_local_syncs_verify_without_ray(transport: str, trainer: str) -> None:
     assert [r.strategy for r in results] == ["v1", "v2", "v3", "broadcast"]
     assert all(r.verified for r in results)
     assert len({r.bytes for r in results[:3]}) == 1 and results[3].bytes == 2 * 2 * 256_192
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["nccl", "cuda-ipc"])
+@pytest.mark.parametrize("direct", [True, False])
+def test_gpu_syncs_repeat_without_hanging(transport: str, direct: bool) -> None:
+    """Regression: the nccl pull transport used to hang at the second sync (a receive posted on the GPU while
+    waiting for the next request blocked the trainer's next device-synchronizing call)."""
+    import torch
+
+    from kvmove.sync.schedule import SyncOptions
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    config = LocalConfig(
+        model=resolve_model("qwen3-moe-tiny"),
+        trainer=TrainerLayout.parse("tp=2,ep=2"),
+        engine=EngineLayout.parse("tp=2"),
+        strategies=tuple(parse_strategies("v2,v3")),
+        transport=transport,
+        syncs=3,
+        options=SyncOptions(direct=direct),
+        trainer_devices=("cuda:0",),
+        engine_devices=("cuda:1",),
+        deadline_s=60,
+    )
+    results = list(run_local(config))
+    assert len(results) == 6 and all(r.verified for r in results)
