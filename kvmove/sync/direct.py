@@ -12,6 +12,7 @@ Both sides derive the arena's offsets from :func:`arena_layout` of the same owne
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -40,12 +41,35 @@ class ArenaLayout(NamedTuple):
     nbytes: int
 
 
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts\.)(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_PROJ_FAMILY = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+
+
+def arena_order(tensors: Iterable[TensorMeta]) -> list[TensorMeta]:
+    """Checkpoint order, except that each layer's routed experts are grouped as a fused MoE layer holds them:
+    every expert's gate and up projection back to back, expert after expert, then every expert's down
+    projection (Megatron's grouped-GEMM weights are laid out this way too). An engine's fused ``w13``/``w2``
+    parameter then reads one contiguous run of the arena instead of one run per expert."""
+    ts = list(tensors)
+    keys: dict[str, tuple[int, int, int]] = {}
+    first: dict[str, int] = {}
+    for i, t in enumerate(ts):
+        m = _EXPERT.match(t.name)
+        if m is None:
+            keys[t.name] = (i, 0, 0)
+            continue
+        family, within = _PROJ_FAMILY[m["proj"]]
+        at = first.setdefault(m["prefix"] + family, i)
+        keys[t.name] = (at, int(m["expert"]), within)
+    return sorted(ts, key=lambda t: keys[t.name])
+
+
 def arena_layout(ownership: Ownership, tensors: Iterable[TensorMeta], rank: int) -> ArenaLayout:
-    """The arena of trainer rank ``rank``: its raw shards in checkpoint order, each ``ARENA_ALIGN``-aligned."""
+    """The arena of trainer rank ``rank``: its raw shards in :func:`arena_order`, each ``ARENA_ALIGN``-aligned."""
     offsets: dict[str, int] = {}
     boxes: dict[str, Box] = {}
     at = 0
-    for t in tensors:
+    for t in arena_order(tensors):
         for h in ownership.slices(t):
             if h.rank == rank:
                 offsets[t.name], boxes[t.name] = at, h.box

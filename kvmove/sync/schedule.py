@@ -23,6 +23,7 @@ from kvmove.sync.ownership import shard_rule
 from kvmove.sync.plan import ShardingPlan
 from kvmove.sync.routing import SourceMap
 from kvmove.sync.strategies import Strategy
+from kvmove.transport.base import coalesce
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def pull_plans(
             by_param: dict[str, list[np.ndarray]] = defaultdict(list)
             for i in idx if is_direct else ():
                 by_param[plan.regions[i].param].append(spans[i])
-            runs_ = tuple((name, np.concatenate(rs)) for name, rs in by_param.items())
+            runs_ = tuple((name, coalesce(np.concatenate(rs))) for name, rs in by_param.items())
             pulls.append(Pull(g, t, tuple(idx), nbytes, runs_))
         out.append(PullPlan(e, tuple(pulls)))
     return tuple(out)
