@@ -110,7 +110,10 @@ def sync_table(rows: pd.DataFrame) -> pd.DataFrame:
     df["constraints"] = df["extra_d"].map(lambda e: e.get("constraints", ""))
     df["hardware"] = df["hardware"].fillna("")
     df["pulls"] = [_pulls(k, s, e) for k, s, e in zip(df["kind"], df["strategy"], df["extra_d"], strict=True)]
-    keys = ["kind", "model", "trainer", "engine", "constraints", "hardware", "strategy", "pulls", "transport"]
+    # NOTE: measured rows are grouped per commit, so speedups compare syncs of one run, never across code versions
+    commits = zip(df["kind"], df["git_commit"].fillna(""), strict=True)
+    df["commit"] = [str(c)[:8] if k == "measured" else "" for k, c in commits]
+    keys = ["kind", "model", "trainer", "engine", "constraints", "hardware", "commit", "strategy", "pulls", "transport"]
     for k in keys:
         df[k] = df[k].fillna("").astype(str)
     out = df.groupby(keys, sort=False).agg(
@@ -122,7 +125,7 @@ def sync_table(rows: pd.DataFrame) -> pd.DataFrame:
     )
     out = out.reset_index()
     out["pct_of_link_limit"] = (100 * out["gbps"] / out["link_limit_gbps"]).where(out["link_limit_gbps"] > 0)
-    setup = ["kind", "model", "trainer", "engine", "constraints", "hardware"]
+    setup = ["kind", "model", "trainer", "engine", "constraints", "hardware", "commit"]
     for base in ("v1", "broadcast"):
         ref = out[out["strategy"] == base].groupby(setup)["seconds"].min().rename(f"ref_{base}")
         out = out.join(ref, on=setup)
