@@ -8,6 +8,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import pytest
 
+pytest_plugins = ["server_fixtures"]  # kvmove servers in threads: start_server, pair, pair_over, transport
+
 
 @pytest.fixture(scope="session")
 def ray_session():

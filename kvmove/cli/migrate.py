@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from kvmove.cli.options import JsonOpt, ModelOpt
+from kvmove.cli.serve import TransportOpt, warn_fallback
 from kvmove.errors import KvmoveError
 
 
@@ -23,7 +24,7 @@ def migrate(
     model: ModelOpt = "qwen3-tiny",
     num_pages: Annotated[int, typer.Option("--num-pages", min=8, help="KV pages per worker.")] = 128,
     page_size: Annotated[int, typer.Option("--page-size", min=1, help="Tokens per KV page.")] = 16,
-    transport: Annotated[str, typer.Option("--transport", help="KV data plane between servers: nixl.")] = "nixl",
+    transport: TransportOpt = "auto",
     seed: Annotated[int, typer.Option("--seed", help="Seed of weights and prompts.")] = 1,
     baseline: Annotated[
         bool, typer.Option("--baseline/--no-baseline", help="Also run the workload without migration (p50/p99).")
@@ -57,12 +58,13 @@ def migrate(
     need = -(-(prompt_len + cfg.suffix_len + new_tokens) // page_size)
     if need * requests > num_pages - 1:
         raise KvmoveError(f"{requests} requests of {need} pages do not fit in --num-pages {num_pages}")
+    choice = warn_fallback(transport)
     base = ServerConfig(
         model=model,
         seed=seed,
         num_pages=num_pages,
         page_size=page_size,
-        transport=transport,
+        transport=choice.name,
         enable_kv_migration=True,
         max_prefill_tokens=4096,
     )
@@ -75,14 +77,14 @@ def migrate(
                 runs.append(run_workload(clients, cfg, False, pool))
         for c in clients:
             c.close()
-    link = _link_gbps(transport, runs[0]) if measure_link else None
-    lines = summarize(runs, link)
+    link = _link_gbps(choice.name, runs[0]) if measure_link else None
+    lines = summarize(runs, link, choice)
     for line in lines:
         typer.echo(json.dumps(line) if as_json else _text(line))
     if not no_record:
         from kvmove.bench.results import append_rows
 
-        append_rows(results, "migration", rows_for(lines, model, transport))
+        append_rows(results, "migration", rows_for(lines, model, choice.name))
     if not all(line["verified"] and line["integrity_ok"] for line in lines):
         raise KvmoveError("a migrated request diverged from its unmigrated run or a worker failed its integrity check")
 
@@ -95,5 +97,5 @@ def _link_gbps(transport: str, run: Any) -> float:
 
 
 def _text(line: dict[str, Any]) -> str:
-    keys = ("kind", "rid", "migrations", "verified", "bytes", "seconds", "gbps", "integrity_ok")
+    keys = ("kind", "rid", "migrations", "verified", "bytes", "seconds", "gbps", "integrity_ok", "transport")
     return "  ".join(f"{k}={line[k]}" for k in keys if k in line)

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvmove.cli.options import ModelOpt
 from kvmove.server.config import LOOPBACK, ServerConfig
+
+if TYPE_CHECKING:
+    from kvmove.migration.endpoint import TransportChoice
+
+TransportOpt = Annotated[
+    str,
+    typer.Option(
+        "--transport", help="KV data plane between servers: auto (nixl if installed, else http), nixl or http."
+    ),
+]
 
 
 def serve(
@@ -34,7 +44,7 @@ def serve(
     ] = 2048,
     dtype: Annotated[str, typer.Option("--dtype", help="KV and compute dtype: float32 or bfloat16.")] = "float32",
     weight_version: Annotated[str, typer.Option("--weight-version", help="Namespace of cached K/V.")] = "0",
-    transport: Annotated[str, typer.Option("--transport", help="KV data plane between servers: nixl.")] = "nixl",
+    transport: TransportOpt = "auto",
     max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help="Larger request bodies get 413.")] = 8 << 20,
     peer_timeout: Annotated[float, typer.Option("--peer-timeout", help="Seconds to wait for a peer server.")] = 60.0,
 ) -> None:
@@ -44,6 +54,8 @@ def serve(
     """
     from kvmove.server.launch import serve as run  # NOTE: fastapi/uvicorn are the optional `serve` extra
 
+    if enable_kv_migration:
+        warn_fallback(transport)
     run(
         ServerConfig(
             host=host,
@@ -65,3 +77,13 @@ def serve(
             peer_timeout=peer_timeout,
         )
     )
+
+
+def warn_fallback(transport: str) -> TransportChoice:
+    """What ``--transport`` resolves to; a warning line on stderr when ``auto`` falls back to http."""
+    from kvmove.migration.endpoint import choose_transport
+
+    choice = choose_transport(transport)
+    if choice.fallback:
+        typer.echo(f"kvmove: warning: {choice.note}", err=True)
+    return choice

@@ -111,7 +111,7 @@ def transfer_body(
     indices = {(r.tp, r.pp): r.kv_indices for r in alloc.per_rank_kv_indices}
     targets = [
         m.TransferTarget(
-            **r.model_dump(include={"tp", "pp", "session_id", "host_kv_data_ptrs", "host_kv_item_lens"}),
+            **r.model_dump(include={"tp", "pp", "session_id", "host_kv_data_ptrs", "host_kv_item_lens", "transport"}),
             kv_indices=indices[(r.tp, r.pp)],
         )
         for r in sessions.ranks

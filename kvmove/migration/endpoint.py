@@ -1,38 +1,91 @@
 """A rank's host KV endpoint: the host pool, registered once with a transport, and one-sided pulls of pages.
 
-Direction: the **target pulls** (one-sided NIXL READ from the source's registered host pool into its own). The
-target computes every local byte range from the host pages it allocated for the migration, so a peer can never
-make it write outside them; the source only names which of its own (staged) pages to read.
+Direction: the **target pulls** from the source's registered host pool into its own: a one-sided NIXL READ, or,
+where NIXL is absent, an HTTP read answered by the source's server (``http``, a slower fallback). The target
+computes every local byte range from the host pages it allocated for the migration, so a peer can never make it
+write outside them; the source only names which of its own (staged) pages to read. Over ``http`` the source also
+lets the target read only those pages, only until the transfer returns (``offer``/``withdraw``); NIXL cannot
+restrict a one-sided READ, so there a peer holding the agent metadata may read the whole registered pool.
 """
 
 from __future__ import annotations
 
 import base64
 import threading
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
+from kvmove.errors import KvmoveError, MissingDependencyError
 from kvmove.kvcache import HostKVPool, KVGeometry
 from kvmove.migration.errors import MigrationError, PeerUnreachableError
 from kvmove.migration.messages import BufferInfo, SourceEndpoint
-from kvmove.migration.session import geometry_info
-from kvmove.transport import BufferDesc, EndpointInfo, TransferStats, Transport, TransportError, get_transport
+from kvmove.migration.session import check_transport, geometry_info
+from kvmove.transport import (
+    TRANSPORTS,
+    BufferDesc,
+    EndpointInfo,
+    HttpTransport,
+    NixlTransport,
+    TransferStats,
+    Transport,
+    TransportError,
+)
+from kvmove.transport.http_route import ReadAnswer, ReadRefused
 
-SERVER_TRANSPORTS = ("nixl",)
-"""Transports that work between two plain server processes without a shared process group."""
+SERVER_TRANSPORTS: dict[str, Callable[[str], Transport]] = {
+    "nixl": lambda url: NixlTransport(),
+    "http": lambda url: HttpTransport(url=url or None),
+}
+"""Transports that move KV between two plain server processes, in the order ``auto`` tries them, each built from
+the base URL of the server it lives in (the ``http`` one serves its reads through that server's routes)."""
+
+FALLBACK_NOTE = "NIXL is not installed (pip install 'kvmove[nixl]'); KV pages move over HTTP, a slower fallback"
+
+
+class TransportChoice(NamedTuple):
+    """The data plane a server uses: ``name``, what was ``requested``, and ``note`` saying why auto fell back."""
+
+    name: str
+    requested: str
+    note: str = ""
+
+    @property
+    def fallback(self) -> bool:
+        return bool(self.note)
+
+
+def choose_transport(requested: str) -> TransportChoice:
+    """``auto``: nixl where it imports, else http (noted: ``FALLBACK_NOTE``); ``nixl`` or ``http`` as asked.
+
+    An unknown name, or a named transport that is not installed, is a KvmoveError naming what to do.
+    """
+    if requested == "auto":
+        name = next((n for n in SERVER_TRANSPORTS if TRANSPORTS[n].is_available()), None)
+        if name is None:
+            raise MissingDependencyError("no KV transport is installed here: pip install 'kvmove[serve]'")
+        return TransportChoice(name, requested, "" if name == "nixl" else FALLBACK_NOTE)
+    if requested not in SERVER_TRANSPORTS:
+        known = ", ".join(["auto", *SERVER_TRANSPORTS])
+        raise KvmoveError(f"transport {requested!r} cannot move KV between servers (use one of: {known})")
+    if not TRANSPORTS[requested].is_available():
+        hint = f"pip install 'kvmove[{TRANSPORTS[requested].extra}]'"
+        hint += " (or --transport http, a slower fallback)" if requested == "nixl" else ""
+        raise MissingDependencyError(f"transport {requested!r} is not installed here: {hint}")
+    return TransportChoice(requested, requested)
 
 
 class HostEndpoint:
-    """The host pool of one rank and its transport endpoint; thread-safe (one lock around the transport)."""
+    """The host pool of one rank and its transport endpoint; thread-safe (one lock around the transport's reads).
 
-    def __init__(self, geometry: KVGeometry, num_pages: int, transport: str = "nixl") -> None:
-        cls = get_transport(transport)
-        if cls.name not in SERVER_TRANSPORTS:
-            raise MigrationError(
-                f"transport {cls.name!r} cannot move KV between server processes (use one of {SERVER_TRANSPORTS})"
-            )
+    ``transport``: auto, nixl or http (``choose_transport``); ``url``: the base URL of this rank's server.
+    """
+
+    def __init__(self, geometry: KVGeometry, num_pages: int, transport: str = "auto", url: str = "") -> None:
+        self.choice = choose_transport(transport)
         self.pool = HostKVPool(geometry, num_pages)
-        self.transport: Transport = cls()
+        self.transport: Transport = SERVER_TRANSPORTS[self.choice.name](url)
         self._descs = [self.transport.register(_as_bytes(b)) for b in self.pool.buffers()]
         self._lock = threading.Lock()
         self._pool_lock = threading.Lock()
@@ -50,8 +103,20 @@ class HostEndpoint:
     def transport_name(self) -> str:
         return self.transport.name
 
-    def describe(self, session_id: str, weight_version: str) -> SourceEndpoint:
-        info = self.transport.endpoint_info()
+    @property
+    def open_grants(self) -> int:
+        """Reads this rank currently lets a peer make (``http``; always 0 for NIXL, which cannot restrict them)."""
+        return self.transport.open_grants if isinstance(self.transport, HttpTransport) else 0
+
+    def offer(self, session_id: str, weight_version: str, pages: torch.Tensor) -> SourceEndpoint:
+        """This rank's endpoint as the target of one transfer sees it: over ``http`` it may read ``pages`` of
+        every host buffer and nothing else, until ``withdraw``."""
+        if isinstance(self.transport, HttpTransport):
+            item = self.pool.item_lens()[0]
+            spans = [(p * item, item) for p in pages.tolist()]
+            info = self.transport.grant({d.buffer_id: spans for d in self._descs})
+        else:
+            info = self.transport.endpoint_info()  # NOTE: a NIXL peer can READ any registered byte regardless
         return SourceEndpoint(
             session_id=session_id,
             transport=info.transport,
@@ -65,10 +130,23 @@ class HostEndpoint:
             weight_version=weight_version,
         )
 
+    def withdraw(self, offer: SourceEndpoint) -> None:
+        """End what ``offer`` allowed: from now on the target's reads of those pages are refused."""
+        if isinstance(self.transport, HttpTransport):
+            self.transport.revoke(_endpoint_info(offer))
+
+    def serve(self, body: bytes) -> ReadAnswer:
+        """A peer's HTTP read of pages this rank offered it (``http`` only; ReadRefused with the status otherwise).
+
+        NOTE: never takes ``_lock``: two servers pulling from each other at once would deadlock.
+        """
+        if not isinstance(self.transport, HttpTransport):
+            raise ReadRefused(404, f"this rank moves KV over {self.transport.name}; HTTP reads serve only http")
+        return self.transport.serve(body)
+
     def pull(self, source: SourceEndpoint, src_pages: list[int], dst_pages: torch.Tensor) -> TransferStats:
         """Read ``src_pages`` of every source buffer into ``dst_pages`` (allocated here) of the matching buffer."""
-        if source.transport != self.transport.name:
-            raise MigrationError(f"source uses transport {source.transport!r}, this rank {self.transport.name!r}")
+        check_transport(self.transport.name, source.transport)
         if len(source.buffers) != len(self._descs) or len(src_pages) != dst_pages.numel():
             raise MigrationError(f"{len(src_pages)} source pages for {dst_pages.numel()} target pages")
         item = self.pool.item_lens()[0]

@@ -2,8 +2,9 @@
 
 The migration bodies mirror the public SGLang fork's ``io_types.py`` and ``http_server.py`` field by field (see
 docs/notes/sglang-kv-migration.md), so a client written against those servers drives kvmove workers unchanged.
-kvmove adds fields (never renames one): a handshake ``geometry``/``weight_version`` per rank, and ``bytes``,
-``seconds``, ``transport`` on the transfer answer.
+kvmove adds fields (never renames one): a handshake ``geometry``/``weight_version``/``transport`` per rank (and
+``transport`` on a transfer's target entry, where a kvmove client copies it), and ``bytes``, ``seconds``,
+``transport`` on the transfer answer.
 
 Units: every ``*_token_size`` is page aligned; ``kv_indices`` are host **token slots** (``len == extra_token_size``,
 whole pages in consecutive runs), as SGLang clients expect. kvmove's host pool addresses pages, so the target and
@@ -118,6 +119,7 @@ class TransferTarget(Request):
     host_kv_data_ptrs: list[int]
     host_kv_item_lens: list[int]
     kv_indices: list[int]
+    transport: str | None = None
 
 
 class TransferRequestKVCacheReq(Request):
@@ -158,6 +160,8 @@ class AbortTransferResp(Response):
 
 
 # -- kvmove data plane: POST /kvmove/pull_kv (target pulls from the source's host pool) --------------------------
+# (over the http transport the target then reads the pages by POST /kvmove/read_pages on the source, a raw-bytes
+# route whose JSON body is ``kvmove.transport.http.ReadRequest``)
 
 
 class BufferInfo(BaseModel):
@@ -298,6 +302,9 @@ class DetokenizeResp(Response):
 
 
 class Metrics(Response):
+    """``transport``: the KV data plane between servers ("" without migration); ``transport_note``: why ``auto``
+    fell back to the slower ``http`` ("" when it did not)."""
+
     waiting_per_priority: dict[str, int]
     waiting_rids: dict[str, list[str]]
     running: int
@@ -311,6 +318,8 @@ class Metrics(Response):
     host_free_pages: int
     migrations_pending: int
     weight_version: str
+    transport: str = ""
+    transport_note: str = ""
 
 
 class Integrity(Response):

@@ -6,11 +6,15 @@ import statistics
 from typing import Any
 
 from kvmove.bench.results import Row
+from kvmove.migration.endpoint import TransportChoice
 from kvmove.migration.workload import RunResult
 
 
-def summarize(runs: list[RunResult], link_gbps: float | None) -> list[dict[str, Any]]:
-    """Lines of the migration run (``runs[0]``), then a summary comparing it with the baseline run if any."""
+def summarize(runs: list[RunResult], link_gbps: float | None, transport: TransportChoice) -> list[dict[str, Any]]:
+    """Lines of the migration run (``runs[0]``), then a summary comparing it with the baseline run if any.
+
+    ``link_gbps`` is the raw bandwidth of ``transport`` (the workers' data plane) measured in the same run.
+    """
     on = runs[0]
     lines = [_migration_line(on, i) for i in range(len(on.migrations))]
     ok = [mg for mg in on.migrations if mg.ok]
@@ -25,6 +29,8 @@ def summarize(runs: list[RunResult], link_gbps: float | None) -> list[dict[str, 
         "gbps": moved / t / 1e9 if t > 0 else 0.0,
         "integrity_ok": all(r.integrity_ok for r in runs),
         "link_gbps": link_gbps,
+        "transport": transport.name,
+        "transport_fallback": transport.fallback,
         "resume_seconds_median": _median(on.resume_seconds.values()),
         "reprefill_seconds_median": _median(on.reprefill_seconds.values()),
         "high_p50_seconds": on.p50(),

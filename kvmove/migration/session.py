@@ -1,8 +1,8 @@
 """A rank's migration session: its host KV endpoint as the handshake publishes it, and the peer checks.
 
-Two ranks may exchange K/V only if their geometries (layers, KV heads, head dim, page size, dtype) and weight
-versions are equal; ``check_peer`` raises PeerMismatchError naming every difference, before anything is allocated
-or moved.
+Two ranks may exchange K/V only if their geometries (layers, KV heads, head dim, page size, dtype), weight
+versions and transports are equal; ``check_peer`` raises PeerMismatchError naming every difference, before anything
+is allocated or moved.
 """
 
 from __future__ import annotations
@@ -47,6 +47,16 @@ def check_peer(local: RankSession, peer: RankSession) -> None:
         raise PeerMismatchError("peer session has no geometry: not a kvmove server, cannot validate the peer")
     check_compatible(parse_geometry(local.geometry), local.weight_version or "", peer.geometry, peer.weight_version)
     check_layout(local, peer.host_kv_data_ptrs, peer.host_kv_item_lens)
+    check_transport(local.transport, peer.transport)
+
+
+def check_transport(local: str | None, peer: str | None) -> None:
+    """Both ranks must move K/V over the same transport (checked where both say which: SGLang peers do not)."""
+    if local and peer and local != peer:
+        raise PeerMismatchError(
+            f"peer transport mismatch: the peer moves KV over {peer!r}, this rank over {local!r} "
+            "(start both servers with the same --transport)"
+        )
 
 
 def check_layout(local: RankSession, data_ptrs: list[int], item_lens: list[int]) -> None:

@@ -1,8 +1,9 @@
 """Source side of a migration: collect the request's pages along its radix path, stage only the pages the target
 lacks in the host pool (device -> host write-back), and have the target pull them.
 
-The source keeps no state between calls: the path stays locked and the staged host pages stay allocated exactly
-for the duration of one ``transfer`` (released on success and on every failure).
+The source keeps no state between calls: the path stays locked, the staged host pages stay allocated and (over
+``http``) readable by the target exactly for the duration of one ``transfer`` (released on success and on every
+failure; the target's read grant ends before the pages are freed).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from kvmove.migration.messages import (
     RankSession,
     TransferRequestKVCacheReq,
     TransferRequestKVCacheResp,
+    TransferTarget,
 )
-from kvmove.migration.session import check_layout, target_for_rank
+from kvmove.migration.session import check_layout, check_transport, target_for_rank
 
 SendPull = Callable[[str, PullKVReq], PullKVResp]
 """Asks the target rank at ``session_id`` to pull (the server's HTTP client; tests may call the target directly)."""
@@ -49,6 +51,7 @@ class MigrationSource:
         me = self.session()
         target = target_for_rank(req.target_per_rank, me.tp, me.pp)
         check_layout(me, target.host_kv_data_ptrs, target.host_kv_item_lens)
+        check_transport(me.transport, target.transport)
         start, stop = self._window(req)
         if slots_to_pages(target.kv_indices, self.page_size).numel() != (stop - start) // self.page_size:
             raise MigrationError(f"{len(target.kv_indices)} kv_indices for extra_token_size {stop - start}")
@@ -63,20 +66,30 @@ class MigrationSource:
                 self._unlock(exported)
                 raise
         try:
-            pull = PullKVReq(
-                input_ids=tokens,
-                extra_key=req.extra_key,
-                matched_token_size=start,
-                kv_indices=target.kv_indices,
-                src_pages=staged.tolist(),
-                source=self.endpoint.describe(me.session_id, self.worker.weight_version),
-            )
-            done = self.send_pull(target.session_id, pull)
+            done = self._send(me, target, req, staged)
         finally:
             self._unstage(staged)
             with self.worker_lock:
                 self._unlock(exported)
         return TransferRequestKVCacheResp(bytes=done.bytes, seconds=done.seconds, transport=done.transport)
+
+    def _send(
+        self, me: RankSession, target: TransferTarget, req: TransferRequestKVCacheReq, staged: torch.Tensor
+    ) -> PullKVResp:
+        """Let the target read ``staged`` (only those pages, only until it answered) and ask it to pull them."""
+        offer = self.endpoint.offer(me.session_id, self.worker.weight_version, staged)
+        try:
+            pull = PullKVReq(
+                input_ids=req.input_ids[: req.matched_token_size + req.extra_token_size],
+                extra_key=req.extra_key,
+                matched_token_size=req.matched_token_size,
+                kv_indices=target.kv_indices,
+                src_pages=staged.tolist(),
+                source=offer,
+            )
+            return self.send_pull(target.session_id, pull)
+        finally:
+            self.endpoint.withdraw(offer)
 
     def _window(self, req: TransferRequestKVCacheReq) -> tuple[int, int]:
         start, extra = req.matched_token_size, req.extra_token_size

@@ -2,6 +2,7 @@
 
 Routes and bodies follow SGLang's server and its KV-migration fork (kvmove/migration/messages.py); errors are
 ``{"success": false, "message": ...}`` with a 4xx/5xx status (400 for malformed bodies instead of FastAPI's 422).
+``/kvmove/read_pages`` is the ``http`` transport's data plane: raw bytes out, refusals as above.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from kvmove.errors import KvmoveError
 from kvmove.migration import messages as m
 from kvmove.migration.errors import MigrationError
 from kvmove.server.runtime import Runtime
+from kvmove.transport.http_route import READ_PATH, answer_read
 
 
 def create_app(rt: Runtime) -> FastAPI:
@@ -82,6 +84,10 @@ def create_app(rt: Runtime) -> FastAPI:
     @app.post("/kvmove/pull_kv")
     def pull_kv(body: m.PullKVReq) -> m.PullKVResp:
         return rt.target.pull(body)
+
+    @app.post(READ_PATH, response_class=Response)
+    async def read_pages(request: Request) -> Response:
+        return await answer_read(request, rt.read_pages)
 
     @app.post("/kvmove/hold_request")
     def hold_request(body: m.HoldRequestReq) -> m.HoldRequestResp:

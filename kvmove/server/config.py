@@ -27,7 +27,7 @@ class ServerConfig:
     kv_migration_watchdog_timeout: float = 60.0
     watchdog_interval: float = 1.0
     host_pages: int = 0  # 0: as many as the device pool
-    transport: str = "nixl"
+    transport: str = "auto"  # KV data plane: auto (nixl where installed, else http), nixl or http
     max_body_bytes: int = 8 << 20
     peer_timeout: float = 60.0
 

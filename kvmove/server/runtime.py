@@ -61,6 +61,7 @@ from kvmove.models import resolve_model
 from kvmove.server.config import ServerConfig
 from kvmove.server.tokenizer import ByteTokenizer
 from kvmove.sync.verify import seeded_checkpoint
+from kvmove.transport.http_route import ReadAnswer
 
 
 @dataclass
@@ -103,7 +104,8 @@ class Runtime:
         self.watchdog: Watchdog | None = None
         self.endpoint: HostEndpoint | None = None
         if config.enable_kv_migration:
-            self.endpoint = HostEndpoint(self.worker.pool.geometry, config.num_host_pages, config.transport)
+            geometry = self.worker.pool.geometry
+            self.endpoint = HostEndpoint(geometry, config.num_host_pages, config.transport, config.url)
             self._target = MigrationTarget(self.worker, self.lock, self.endpoint, config.kv_migration_watchdog_timeout)
             self._source = MigrationSource(self.worker, self.lock, self.endpoint, self.rank_session, self._send_pull)
             self.watchdog = Watchdog(self._target, config.watchdog_interval)
@@ -276,6 +278,10 @@ class Runtime:
         topology = Topology(tp_size=1, pp_size=1, page_size=self.config.page_size)
         return TransferSessionIds(topology=topology, ranks=[self.rank_session()])
 
+    def read_pages(self, body: bytes) -> ReadAnswer:
+        """A peer's read of host pages this rank offered it for a transfer (the ``http`` data plane)."""
+        return self.target.endpoint.serve(body)
+
     def _send_pull(self, session_id: str, body: PullKVReq) -> PullKVResp:
         try:
             resp = httpx.post(
@@ -307,6 +313,8 @@ class Runtime:
                 host_free_pages=self.endpoint.pool.free_pages if self.endpoint else 0,
                 migrations_pending=len(self._target.pending) if self._target else 0,
                 weight_version=s.weight_version,
+                transport=self.endpoint.choice.name if self.endpoint else "",
+                transport_note=self.endpoint.choice.note if self.endpoint else "",
             )
 
     def integrity(self) -> Integrity:
@@ -317,7 +325,8 @@ class Runtime:
         return Integrity(ok=True)
 
     def check_integrity(self) -> None:
-        """Worker invariants; host pages used == pending migrations' + staged; no lock without a holder."""
+        """Worker invariants; host pages used == pending migrations' + staged; no lock without a holder; no read
+        grant without a transfer in flight."""
         with self.lock:
             self.worker.check_integrity()
             if self.endpoint is not None and self._target is not None and self._source is not None:
@@ -327,6 +336,8 @@ class Runtime:
                     raise MigrationConflictError(
                         f"host pool: {self.endpoint.pool.used_pages} pages used != {owned} owned by migrations"
                     )
+                if self.endpoint.open_grants and not self._source.staged_pages:
+                    raise MigrationConflictError(f"{self.endpoint.open_grants} read grants outlived their transfers")
 
     def flush_cache(self) -> FlushCacheResp:
         with self.lock:

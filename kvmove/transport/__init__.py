@@ -1,6 +1,7 @@
 """Point-to-point byte movers behind one interface (``base.Transport``), registered by name.
 
-``get_transport("auto")`` picks the best available, in the order of ``AUTO_ORDER``.
+``get_transport("auto")`` picks the best available, in the order of ``AUTO_ORDER``. ``http`` is registered but never
+picked by ``auto``: it is the KV-migration servers' fallback data plane (kvmove.migration.endpoint chooses it there).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from kvmove.transport.base import (
 )
 from kvmove.transport.cuda_ipc import CudaIpcTransport
 from kvmove.transport.gloo import GlooGroup, GlooTransport
+from kvmove.transport.http import HttpTransport
 from kvmove.transport.nccl import NcclGroup, NcclTransport
 from kvmove.transport.nixl import NixlTransport
 from kvmove.transport.object_store import ObjectStoreTransport
@@ -32,6 +34,7 @@ TRANSPORTS: dict[str, type[Transport]] = {
         ObjectStoreTransport,
         NcclTransport,
         CudaIpcTransport,
+        HttpTransport,
     )
 }
 AUTO_ORDER = ("nixl", "rdt-nixl", "rdt-gloo", "gloo")
@@ -68,6 +71,7 @@ __all__ = [
     "EndpointInfo",
     "GlooGroup",
     "GlooTransport",
+    "HttpTransport",
     "NcclGroup",
     "NcclTransport",
     "NixlTransport",

@@ -16,6 +16,8 @@ from kvmove.transport.gloo import GlooGroup
 from kvmove.transport.slots import ACTOR_OPTIONS, ServesSlots, import_ray
 
 PROCESS_KINDS = ("ray", "process")
+PROCESS_TRANSPORTS = ("nixl", "gloo", "http")
+"""Transports that run between two plain processes (the others need Ray actors)."""
 
 
 class BandwidthResult(NamedTuple):
@@ -70,7 +72,8 @@ def measure_bandwidth(name: str, nbytes: int, repeats: int = 5, processes: str =
     """Time ``repeats`` reads of ``nbytes`` between two fresh endpoints; ``processes`` is "ray" or "process".
 
     "ray" starts two Ray actors on the running Ray session (``ray.init`` first; every transport);
-    "process" starts two ``torch.multiprocessing`` processes (``nixl`` and ``gloo`` only, no Ray needed).
+    "process" starts two ``torch.multiprocessing`` processes (``PROCESS_TRANSPORTS`` only, no Ray needed; the
+    ``http`` server process answers from the loopback web server its endpoint starts).
     """
     if processes not in PROCESS_KINDS:
         raise TransportError(f"processes must be one of {PROCESS_KINDS}, got {processes!r}")
@@ -107,7 +110,7 @@ def _time_ray(name: str, nbytes: int, repeats: int) -> list[float]:
 
 
 def _time_processes(name: str, nbytes: int, repeats: int) -> list[float]:
-    if name not in ("nixl", "gloo"):
+    if name not in PROCESS_TRANSPORTS:
         raise TransportError(f"{name} needs Ray actors: measure it with processes='ray'")
     import torch.multiprocessing as mp
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-import httpx
 import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
+
+import httpx
 
 IDS = list(range(1, 17))  # 16 tokens: 4 pages of 4
 

@@ -18,7 +18,7 @@ LOCAL = BufferDesc("nixl", "client", 0, 50)
 
 
 def test_registry_names():
-    assert set(TRANSPORTS) == {"nixl", "rdt-nixl", "rdt-gloo", "gloo", "object-store", "nccl", "cuda-ipc"}
+    assert set(TRANSPORTS) == {"nixl", "rdt-nixl", "rdt-gloo", "gloo", "object-store", "nccl", "cuda-ipc", "http"}
     assert all(TRANSPORTS[n].name == n for n in TRANSPORTS)
 
 
@@ -30,6 +30,15 @@ def test_unknown_transport_is_a_clear_error():
 def test_auto_picks_the_first_available_in_order():
     first = next(n for n in AUTO_ORDER if n in available_transports())
     assert get_transport("auto").name == first
+
+
+def test_auto_never_picks_http(monkeypatch):
+    """http is the KV servers' fallback (kvmove.migration.endpoint), not a weight-sync transport."""
+    assert "http" not in AUTO_ORDER
+    for name in AUTO_ORDER:
+        monkeypatch.setattr(TRANSPORTS[name], "is_available", classmethod(lambda cls: False))
+    with pytest.raises(KvmoveError, match="no transport is available"):
+        get_transport("auto")
 
 
 @pytest.mark.parametrize(
@@ -77,7 +86,7 @@ def test_missing_ray_names_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(MissingDependencyError, match="pip install ray"):
         get_transport("object-store")()
-    assert available_transports() == [n for n in ("nixl", "gloo") if n in available_transports()]
+    assert available_transports() == [n for n in ("nixl", "gloo", "http") if n in available_transports()]
 
 
 def test_available_transports_never_raises(monkeypatch):

@@ -1,4 +1,4 @@
-"""``nixl`` and ``gloo`` between two plain torch.multiprocessing processes (the GPU machine has no Ray)."""
+"""``nixl``, ``gloo`` and ``http`` between two plain torch.multiprocessing processes (the GPU machine has no Ray)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kvmove.transport import TRANSPORTS, TransportError
 from kvmove.transport.bandwidth import Peer, measure_bandwidth
 from kvmove.transport.gloo import GlooGroup
 
-NAMES = ["nixl", "gloo"]
+NAMES = ["nixl", "gloo", "http"]
 
 
 def _server(name, options, to_client, to_server):
@@ -68,9 +68,13 @@ def test_bit_exact_between_processes(name):
     assert all(p.exitcode == 0 for p in procs)
 
 
-def test_measure_bandwidth_without_ray():
-    result = measure_bandwidth("gloo", 4 << 20, repeats=2, processes="process")
-    assert result.processes == "process" and result.nbytes == 4 << 20 and result.gb_per_s > 0
+@pytest.mark.parametrize("name", ["gloo", "http"])
+def test_measure_bandwidth_without_ray(name):
+    if not TRANSPORTS[name].is_available():
+        pytest.skip(f"{name}: its package is not installed here (pip install 'kvmove[{TRANSPORTS[name].extra}]')")
+    result = measure_bandwidth(name, 4 << 20, repeats=2, processes="process")
+    assert result.transport == name and result.processes == "process" and result.nbytes == 4 << 20
+    assert result.gb_per_s > 0
 
 
 def test_ray_only_transports_refuse_plain_processes():

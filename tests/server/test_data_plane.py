@@ -1,0 +1,119 @@
+"""The KV data plane as a server shows it: which transport it uses (and that a fallback to http is reported), and
+the http transport's read route refusing every read it must not answer, with a clear 4xx and nothing changed."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
+
+import httpx
+import torch
+
+from kvmove.migration.endpoint import FALLBACK_NOTE
+from kvmove.transport import NixlTransport
+from kvmove.transport.http_route import READ_PATH
+
+
+def _fingerprint(server) -> str:
+    """Hash of every host KV byte of ``server``: reads must not change any."""
+    digest = hashlib.sha256()
+    for buf in server.runtime.endpoint.pool.buffers():
+        digest.update(buf.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _read(server, **fields: object) -> httpx.Response:
+    endpoint = server.runtime.endpoint.transport.endpoint
+    body = {"endpoint": endpoint, "buffer_id": 0, "grant": "none", "spans": [[0, 64]], **fields}
+    return httpx.post(f"{server.url}{READ_PATH}", json=body, timeout=30)
+
+
+def test_auto_falls_back_to_http_and_says_so(monkeypatch, start_server) -> None:
+    monkeypatch.setattr(NixlTransport, "is_available", classmethod(lambda cls: False))
+    s = start_server(transport="auto")
+    metrics = httpx.get(f"{s.url}/metrics").json()
+    assert metrics["transport"] == "http" and metrics["transport_note"] == FALLBACK_NOTE
+    assert "slower fallback" in FALLBACK_NOTE and "pip install 'kvmove[nixl]'" in FALLBACK_NOTE
+    (rank,) = httpx.get(f"{s.url}/get_transfer_session_ids").json()["ranks"]
+    assert rank["transport"] == "http"
+    s.stop()
+
+
+@pytest.mark.parametrize("transport", ["nixl", "http"])
+def test_a_named_transport_is_used_without_a_note(pair_over, transport: str) -> None:
+    a, _ = pair_over(transport)
+    metrics = httpx.get(f"{a.url}/metrics").json()
+    assert (metrics["transport"], metrics["transport_note"]) == (transport, "")
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[]", 400, "exactly the keys"),
+        (json.dumps({"buffer_id": 0, "grant": "g", "spans": []}).encode(), 400, "exactly the keys"),
+        ({"buffer_id": "0"}, 400, "wrong type: buffer_id"),
+        ({"spans": [[0, 1.5]]}, 400, "integer pairs"),
+        ({"spans": [[0, 8, 1]]}, 400, "integer pairs"),
+        ({"spans": [[-8, 8]]}, 400, "non-negative"),
+        ({"spans": [[0, 1 << 70]]}, 400, "64 bits"),
+        ({"buffer_id": 99}, 404, "buffer 99 is not registered"),
+        ({"endpoint": "http-somebody-else"}, 404, "not served here"),
+        ({"spans": [[0, 64], [1 << 30, 64]]}, 400, "past the"),
+        ({"spans": [[(1 << 62), (1 << 62)]]}, 400, "past the"),
+        ({}, 403, "unknown or was revoked"),
+    ],
+)
+def test_bad_reads_are_refused_and_change_nothing(pair_over, body: object, status: int, message: str) -> None:
+    a, _ = pair_over("http")
+    before = _fingerprint(a)
+    if isinstance(body, bytes):
+        r = httpx.post(f"{a.url}{READ_PATH}", content=body, headers={"content-type": "application/json"})
+    else:
+        r = _read(a, **body)
+    assert r.status_code == status, r.text
+    assert r.json()["success"] is False and message in r.json()["message"]
+    assert _fingerprint(a) == before
+    a.runtime.check_integrity()
+    assert a.runtime.endpoint.open_grants == 0
+
+
+def test_a_grant_covers_only_the_offered_pages_until_withdrawn(pair_over) -> None:
+    a, _ = pair_over("http")
+    endpoint = a.runtime.endpoint
+    pages = endpoint.alloc(1)
+    try:
+        offer = endpoint.offer("test", "0", pages)
+        grant = json.loads(base64.b64decode(offer.endpoint_info))["grant"]
+        assert endpoint.open_grants == 1
+        item, page = endpoint.pool.item_lens()[0], int(pages[0])
+        ok = _read(a, grant=grant, buffer_id=3, spans=[[page * item, item]])
+        assert ok.status_code == 200 and ok.headers["content-type"] == "application/octet-stream"
+        expected = endpoint.pool.buffers()[3].contiguous().view(-1).view(torch.uint8)[page * item : (page + 1) * item]
+        assert ok.content == expected.numpy().tobytes()
+        for span in ([(page + 1) % endpoint.pool.num_pages * item, item], [page * item + item // 2, item]):
+            outside = _read(a, grant=grant, spans=[span])  # another page, or straddling into one
+            assert outside.status_code == 403 and "outside what the read grant allows" in outside.json()["message"]
+        endpoint.withdraw(offer)
+        assert _read(a, grant=grant, spans=[[page * item, item]]).status_code == 403
+        assert endpoint.open_grants == 0
+    finally:
+        endpoint.free(pages)
+    a.runtime.check_integrity()
+
+
+def test_read_route_refused_where_http_is_not_the_transport(pair_over, start_server) -> None:
+    a, _ = pair_over("nixl")
+    r = _read(a)
+    assert r.status_code == 404 and "moves KV over nixl" in r.json()["message"]
+    plain = start_server(enable_kv_migration=False)
+    r = httpx.post(f"{plain.url}{READ_PATH}", json={})
+    assert r.status_code == 403 and "not enabled" in r.json()["message"]
+    plain.stop()

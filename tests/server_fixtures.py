@@ -1,0 +1,90 @@
+"""Fixtures for tests that need kvmove servers: servers in threads of the test process, on 127.0.0.1, with small
+pools. Loaded by tests/conftest.py (``pytest_plugins``); servers are started on first use and shared by the
+session, one pair per KV transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from kvmove.server.launch import ServerThread
+
+WATCHDOG_S = 2.0
+SERVER_TRANSPORTS = ("nixl", "http")
+
+Pair = tuple["ServerThread", "ServerThread"]
+
+
+def skip_unless_installed(transport: str) -> None:
+    """Skip the calling test if ``transport`` (or the server stack) is not installed here."""
+    for module in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(module)
+    from kvmove.transport import TRANSPORTS
+
+    cls = TRANSPORTS[transport]
+    if not cls.is_available():
+        pytest.skip(f"the {transport} transport is not installed (pip install 'kvmove[{cls.extra}]')")
+
+
+@pytest.fixture(scope="session")
+def start_server() -> Iterator[Callable[..., ServerThread]]:
+    """``start(**overrides)``: a started server with the test defaults (``ServerConfig`` fields override them)."""
+    for module in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(module)
+    import torch
+
+    from kvmove.server.config import ServerConfig
+    from kvmove.server.launch import ServerThread, free_port
+
+    torch.set_num_threads(1)
+    started: list[ServerThread] = []
+
+    def start(**overrides: object) -> ServerThread:
+        cfg: dict[str, object] = dict(
+            page_size=4,
+            num_pages=48,
+            enable_kv_migration=True,
+            kv_migration_watchdog_timeout=WATCHDOG_S,
+            watchdog_interval=0.1,
+        )
+        cfg.update(overrides)
+        server = ServerThread(ServerConfig(port=free_port(), **cfg)).start()  # type: ignore[arg-type]
+        started.append(server)
+        return server
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def pair_over(start_server: Callable[..., ServerThread]) -> Callable[[str], Pair]:
+    """``pair_over(transport)``: two migration servers moving KV over ``transport`` (skips if not installed)."""
+    pairs: dict[str, Pair] = {}
+
+    def get(transport: str) -> Pair:
+        skip_unless_installed(transport)
+        if transport not in pairs:
+            pairs[transport] = (start_server(transport=transport), start_server(transport=transport))
+        return pairs[transport]
+
+    return get
+
+
+@pytest.fixture
+def pair(pair_over: Callable[[str], Pair]) -> Pair:
+    """Two migration servers on the transport ``auto`` picks here (nixl where installed, else http)."""
+    from kvmove.migration.endpoint import choose_transport
+
+    return pair_over(choose_transport("auto").name)
+
+
+@pytest.fixture(params=SERVER_TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    """Each KV transport between servers in turn (tests skip the ones not installed)."""
+    skip_unless_installed(request.param)
+    return str(request.param)
