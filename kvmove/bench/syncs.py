@@ -86,10 +86,12 @@ def sync_suite(
     say = progress or (lambda _m: None)
     say(f"raw {name} bandwidth")
     raw = raw_rows(name)
+    engine_layout = EngineLayout.parse(engine, replicas)
+    concurrent = concurrent_row(name, engine_layout.world) if name not in ("gloo", "rdt-gloo") else None
     config = SyncConfig(
         model=resolve_model(model),
         trainer=TrainerLayout.parse(trainer),
-        engine=EngineLayout.parse(engine, replicas),
+        engine=engine_layout,
         strategies=tuple(parse_strategies("v1,v2,v3,broadcast")),
         transport=name,
         syncs=syncs,
@@ -97,11 +99,35 @@ def sync_suite(
     )
     results = list(run_syncs(config, progress=say))
     ceiling = max(r.gbps for r in raw)
+    shared = concurrent.gbps if concurrent is not None else 0.0
     rows = []
     for r in results:
-        fraction = r.transfer_gbps / ceiling if ceiling and r.strategy != "broadcast" else None
-        rows.append(sync_row(config, r, extra={"raw_gbps": ceiling, "transfer_fraction_of_raw": fraction}))
-    return raw + rows
+        pulls = r.strategy != "broadcast"
+        extra: dict[str, object] = {
+            "raw_gbps": ceiling,
+            "transfer_fraction_of_raw": r.transfer_gbps / ceiling if ceiling and pulls else None,
+            "raw_concurrent_gbps": shared or None,
+            "transfer_fraction_of_concurrent_raw": r.transfer_gbps / shared if shared and pulls else None,
+        }
+        rows.append(sync_row(config, r, extra=extra))
+    return raw + ([concurrent] if concurrent is not None else []) + rows
+
+
+def concurrent_row(transport: str, pairs: int, nbytes: int = 16 << 20, repeats: int = 5) -> Row:
+    """Per-reader raw bandwidth while ``pairs`` reader actors read at once (as a sync's engine ranks do)."""
+    from kvmove.transport.bandwidth import measure_concurrent
+
+    c = measure_concurrent(transport, nbytes, pairs, repeats)
+    return Row(
+        kind="measured",
+        suite="transport",
+        name=f"raw {transport} x{pairs} concurrent",
+        transport=transport,
+        bytes=nbytes,
+        seconds=nbytes / (c.per_reader_gb_per_s * 1e9),
+        gbps=c.per_reader_gb_per_s,
+        extra={"processes": "ray", "pairs": pairs, "repeats": repeats, "aggregate_gbps": c.aggregate_gb_per_s},
+    )
 
 
 def summarize(rows: list[Row]) -> dict[str, float]:
@@ -114,4 +140,8 @@ def summarize(rows: list[Row]) -> dict[str, float]:
     out = {f"mean_seconds_{s}": v for s, v in mean.items()}
     if "v3" in mean:
         out |= {f"v3_speedup_vs_{s}": mean[s] / mean["v3"] for s in ("v1", "v2", "broadcast") if s in mean}
+    for key in ("transfer_fraction_of_raw", "transfer_fraction_of_concurrent_raw"):
+        values = [float(v) for r in rows if r.suite == "sync" and r.strategy == "v3" and (v := r.extra.get(key))]
+        if values:
+            out[f"v3_{key}"] = statistics.mean(values)
     return out

@@ -83,6 +83,42 @@ def measure_bandwidth(name: str, nbytes: int, repeats: int = 5, processes: str =
     return BandwidthResult(cls.name, processes, nbytes, repeats, seconds, nbytes / seconds / 1e9)
 
 
+class ConcurrentResult(NamedTuple):
+    """``pairs`` reader actors each reading ``nbytes`` from its own server actor, all at the same time."""
+
+    transport: str
+    pairs: int
+    nbytes: int
+    repeats: int
+    per_reader_gb_per_s: float
+    """Median over readers of each reader's median read rate."""
+    aggregate_gb_per_s: float
+    """Sum over readers of their median read rates."""
+
+
+def measure_concurrent(name: str, nbytes: int, pairs: int, repeats: int = 5) -> ConcurrentResult:
+    """Raw reads by ``pairs`` Ray actor pairs at once: the ceiling of a sync whose engine ranks read together
+    (they share the machine's cores and memory bandwidth, which one idle pair does not see)."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        raise TransportError("measure_concurrent needs a running Ray session: call ray.init first")
+    if name in ("gloo", "rdt-gloo"):
+        raise TransportError(f"{name} binds its members into one group; measure it one pair at a time")
+    actor_cls = ray.remote(num_cpus=0, **ACTOR_OPTIONS)(Peer)
+    servers = [actor_cls.remote(name, nbytes, i, {}) for i in range(pairs)]
+    clients = [actor_cls.remote(name, nbytes, None, {}) for _ in range(pairs)]
+    try:
+        infos = ray.get([s.info.remote() for s in servers])
+        ray.get([c.connect.remote(info) for c, (info, _) in zip(clients, infos, strict=True)])
+        times = ray.get([c.time_reads.remote(remote, repeats) for c, (_, remote) in zip(clients, infos, strict=True)])
+        rates = [nbytes / statistics.median(t) / 1e9 for t in times]
+        ray.get([a.close.remote() for a in (*servers, *clients)])
+        return ConcurrentResult(name, pairs, nbytes, repeats, statistics.median(rates), sum(rates))
+    finally:
+        for actor in (*servers, *clients):
+            ray.kill(actor)
+
+
 def _options(name: str, rank: int, group: GlooGroup | None) -> dict[str, Any]:
     return {"group": group.for_rank(rank)} if name == "gloo" and group is not None else {}
 

@@ -100,3 +100,13 @@ def test_measure_bandwidth_between_actors(ray_session):
     _skip_unless_available(name)
     result = measure_bandwidth(name, 4 << 20, repeats=2)
     assert result.transport == name and result.processes == "ray" and result.gb_per_s > 0
+
+
+def test_measure_concurrent_pairs(ray_session):
+    from kvmove.transport.bandwidth import measure_concurrent
+
+    c = measure_concurrent("object-store", 1 << 20, pairs=2, repeats=2)
+    assert c.pairs == 2 and c.per_reader_gb_per_s > 0
+    assert c.aggregate_gb_per_s >= c.per_reader_gb_per_s
+    with pytest.raises(TransportError, match="one pair at a time"):
+        measure_concurrent("gloo", 1 << 20, pairs=2)
