@@ -67,6 +67,9 @@ def sync_weights(
     ] = None,
     group_size: Annotated[int, typer.Option("--group-size", min=1, help="v3: decoder blocks per group.")] = 1,
     lookahead: Annotated[int, typer.Option("--lookahead", min=0, help="v3: groups gathered ahead.")] = 1,
+    engine_kind: Annotated[
+        str, typer.Option("--engine-kind", help="reference (kvmove's engine) or vllm (a live vLLM per replica).")
+    ] = "reference",
     direct: Annotated[
         bool,
         typer.Option(
@@ -108,6 +111,7 @@ def sync_weights(
         verify=verify,
         seed=seed,
         reuse=not no_reuse,
+        engine_kind=engine_kind,
     )
     if simulate:
         from kvmove.cli.report import simulate as simulate_rows
@@ -137,6 +141,7 @@ def sync_weights(
             seed=seed,
             options=SyncOptions(group_size=group_size, lookahead=lookahead, direct=direct),
             ray_address=ray_address,
+            engine_kind=engine_kind,
             faults=tuple(Fault.parse(f) for f in fail_engine or []),
             slow_replicas=tuple(_slow(s) for s in slow_engine or []),
             deadline_s=deadline,

@@ -45,8 +45,16 @@ def _reference_load(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     return load_weights(model, weights)  # type: ignore[arg-type]
 
 
+def _vllm_build(*_args: object, **_kwargs: object) -> nn.Module:
+    raise KvmoveError(
+        "vLLM plans are recorded inside a running vLLM engine (its own loader on its unprocessed model): "
+        "run `kvmove sync-weights --engine-kind vllm` without --dry-run"
+    )
+
+
 ENGINES: dict[str, EngineAdapter] = {
     "reference": EngineAdapter("reference", _reference_build, _reference_load),
+    "vllm": EngineAdapter("vllm", _vllm_build, lambda model, weights: model.load_weights(weights)),  # type: ignore[operator]
 }
 
 

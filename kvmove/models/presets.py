@@ -57,6 +57,11 @@ _TINY: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "rms_norm_eps": 1e-6,
         "routed_scaling_factor": 2.827,
+        # Kimi K2's router (as in its config.json): what an engine needs to build the same gate
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "n_group": 1,
+        "topk_group": 1,
     },
     "qwen3-moe-small": {
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -77,6 +82,11 @@ _TINY: dict[str, dict[str, Any]] = {
     "qwen3-tiny": {**_TINY_QWEN, "architectures": ["Qwen3ForCausalLM"]},
     "qwen2-tiny": {**_TINY_QWEN, "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": True},
 }
+# NOTE: vLLM's CPU attention needs head_dim >= 32 and its Qwen2 takes head_dim as hidden / heads: these tiny
+# models are the ones a vLLM engine (kvmove.engines.vllm) can serve on CPU
+_TINY["qwen3-moe-vllm"] = {**_TINY["qwen3-moe-tiny"], "head_dim": 64}
+_TINY["qwen3-vllm"] = {**_TINY["qwen3-tiny"], "head_dim": 64}
+_TINY["qwen2-vllm"] = {**_TINY["qwen2-tiny"], "head_dim": 64, "hidden_size": 256}
 
 _FULL = ("qwen3-235b-a22b", "kimi-k2")
 

