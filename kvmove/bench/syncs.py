@@ -44,6 +44,7 @@ def sync_row(config: SyncConfig, r: SyncResult, suite: str = "sync", extra: dict
             "group_size": config.options.group_size,
             "lookahead": config.options.lookahead,
             "direct": config.options.direct,
+            "engine_kind": config.engine_kind,
             **(extra or {}),
         },
     )
@@ -145,3 +146,31 @@ def summarize(rows: list[Row]) -> dict[str, float]:
         if values:
             out[f"v3_{key}"] = statistics.mean(values)
     return out
+
+
+def vllm_suite(
+    model: str = "qwen3-moe-vllm",
+    trainer: str = "tp=2,ep=2",
+    engine: str = "tp=1",
+    replicas: int = 2,
+    transport: str = "auto",
+    syncs: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> list[Row]:
+    """The same syncs into kvmove's reference engine and into live vLLM engines, side by side in one run."""
+    name = check_transport(transport)
+    start_ray(None)
+    rows = []
+    for kind in ("reference", "vllm"):
+        config = SyncConfig(
+            model=resolve_model(model),
+            trainer=TrainerLayout.parse(trainer),
+            engine=EngineLayout.parse(engine, replicas),
+            strategies=tuple(parse_strategies("v1,v2,v3")),
+            transport=name,
+            syncs=syncs,
+            verify=True,
+            engine_kind=kind,
+        )
+        rows += [sync_row(config, r, suite="vllm") for r in run_syncs(config, progress=progress)]
+    return rows

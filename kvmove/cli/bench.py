@@ -16,7 +16,7 @@ app = typer.Typer(no_args_is_help=True, help="Benchmarks: measured and simulated
 
 ResultsOpt = Annotated[Path, typer.Option("--results", help="Directory of result parquet files.")]
 
-SUITES = ("plan", "sync", "quick", "full", "gpu")
+SUITES = ("plan", "sync", "quick", "full", "gpu", "vllm")
 
 
 @app.command("run")
@@ -53,6 +53,11 @@ def run(
         append_rows(results, "transport", [r for r in rows if r.suite == "transport"])
         render.bench_rows(rows, append_rows(results, "sync", [r for r in rows if r.suite == "sync"]))
         render.summary(summarize(rows))
+    if suite == "vllm":
+        from kvmove.bench.syncs import vllm_suite
+
+        rows = vllm_suite(transport=transport, syncs=syncs)
+        render.bench_rows(rows, append_rows(results, "vllm", rows))
 
 
 app.command("report")(report_cli.report)

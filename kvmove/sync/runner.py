@@ -276,7 +276,10 @@ class Cluster:
             raise KvmoveError(f"no trainer rank holds {sorted(names - held)[:3]}")
 
     def _build_plans(self, ranks: range | list[int]) -> tuple[ShardingPlan, ...]:
-        results = self.ray.get([self.engines[e].build_plan.remote() for e in ranks])
+        try:
+            results = self.ray.get([self.engines[e].build_plan.remote() for e in ranks])
+        except Exception as exc:  # an engine that could not start: say why in one line, not a Ray traceback
+            raise KvmoveError(f"an engine rank failed to start: {_kvmove_cause(exc)}") from exc
         self.plan_seconds = max(s for _, s in results)
         by_local: dict[int, ShardingPlan] = {}
         for plan, _ in results:
@@ -326,6 +329,13 @@ class Cluster:
 
     def dead_replicas(self) -> set[int]:
         return {self.config.engine.coord(e).replica for e in self.dead}
+
+
+def _kvmove_cause(exc: BaseException) -> str:
+    """The KvmoveError message inside a Ray error (its text carries the remote traceback), else the error."""
+    marker = "KvmoveError: "
+    lines = [line for line in str(exc).splitlines() if marker in line]
+    return lines[-1].split(marker, 1)[1] if lines else f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
 
 
 def _meta(cfg: ModelConfig, name: str) -> Any:
