@@ -28,7 +28,8 @@ from kvmove.sync.recording import StridedView
 ARENA_ALIGN = 256
 """Byte alignment of every shard in an arena (a GPU copy's sweet spot; harmless on CPU)."""
 MIN_SPAN_BYTES = 4096
-"""Regions whose contiguous runs are shorter than this are packed instead: per-span costs would dominate."""
+"""Regions that split into runs shorter than this are packed instead: per-span costs would dominate (a region
+that is one run is always read directly: a pack request would cost more than the read)."""
 MAX_SPANS = 4096
 """Regions that split into more byte spans than this are packed instead."""
 
@@ -127,7 +128,7 @@ class DirectPlanner:
         except PlanError:
             return None
         runs = byte_spans(src, region.dst, region.dtype.itemsize)
-        if len(runs) > MAX_SPANS or int(runs[0, 2]) < MIN_SPAN_BYTES:
+        if len(runs) > MAX_SPANS or (len(runs) > 1 and int(runs[0, 2]) < MIN_SPAN_BYTES):
             return None
         runs[:, 0] += arena.offsets[region.hf_name]
         return runs
