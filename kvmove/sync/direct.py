@@ -67,15 +67,23 @@ def arena_order(tensors: Iterable[TensorMeta]) -> list[TensorMeta]:
 
 def arena_layout(ownership: Ownership, tensors: Iterable[TensorMeta], rank: int) -> ArenaLayout:
     """The arena of trainer rank ``rank``: its raw shards in :func:`arena_order`, each ``ARENA_ALIGN``-aligned."""
-    offsets: dict[str, int] = {}
-    boxes: dict[str, Box] = {}
-    at = 0
+    return arena_layouts(ownership, tensors, ranks=(rank,))[rank]
+
+
+def arena_layouts(
+    ownership: Ownership, tensors: Iterable[TensorMeta], ranks: Iterable[int] | None = None
+) -> dict[int, ArenaLayout]:
+    """:func:`arena_layout` of every rank in ``ranks`` (default: all), in one pass over the tensors."""
+    wanted = set(range(ownership.layout.world) if ranks is None else ranks)
+    offsets: dict[int, dict[str, int]] = {r: {} for r in wanted}
+    boxes: dict[int, dict[str, Box]] = {r: {} for r in wanted}
+    at = dict.fromkeys(wanted, 0)
     for t in arena_order(tensors):
         for h in ownership.slices(t):
-            if h.rank == rank:
-                offsets[t.name], boxes[t.name] = at, h.box
-                at += -(-h.box.numel * t.dtype.itemsize // ARENA_ALIGN) * ARENA_ALIGN
-    return ArenaLayout(offsets, boxes, max(at, ARENA_ALIGN))
+            if h.rank in wanted:
+                offsets[h.rank][t.name], boxes[h.rank][t.name] = at[h.rank], h.box
+                at[h.rank] += -(-h.box.numel * t.dtype.itemsize // ARENA_ALIGN) * ARENA_ALIGN
+    return {r: ArenaLayout(offsets[r], boxes[r], max(at[r], ARENA_ALIGN)) for r in wanted}
 
 
 def shard_views(arena: torch.Tensor, layout: ArenaLayout, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
@@ -94,6 +102,8 @@ def byte_spans(src: StridedView, dst: StridedView, itemsize: int) -> np.ndarray:
     """
     if src.shape != dst.shape:
         raise PlanError(f"views of different shapes {src.shape} and {dst.shape}")
+    if _contiguous(src) and _contiguous(dst):
+        return np.array([[src.offset * itemsize, dst.offset * itemsize, src.numel * itemsize]], dtype=np.int64)
     inner, k = 1, len(src.shape)
     while k > 0 and (src.shape[k - 1] == 1 or (src.stride[k - 1] == inner and dst.stride[k - 1] == inner)):
         inner *= src.shape[k - 1]
@@ -109,13 +119,23 @@ def byte_spans(src: StridedView, dst: StridedView, itemsize: int) -> np.ndarray:
     return out
 
 
+def _contiguous(view: StridedView) -> bool:
+    expect = 1
+    for n, st in zip(reversed(view.shape), reversed(view.stride), strict=True):
+        if n != 1 and st != expect:
+            return False
+        expect *= n
+    return True
+
+
 class DirectPlanner:
     """Decides, per (region, serving trainer rank), whether the region is read straight from the arena."""
 
     def __init__(self, ownership: Ownership, tensors: Sequence[TensorMeta]) -> None:
         self.ownership = ownership
         self.shapes = {t.name: t.shape for t in tensors}
-        self.arenas = [arena_layout(ownership, tensors, r) for r in range(ownership.layout.world)]
+        layouts = arena_layouts(ownership, tensors)
+        self.arenas = [layouts[r] for r in range(ownership.layout.world)]
 
     def spans(self, region: Region, trainer: int, param_dtype: torch.dtype) -> np.ndarray | None:
         """Byte spans (arena offset, parameter offset, nbytes) of ``region`` served by ``trainer``, or None."""

@@ -94,13 +94,20 @@ def pull_plans(
     """
     group_of = {t.name: g for g, ts in groups.items() for t in ts}
     out = []
+    known: dict[tuple[int, int, int], np.ndarray | None] = {}  # replicas share plans: (local rank, region, source)
     for e in range(layout.world):
-        plan = plans[layout.coord(e).local]
+        local = layout.coord(e).local
+        plan = plans[local]
         dtypes = {p.name: p.dtype for p in plan.params}
         buckets: dict[tuple[int, int, bool], list[int]] = defaultdict(list)
         spans: dict[int, np.ndarray] = {}
         for i, (region, src) in enumerate(zip(plan.regions, source_map.sources[e], strict=True)):
-            runs = direct.spans(region, src, dtypes[region.param]) if direct is not None else None
+            runs = None
+            if direct is not None:
+                key = (local, i, src)
+                if key not in known:
+                    known[key] = direct.spans(region, src, dtypes[region.param])
+                runs = known[key]
             if runs is not None:
                 spans[i] = runs
             buckets[(group_of[region.hf_name], src, runs is not None)].append(i)
