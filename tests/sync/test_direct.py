@@ -10,7 +10,7 @@ from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
 from kvmove.models.tensors import hf_tensors
 from kvmove.sync.blueprint import Blueprint
-from kvmove.sync.direct import ARENA_ALIGN, DirectPlanner, arena_layout, byte_spans, shard_views
+from kvmove.sync.direct import ARENA_ALIGN, DirectPlanner, arena_layout, arena_layouts, byte_spans, shard_views
 from kvmove.sync.local import LocalConfig, run_local
 from kvmove.sync.ownership import Ownership
 from kvmove.sync.plan import plan_engine
@@ -49,8 +49,10 @@ def test_arena_holds_every_raw_shard_aligned_and_disjoint() -> None:
     cfg = resolve_model("qwen3-moe-tiny")
     ownership = Ownership(cfg, TrainerLayout.parse("tp=2,pp=2,ep=2"))
     tensors = hf_tensors(cfg)
+    every = arena_layouts(ownership, tensors)  # one pass for all ranks: the same layouts as rank by rank
     for rank in range(ownership.layout.world):
         layout = arena_layout(ownership, tensors, rank)
+        assert every[rank] == layout
         held = {t.name for t in tensors for h in ownership.slices(t) if h.rank == rank}
         assert set(layout.offsets) == held
         assert all(off % ARENA_ALIGN == 0 for off in layout.offsets.values())
