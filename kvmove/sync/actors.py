@@ -16,12 +16,12 @@ from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models.config import ModelConfig
 from kvmove.sync.broadcast import receive_all, send_all
 from kvmove.sync.collectives import Collectives, free_port
-from kvmove.sync.engine import ByteReader, EngineRank, EngineStats, TrainerEndpoint, register_params
+from kvmove.sync.engine import ByteReader, EngineRank, EngineStats, TrainerEndpoint, open_engine_rank
 from kvmove.sync.packing import SliceSpec
 from kvmove.sync.plan import ShardingPlan, plan_rank
 from kvmove.sync.schedule import PullPlan
 from kvmove.sync.source import ShardedSource
-from kvmove.sync.trainer import TrainerRank, TrainerStats, TrainerSync
+from kvmove.sync.trainer import TrainerRank, TrainerStats, TrainerSync, open_trainer_rank
 from kvmove.sync.verify import bits_equal, seeded_checkpoint
 from kvmove.transport import ACTOR_OPTIONS, BufferDesc, EndpointInfo, ServesSlots, Transport, get_transport
 
@@ -80,12 +80,8 @@ class TrainerActor(ServesSlots):
     def setup_slots(self, sizes: dict[str, tuple[int, int]]) -> TrainerEndpoint:
         """Init step 5: allocate and register ``count`` slots of ``nbytes`` per strategy, and the arena, once."""
         assert self.source is not None
-        slots = {s: [torch.empty(n, dtype=torch.uint8) for _ in range(k)] for s, (k, n) in sizes.items()}
-        descs = {s: [self.transport.register(t) for t in ts] for s, ts in slots.items()}
-        arena = self.source.arena()
-        self.impl = TrainerRank(self.source, slots)
-        arena_desc = self.transport.register(arena[0]) if arena is not None else None
-        return TrainerEndpoint(self.transport.endpoint_info(), descs, arena_desc)
+        self.impl, endpoint = open_trainer_rank(self.transport, self.source, sizes)
+        return endpoint
 
     def connect(self, peers: list[EndpointInfo]) -> None:
         for peer in peers:
@@ -177,13 +173,9 @@ class EngineActor(ServesSlots):
         """Init step 5 on the engine side: register receive slots and the parameters direct pulls write, once;
         connect to every source trainer."""
         assert self.plan is not None
-        recv = {s: [torch.empty(n, dtype=torch.uint8) for _ in range(k)] for s, (k, n) in recv_sizes.items()}
-        self._recv = {s: [self.transport.register(t) for t in ts] for s, ts in recv.items()}
-        self._params = register_params(self.transport, self.model, direct_params)
-        self.impl = EngineRank(self.model, self.plan, recv)
+        side = open_engine_rank(self.transport, self.model, self.plan, recv_sizes, direct_params, trainer_info)
+        self.impl, self._recv, self._params = side
         self._pulls, self._trainers, self._endpoints = pulls, trainers, dict(trainer_info)
-        for ep in trainer_info.values():
-            self.transport.connect(ep.info)
         return self.transport.endpoint_info()
 
     def run_sync(self, sync_id: int, strategy: str, pipelined: bool, delay_s: float, timeout_s: float) -> EngineStats:

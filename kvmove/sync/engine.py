@@ -88,6 +88,33 @@ def register_params(transport: Transport, model: nn.Module, names: Sequence[str]
     return out
 
 
+class EngineSide(NamedTuple):
+    """An engine rank after init step 5: its receiving side and the descriptors of what it registered."""
+
+    rank: EngineRank
+    recv: dict[str, list[BufferDesc]]
+    params: dict[str, BufferDesc]
+
+
+def open_engine_rank(
+    transport: Transport,
+    model: nn.Module,
+    plan: ShardingPlan,
+    recv_sizes: Mapping[str, tuple[int, int]],
+    direct_params: Sequence[str],
+    trainers: Mapping[int, TrainerEndpoint],
+    device: str | torch.device = "cpu",
+) -> EngineSide:
+    """Init step 5 on the engine side, once: allocate and register ``count`` receive slots of ``nbytes`` per
+    strategy and the parameters direct pulls write, then connect to every source trainer rank."""
+    recv = {s: [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(k)] for s, (k, n) in recv_sizes.items()}
+    descs = {s: [transport.register(t) for t in ts] for s, ts in recv.items()}
+    params = register_params(transport, model, direct_params)
+    for ep in trainers.values():
+        transport.connect(ep.info)
+    return EngineSide(EngineRank(model, plan, recv), descs, params)
+
+
 class EngineStats(NamedTuple):
     rank: int
     seconds: float

@@ -27,14 +27,14 @@ from kvmove.models.config import ModelConfig
 from kvmove.sync.blueprint import Blueprint
 from kvmove.sync.broadcast import receive_all, send_all
 from kvmove.sync.collectives import Collectives, free_port
-from kvmove.sync.engine import ByteReader, EngineRank, TrainerEndpoint, register_params
+from kvmove.sync.engine import ByteReader, TrainerEndpoint, open_engine_rank
 from kvmove.sync.plan import ShardingPlan, plan_rank
 from kvmove.sync.runner import SyncResult
 from kvmove.sync.schedule import PullPlan, SyncOptions
 from kvmove.sync.source import ShardedSource
 from kvmove.sync.strategies import Strategy
 from kvmove.sync.sync_step import SyncContext, build_result
-from kvmove.sync.trainer import TrainerRank
+from kvmove.sync.trainer import TrainerRank, open_trainer_rank
 from kvmove.sync.verify import verify_streaming
 from kvmove.transport import Transport, get_transport
 from kvmove.transport.gloo import GlooGroup
@@ -125,14 +125,11 @@ def _trainer_main(
     state: dict[str, Any] = {}
 
     def setup_slots(sizes: dict[str, tuple[int, int]]) -> TrainerEndpoint:
-        slots = {s: [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(k)] for s, (k, n) in sizes.items()}
-        descs = {s: [transport.register(t) for t in ts] for s, ts in slots.items()}
-        arena = transport.register(source.arena()[0])
-        state["impl"] = TrainerRank(source, slots)
+        state["impl"], endpoint = open_trainer_rank(transport, source, sizes, device)
         for e, (packs, notes) in engines.items():
             threading.Thread(target=_serve_packs, args=(state["impl"], e, packs), daemon=True).start()
             threading.Thread(target=_serve_notes, args=(state["impl"], e, notes), daemon=True).start()
-        return TrainerEndpoint(transport.endpoint_info(), descs, arena)
+        return endpoint
 
     def broadcast(host_: str, port: int, size: int, prefix: str) -> Any:
         pg = _group(host_, port, 0, size, prefix, device, config.deadline_s)[1] if rank == 0 else None
@@ -226,13 +223,9 @@ def _engine_main(rank: int, config: LocalConfig, ports: tuple[int, int], ctrl: A
         direct_params: list[str],
         infos: dict[int, TrainerEndpoint],
     ) -> Any:
-        recv = {s: [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(k)] for s, (k, n) in sizes.items()}
-        recv_descs = {s: [transport.register(t) for t in ts] for s, ts in recv.items()}
-        params = register_params(transport, model, direct_params)
-        state["impl"] = EngineRank(model, state["plan"], recv)
-        state["pulls"], state["reader"] = pulls, ByteReader(transport, infos, recv_descs, params, "")
-        for ep in infos.values():
-            transport.connect(ep.info)
+        side = open_engine_rank(transport, model, state["plan"], sizes, direct_params, infos, device)
+        state["impl"], state["pulls"] = side.rank, pulls
+        state["reader"] = ByteReader(transport, infos, side.recv, side.params, "")
         return transport.endpoint_info()
 
     def run_sync(sync_id: int, strategy: str, pipelined: bool) -> Any:

@@ -18,8 +18,10 @@ from typing import NamedTuple
 import torch
 
 from kvmove.errors import KvmoveError
+from kvmove.sync.engine import TrainerEndpoint
 from kvmove.sync.packing import SliceSpec, pack
 from kvmove.sync.source import ShardedSource
+from kvmove.transport import Transport
 
 
 class SyncTimeout(KvmoveError):
@@ -62,6 +64,18 @@ class _State:
     released: set[int] = field(default_factory=set)
     gone: set[int] = field(default_factory=set)
     failed: str = ""
+
+
+def open_trainer_rank(
+    transport: Transport, source: ShardedSource, sizes: Mapping[str, tuple[int, int]], device: str = "cpu"
+) -> tuple[TrainerRank, TrainerEndpoint]:
+    """Init step 5 on the trainer side, once: allocate and register ``count`` serve slots of ``nbytes`` per
+    strategy, and the source's arena (if it has one) for direct pulls."""
+    slots = {s: [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(k)] for s, (k, n) in sizes.items()}
+    descs = {s: [transport.register(t) for t in ts] for s, ts in slots.items()}
+    arena = source.arena()
+    arena_desc = transport.register(arena[0]) if arena is not None else None
+    return TrainerRank(source, slots), TrainerEndpoint(transport.endpoint_info(), descs, arena_desc)
 
 
 class TrainerRank:

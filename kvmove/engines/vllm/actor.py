@@ -27,7 +27,7 @@ from kvmove.errors import KvmoveError
 from kvmove.layout import EngineLayout
 from kvmove.models.config import ModelConfig
 from kvmove.sync.actors import ActorClient
-from kvmove.sync.engine import EngineRank, EngineStats, TrainerEndpoint, register_params
+from kvmove.sync.engine import EngineRank, EngineStats, TrainerEndpoint, open_engine_rank
 from kvmove.sync.plan import ShardingPlan, plan_rank
 from kvmove.sync.schedule import PullPlan
 from kvmove.sync.verify import bits_equal, seeded_checkpoint
@@ -144,13 +144,9 @@ class VllmEngineActor(ServesSlots):
         """Init step 5: register receive slots and the staging parameters direct pulls write, once."""
         _, staging = self.session.require()
         assert self.plan is not None
-        recv = {s: [torch.empty(n, dtype=torch.uint8) for _ in range(k)] for s, (k, n) in recv_sizes.items()}
-        self._recv = {s: [self.transport.register(t) for t in ts] for s, ts in recv.items()}
-        self._params = register_params(self.transport, staging, direct_params)
-        self.impl = EngineRank(staging, self.plan, recv)
+        side = open_engine_rank(self.transport, staging, self.plan, recv_sizes, direct_params, trainer_info)
+        self.impl, self._recv, self._params = side
         self._pulls, self._trainers, self._endpoints = pulls, trainers, dict(trainer_info)
-        for ep in trainer_info.values():
-            self.transport.connect(ep.info)
         return self.transport.endpoint_info()
 
     def run_sync(self, sync_id: int, strategy: str, pipelined: bool, delay_s: float, timeout_s: float) -> EngineStats:
