@@ -239,16 +239,25 @@ class Cluster:
         self.engines: list[Any] = [self._new_engine(e) for e in range(el.world)]
         if self.transport == "rdt-gloo":
             create_rdt_group([*self.trainers, *self.engines])
-        host, port = ray.get(self.trainers[0].address.remote(config.ray_address is None))
-        ray.get([t.init_collectives.remote(host, port, config.deadline_s) for t in self.trainers])
-        self._check_ownership()
-        self.plans = self._build_plans(range(el.world))
-        self.blueprint = Blueprint(cfg, tl, el, self.plans, config.strategies, config.options)
-        self.pulls = self.blueprint.pulls
-        self.trainer_info = self._setup_trainers()
         self.dead: set[int] = set()
-        for e in range(el.world):
-            self._setup_engine(e)
+        try:
+            host, port = ray.get(self.trainers[0].address.remote(config.ray_address is None))
+            ray.get([t.init_collectives.remote(host, port, config.deadline_s) for t in self.trainers])
+            self._check_ownership()
+            self.plans = self._build_plans(range(el.world))
+            self.blueprint = Blueprint(cfg, tl, el, self.plans, config.strategies, config.options)
+            self.pulls = self.blueprint.pulls
+            self.trainer_info = self._setup_trainers()
+            for e in range(el.world):
+                self._setup_engine(e)
+        except BaseException:  # a failed init leaves no actor (and no registered buffer) behind
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Kill every actor of this run; idempotent."""
+        for actor in (*self.engines, *self.trainers):
+            self.ray.kill(actor, no_restart=True)
 
     # -- init -------------------------------------------------------------------------------------------------
     def _options(self, member: int) -> dict[str, Any]:
@@ -362,12 +371,15 @@ def run_syncs(config: SyncConfig, progress: Callable[[str], None] | None = None)
     cluster = Cluster(config, ray)
     version = 0
     sync_id = 0
-    for strategy in config.strategies:
-        for i in range(1, config.syncs + 1):
-            version += 1
-            sync_id += 1
-            say(f"{strategy.name}: sync {i}/{config.syncs}")
-            yield _one_sync(cluster, strategy, i, sync_id, version)
+    try:
+        for strategy in config.strategies:
+            for i in range(1, config.syncs + 1):
+                version += 1
+                sync_id += 1
+                say(f"{strategy.name}: sync {i}/{config.syncs}")
+                yield _one_sync(cluster, strategy, i, sync_id, version)
+    finally:
+        cluster.close()
 
 
 def _one_sync(cluster: Cluster, strategy: Strategy, index: int, sync_id: int, version: int) -> SyncResult:

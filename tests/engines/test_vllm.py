@@ -93,10 +93,7 @@ def test_synced_vllm_matches_vllm_loaded_from_disk(
             finally:
                 vllm_ray.kill(disk)
     assert outputs[1] != outputs[len(strategies)], "new weights every sync: the greedy outputs must follow"
-    for e in cluster.engines:
-        vllm_ray.kill(e)
-    for t in cluster.trainers:
-        vllm_ray.kill(t)
+    cluster.close()
 
 
 def test_layouts_that_do_not_match_the_running_engine_are_refused() -> None:
