@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +10,7 @@ from torch import nn
 
 from kvmove.errors import KvmoveError
 from kvmove.layout import EngineCoord, EngineLayout
+from kvmove.models.checkpoint import engine_checkpoint
 from kvmove.models.config import ModelConfig
 
 
@@ -63,3 +64,20 @@ def get_engine(name: str) -> EngineAdapter:
         return ENGINES[name]
     except KeyError:
         raise KvmoveError(f"unknown engine kind {name!r} (known: {', '.join(ENGINES)})") from None
+
+
+def reference_model(
+    engine: EngineAdapter,
+    cfg: ModelConfig,
+    layout: EngineLayout,
+    coord: EngineCoord,
+    weights: Mapping[str, torch.Tensor],
+) -> nn.Module:
+    """Engine rank ``coord`` as the engine's own loader fills it from the full BF16 checkpoint ``weights``.
+
+    The checkpoint is first put in the engine's format (kvmove.models.checkpoint.engine_checkpoint: for an FP8
+    engine, every quantized tensor quantized whole by the engine's quantizer): what a synced rank must equal.
+    """
+    model = engine.build(cfg, layout, coord)
+    engine.load_weights(model, engine_checkpoint(cfg, weights).items())
+    return model

@@ -16,6 +16,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen2ForCausalLM",
 )
+ENGINE_DTYPES = ("bf16", "fp8")
+"""Weight formats an inference engine can hold (kvmove.models.checkpoint says what each one loads)."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,14 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    engine_dtype: str = "bf16"
+    """The engine's weight format (one of ENGINE_DTYPES): not an HF field, chosen where the config is built.
+    The trainer always holds the BF16 checkpoint; "fp8" engines hold kvmove.models.checkpoint's FP8 one."""
     extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.engine_dtype not in ENGINE_DTYPES:
+            raise ModelError(f"engine dtype {self.engine_dtype!r} is not one of {', '.join(ENGINE_DTYPES)}")
 
     @property
     def is_moe(self) -> bool:
@@ -92,6 +101,7 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 # HF spells some fields differently per architecture; these map them onto ours.
 _RENAMES = {"n_routed_experts": "num_experts"}
 _FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
+_NOT_FROM_HF = ("name", "architecture", "extra", "engine_dtype")
 
 
 def config_from_dict(raw: dict[str, Any], name: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
@@ -110,7 +120,7 @@ def config_from_dict(raw: dict[str, Any], name: str, overrides: dict[str, Any] |
     extra = []
     for key, value in data.items():
         key = _RENAMES.get(key, key)
-        if key in _FIELDS and key not in ("name", "architecture", "extra"):
+        if key in _FIELDS and key not in _NOT_FROM_HF:
             values[key] = value
         elif key != "architectures":
             extra.append((key, _freeze(value)))

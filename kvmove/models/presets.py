@@ -88,6 +88,39 @@ _TINY["qwen3-moe-vllm"] = {**_TINY["qwen3-moe-tiny"], "head_dim": 64}
 _TINY["qwen3-vllm"] = {**_TINY["qwen3-tiny"], "head_dim": 64}
 _TINY["qwen2-vllm"] = {**_TINY["qwen2-tiny"], "head_dim": 64, "hidden_size": 256}
 
+# NOTE: FP8 engines quantize 128x128 blocks and refuse TP splits that cut one (vLLM's rule), so these two have
+# hidden 256 and every sharded dim a multiple of 128 at engine tp <= 2; at trainer tp=4 / etp=4 their k/v rows,
+# dense MLP and expert widths are cut mid-block (the case a sync must quantize engine-side).
+_TINY["qwen3-moe-fp8-tiny"] = {
+    **_TINY_QWEN,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "intermediate_size": 768,
+    "vocab_size": 512,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 256,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [0],
+}
+_TINY["deepseek-v3-fp8-tiny"] = {
+    **_TINY["kimi-k2-tiny"],
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 256,
+    "vocab_size": 512,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 64,
+}
+
 _FULL = ("qwen3-235b-a22b", "kimi-k2")
 
 

@@ -18,8 +18,9 @@ import torch
 from kvmove.engines import EngineAdapter, get_engine
 from kvmove.errors import PlanError
 from kvmove.layout import EngineCoord, EngineLayout
+from kvmove.models.checkpoint import engine_tensors
 from kvmove.models.config import ModelConfig
-from kvmove.models.tensors import hf_tensors, layer_of
+from kvmove.models.tensors import layer_of
 from kvmove.sync.recording import Capture, Op, StridedView, dry_run
 
 
@@ -177,7 +178,7 @@ def plan_rank(
         templates.setdefault(cfg.layer_kind(i), i)
     run_layers = sorted(templates.values()) if reuse else held
     model = engine.build(cfg, layout, coord, layers=run_layers, device="meta")
-    tensors = hf_tensors(cfg, layers=run_layers)
+    tensors = engine_tensors(cfg, layers=run_layers)  # the checkpoint this engine loads (FP8 ones carry scales)
     shapes = {t.name: t.shape for t in tensors}
     captures = dry_run(model, tensors, lambda ws: engine.load_weights(model, ws))
     params = [ParamMeta(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]

@@ -84,6 +84,8 @@ def check_supported(model: ReferenceModel) -> None:
         raise ModelError(f"{cfg.name}: the reference forward pass runs tp=ep=pp=1 only")
     if list(ctx.layers) != list(range(cfg.num_hidden_layers)):
         raise ModelError(f"{cfg.name}: the reference forward pass needs every layer on the rank")
+    if ctx.weight_block is not None:
+        raise ModelError(f"{cfg.name}: the reference forward pass runs unquantized weights, not block FP8")
 
 
 def forward(model: ReferenceModel, pool: KVPool, batch: ForwardBatch) -> torch.Tensor:

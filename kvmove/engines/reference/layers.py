@@ -3,15 +3,24 @@
 Each parameter carries a ``weight_loader(param, loaded_weight, ...)`` written the way engine loaders are:
 ``narrow``/``chunk``/index into the loaded HF tensor, then ``copy_`` into a view of the parameter. The
 loaders never look at values, so a recording-tensor dry run can replay them (see kvmove.sync.recording).
+
+With ``RankContext.weight_block`` set, linear layers hold vLLM's block-FP8 layout: ``weight`` in float8_e4m3fn
+and ``weight_scale_inv`` (float32, one entry per block of the rank's weight), which the same loaders fill from
+the checkpoint's ``weight_scale_inv`` by counting rows and columns in blocks (``_units``). As in vLLM, a layout
+whose TP split cuts a block (or a fused partition that does not start on one) is refused at construction.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvmove.errors import LayoutError
+from kvmove.quant.fp8 import FP8_DTYPE, scale_shape
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,8 @@ class RankContext:
     layers: tuple[int, ...] = ()
     dtype: torch.dtype = torch.bfloat16
     device: str = "cpu"
+    weight_block: int | None = None
+    """Linear weights in block FP8 with blocks of this size (None: in ``dtype``)."""
 
     @property
     def first_stage(self) -> bool:
@@ -40,6 +51,11 @@ class RankContext:
 def _check_shape(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"{what}: loaded slice {tuple(src.shape)} does not fit parameter slice {tuple(dst.shape)}")
+    if (dst.dtype == FP8_DTYPE) != (src.dtype == FP8_DTYPE):
+        raise ValueError(
+            f"{what}: loaded {src.dtype} into a {dst.dtype} parameter; an FP8 engine loads the FP8 checkpoint, "
+            "a BF16 engine the BF16 one (kvmove.models.checkpoint.engine_checkpoint)"
+        )
 
 
 def _check_dim(loaded: torch.Tensor, dim: int, expected: int, what: str) -> None:
@@ -53,8 +69,36 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)
 
 
-def _param(ctx: RankContext, *shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.zeros(*shape, dtype=ctx.dtype, device=ctx.device), requires_grad=False)
+def _param(ctx: RankContext, *shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=dtype or ctx.dtype, device=ctx.device), requires_grad=False)
+
+
+def _units(param: nn.Parameter, n: int) -> int:
+    """``n`` weight rows (or columns) counted in ``param``'s entries: blocks for a block scale, else elements."""
+    block: int = getattr(param, "block", 1)
+    return -(-n // block)
+
+
+def _weights(module: nn.Module, ctx: RankContext, name: str, *shape: int, quantized: bool = True) -> None:
+    """Register weight ``name`` of ``shape`` ([experts,] out, in); in block FP8 plus ``<name>_scale_inv`` if set."""
+    if not (quantized and ctx.weight_block):
+        module.register_parameter(name, _param(ctx, *shape))
+        return
+    module.register_parameter(name, _param(ctx, *shape, dtype=FP8_DTYPE))
+    scale = _param(ctx, *scale_shape(shape, ctx.weight_block), dtype=torch.float32)
+    scale.block = ctx.weight_block  # type: ignore[attr-defined]
+    module.register_parameter(name + "_scale_inv", scale)
+
+
+def _check_blocks(ctx: RankContext, label: str, what: str, sizes: Sequence[int]) -> None:
+    """vLLM's rule for block-FP8 layers: each TP shard, and each fused partition but the last, is whole blocks."""
+    block = ctx.weight_block
+    bad = [n for n in sizes if block and n % block]
+    if block and bad:
+        raise LayoutError(
+            f"engine tp={ctx.tp_size} with FP8 weights: {label} {what} is {bad[0]} per rank, not a multiple of "
+            f"the {block}x{block} quantization block (vLLM refuses this split too)"
+        )
 
 
 class RMSNorm(nn.Module):
@@ -70,10 +114,15 @@ class RMSNorm(nn.Module):
 
 
 class ReplicatedLinear(nn.Module):
-    def __init__(self, ctx: RankContext, in_size: int, out_size: int, bias: bool = False) -> None:
+    weight: nn.Parameter
+
+    def __init__(
+        self, ctx: RankContext, in_size: int, out_size: int, bias: bool = False, quantized: bool = True
+    ) -> None:
         super().__init__()
-        self.weight = _param(ctx, out_size, in_size)
-        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        _weights(self, ctx, "weight", out_size, in_size, quantized=quantized)
+        for p in self.parameters():
+            p.weight_loader = default_weight_loader  # type: ignore[attr-defined]
         self.bias = None
         if bias:
             self.bias = _param(ctx, out_size)
@@ -86,11 +135,18 @@ class ReplicatedLinear(nn.Module):
 class ColumnParallelLinear(ReplicatedLinear):
     """Output dim split over tp: rank r holds rows [r·out/tp, (r+1)·out/tp)."""
 
-    def __init__(self, ctx: RankContext, in_size: int, out_size: int, bias: bool = False, tp: bool = True) -> None:
+    def __init__(
+        self, ctx: RankContext, in_size: int, out_size: int, bias: bool = False, tp: bool = True, label: str = ""
+    ) -> None:
         self.tp_size, self.tp_rank = (ctx.tp_size, ctx.tp_rank) if tp else (1, 0)
         super().__init__(ctx, in_size, out_size // self.tp_size, bias)
+        self._check(ctx, label or type(self).__name__)
         for p in self.parameters():
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def _check(self, ctx: RankContext, label: str) -> None:
+        if self.tp_size > 1:
+            _check_blocks(ctx, label, "output rows", [self.weight.shape[0]])
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         size = param.shape[0]
@@ -103,14 +159,26 @@ class ColumnParallelLinear(ReplicatedLinear):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs fused along dim 0 (``gate_up_proj``, MLA's ``fused_qkv_a_proj``)."""
 
-    def __init__(self, ctx: RankContext, in_size: int, out_sizes: list[int], bias: bool = False, tp: bool = True):
+    def __init__(
+        self,
+        ctx: RankContext,
+        in_size: int,
+        out_sizes: list[int],
+        bias: bool = False,
+        tp: bool = True,
+        label: str = "",
+    ):
         self.out_sizes = list(out_sizes)
-        super().__init__(ctx, in_size, sum(out_sizes), bias, tp)
+        super().__init__(ctx, in_size, sum(out_sizes), bias, tp, label)
+
+    def _check(self, ctx: RankContext, label: str) -> None:
+        parts = [n // self.tp_size for n in self.out_sizes]
+        _check_blocks(ctx, label, "fused output partition", parts if self.tp_size > 1 else parts[:-1])
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int = 0) -> None:
-        offset = sum(self.out_sizes[:shard_id]) // self.tp_size
-        size = self.out_sizes[shard_id] // self.tp_size
-        _check_dim(loaded_weight, 0, self.out_sizes[shard_id], f"merged shard {shard_id}")
+        offset = _units(param, sum(self.out_sizes[:shard_id]) // self.tp_size)
+        size = _units(param, self.out_sizes[shard_id] // self.tp_size)
+        _check_dim(loaded_weight, 0, _units(param, self.out_sizes[shard_id]), f"merged shard {shard_id}")
         src = loaded_weight.narrow(0, self.tp_rank * size, size)
         dst = param.data.narrow(0, offset, size)
         _check_shape(dst, src, f"merged shard {shard_id}")
@@ -120,24 +188,30 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k, v fused along dim 0; KV heads replicate over tp ranks when tp > num_kv_heads (vLLM's rule)."""
 
-    def __init__(self, ctx: RankContext, hidden: int, head_dim: int, heads: int, kv_heads: int, bias: bool):
+    def __init__(
+        self, ctx: RankContext, hidden: int, head_dim: int, heads: int, kv_heads: int, bias: bool, label: str = ""
+    ):
         self.head_dim = head_dim
         self.q_heads = heads // ctx.tp_size
         self.kv_heads = max(1, kv_heads // ctx.tp_size)
         self.kv_replicas = max(1, ctx.tp_size // kv_heads)
         out = (self.q_heads + 2 * self.kv_heads) * head_dim * ctx.tp_size
-        super().__init__(ctx, hidden, out, bias)
+        super().__init__(ctx, hidden, out, bias, label=label)
+
+    def _check(self, ctx: RankContext, label: str) -> None:
+        parts = list(self.sizes)
+        _check_blocks(ctx, label, "q/k/v partition", parts if self.tp_size > 1 else parts[:-1])
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str = "q") -> None:
         q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
         if shard_id == "q":
-            offset, size, start = 0, q, self.tp_rank * q
+            offset, size, index = 0, q, self.tp_rank
         else:
-            offset = q if shard_id == "k" else q + kv
-            size, start = kv, (self.tp_rank // self.kv_replicas) * kv
+            offset, size, index = (q if shard_id == "k" else q + kv), kv, self.tp_rank // self.kv_replicas
         heads = self.q_heads * self.tp_size if shard_id == "q" else self.kv_heads * self.tp_size // self.kv_replicas
-        _check_dim(loaded_weight, 0, heads * self.head_dim, f"qkv shard {shard_id}")
-        src = loaded_weight.narrow(0, start, size)
+        _check_dim(loaded_weight, 0, _units(param, heads * self.head_dim), f"qkv shard {shard_id}")
+        offset, size = _units(param, offset), _units(param, size)
+        src = loaded_weight.narrow(0, index * size, size)
         dst = param.data.narrow(0, offset, size)
         _check_shape(dst, src, f"qkv shard {shard_id}")
         dst.copy_(src)
@@ -151,11 +225,16 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """Input dim split over tp: rank r holds columns [r·in/tp, (r+1)·in/tp); outputs are partial sums."""
 
-    def __init__(self, ctx: RankContext, in_size: int, out_size: int, tp: bool = True) -> None:
+    weight: nn.Parameter
+
+    def __init__(self, ctx: RankContext, in_size: int, out_size: int, tp: bool = True, label: str = "") -> None:
         super().__init__()
         self.tp_size, self.tp_rank = (ctx.tp_size, ctx.tp_rank) if tp else (1, 0)
-        self.weight = _param(ctx, out_size, in_size // self.tp_size)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        _weights(self, ctx, "weight", out_size, in_size // self.tp_size)
+        if self.tp_size > 1:
+            _check_blocks(ctx, label or "RowParallelLinear", "input columns", [in_size // self.tp_size])
+        for p in self.parameters():
+            p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         size = param.shape[1]
@@ -218,6 +297,9 @@ class FusedMoE(nn.Module):
     expert, each split over tp (w1/w3 by rows, w2 by columns).
     """
 
+    w13_weight: nn.Parameter
+    w2_weight: nn.Parameter
+
     def __init__(self, ctx: RankContext, num_experts: int, hidden: int, inter: int) -> None:
         super().__init__()
         if ctx.ep_size > 1:
@@ -228,9 +310,10 @@ class FusedMoE(nn.Module):
             self.local_experts, self.first_expert = num_experts, 0
             self.tp_size, self.tp_rank = ctx.tp_size, ctx.tp_rank
         self.inter = inter // self.tp_size
-        self.w13_weight = _param(ctx, self.local_experts, 2 * self.inter, hidden)
-        self.w2_weight = _param(ctx, self.local_experts, hidden, self.inter)
-        for p in (self.w13_weight, self.w2_weight):
+        _check_blocks(ctx, "mlp.experts", "intermediate size", [self.inter])
+        _weights(self, ctx, "w13_weight", self.local_experts, 2 * self.inter, hidden)
+        _weights(self, ctx, "w2_weight", self.local_experts, hidden, self.inter)
+        for p in self.parameters():
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def local_index(self, expert_id: int) -> int | None:
@@ -241,14 +324,11 @@ class FusedMoE(nn.Module):
         local = self.local_index(expert_id)
         if local is None:
             return False
-        expert = param.data[local]
-        _check_dim(loaded_weight, 1 if shard_id == "w2" else 0, self.inter * self.tp_size, f"expert {shard_id}")
-        if shard_id == "w2":
-            src = loaded_weight.narrow(1, self.tp_rank * self.inter, self.inter)
-            dst = expert
-        else:
-            src = loaded_weight.narrow(0, self.tp_rank * self.inter, self.inter)
-            dst = expert.narrow(0, 0 if shard_id == "w1" else self.inter, self.inter)
+        expert, inter = param.data[local], _units(param, self.inter)
+        dim = 1 if shard_id == "w2" else 0
+        _check_dim(loaded_weight, dim, _units(param, self.inter * self.tp_size), f"expert {shard_id}")
+        src = loaded_weight.narrow(dim, self.tp_rank * inter, inter)
+        dst = expert if shard_id == "w2" else expert.narrow(0, 0 if shard_id == "w1" else inter, inter)
         _check_shape(dst, src, f"expert {expert_id} {shard_id}")
         dst.copy_(src)
         return True

@@ -22,8 +22,10 @@ STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
     (".fused_qkv_a_proj.", ".kv_a_proj_with_mqa.", 1),
 )
 
-_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
-_EXPERT_SHARD = {"gate": ("w13_weight", "w1"), "up": ("w13_weight", "w3"), "down": ("w2_weight", "w2")}
+_EXPERT = re.compile(
+    r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.(?P<kind>weight(_scale_inv)?)$"
+)
+_EXPERT_SHARD = {"gate": ("w13", "w1"), "up": ("w13", "w3"), "down": ("w2", "w2")}
 
 
 def load_weights(model: ReferenceModel, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -52,7 +54,7 @@ def _load_one(params: dict[str, nn.Parameter], names: set[str], name: str, w: to
     """Load one HF tensor; return the parameter it landed in, or None when this rank does not hold it."""
     m = _EXPERT.match(name)
     if m:
-        param_name = f"{m['prefix']}.{_EXPERT_SHARD[m['proj']][0]}"
+        param_name = f"{m['prefix']}.{_EXPERT_SHARD[m['proj']][0]}_{m['kind']}"
         if param_name not in names:
             return None  # this rank does not hold the layer
         param = params[param_name]

@@ -21,6 +21,7 @@ from kvmove.engines.reference.layers import (
     default_weight_loader,
 )
 from kvmove.layout import EngineCoord, EngineLayout
+from kvmove.models.checkpoint import engine_format
 from kvmove.models.config import ModelConfig
 
 
@@ -29,9 +30,9 @@ class GQAAttention(nn.Module):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.qkv_proj = QKVParallelLinear(
-            ctx, h, d, cfg.num_attention_heads, cfg.num_key_value_heads, bias=cfg.attention_bias
+            ctx, h, d, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_bias, "self_attn.qkv_proj"
         )
-        self.o_proj = RowParallelLinear(ctx, cfg.num_attention_heads * d, h)
+        self.o_proj = RowParallelLinear(ctx, cfg.num_attention_heads * d, h, label="self_attn.o_proj")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(ctx, d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(ctx, d, cfg.rms_norm_eps)
@@ -45,36 +46,41 @@ class MLAAttention(nn.Module):
         h, n = cfg.hidden_size, cfg.num_attention_heads
         kv_a = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         if cfg.q_lora_rank:
-            self.fused_qkv_a_proj = MergedColumnParallelLinear(ctx, h, [cfg.q_lora_rank, kv_a], tp=False)
+            q_a = [cfg.q_lora_rank, kv_a]
+            self.fused_qkv_a_proj = MergedColumnParallelLinear(
+                ctx, h, q_a, tp=False, label="self_attn.fused_qkv_a_proj"
+            )
             self.q_a_layernorm = RMSNorm(ctx, cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(ctx, cfg.q_lora_rank, n * cfg.qk_head_dim)
+            self.q_b_proj = ColumnParallelLinear(ctx, cfg.q_lora_rank, n * cfg.qk_head_dim, label="self_attn.q_b_proj")
         else:
-            self.q_proj = ColumnParallelLinear(ctx, h, n * cfg.qk_head_dim)
+            self.q_proj = ColumnParallelLinear(ctx, h, n * cfg.qk_head_dim, label="self_attn.q_proj")
             self.kv_a_proj_with_mqa = ReplicatedLinear(ctx, h, kv_a)
         self.kv_a_layernorm = RMSNorm(ctx, cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = ColumnParallelLinear(ctx, cfg.kv_lora_rank, n * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-        self.o_proj = RowParallelLinear(ctx, n * cfg.v_head_dim, h)
+        kv_b = n * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        self.kv_b_proj = ColumnParallelLinear(ctx, cfg.kv_lora_rank, kv_b, label="self_attn.kv_b_proj")
+        self.o_proj = RowParallelLinear(ctx, n * cfg.v_head_dim, h, label="self_attn.o_proj")
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, ctx: RankContext, hidden: int, inter: int) -> None:
+    def __init__(self, ctx: RankContext, hidden: int, inter: int, label: str = "mlp") -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(ctx, hidden, [inter, inter])
-        self.down_proj = RowParallelLinear(ctx, inter, hidden)
+        self.gate_up_proj = MergedColumnParallelLinear(ctx, hidden, [inter, inter], label=f"{label}.gate_up_proj")
+        self.down_proj = RowParallelLinear(ctx, inter, hidden, label=f"{label}.down_proj")
 
 
 class MoEMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: RankContext) -> None:
         super().__init__()
         h = cfg.hidden_size
-        self.gate = ReplicatedLinear(ctx, h, cfg.num_experts)
+        self.gate = ReplicatedLinear(ctx, h, cfg.num_experts, quantized=False)  # the router stays in ctx.dtype
         if cfg.is_mla:
             bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=ctx.dtype, device=ctx.device), requires_grad=False)
             bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
             self.gate.register_parameter("e_score_correction_bias", bias)
         self.experts = FusedMoE(ctx, cfg.num_experts, h, cfg.moe_intermediate_size)
         if cfg.n_shared_experts:
-            self.shared_experts = DenseMLP(ctx, h, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+            self.shared_experts = DenseMLP(ctx, h, shared, "mlp.shared_experts")
 
 
 class DecoderLayer(nn.Module):
@@ -137,4 +143,5 @@ def rank_context(
         layers=held,
         dtype=dtype,
         device=device,
+        weight_block=engine_format(cfg).weight_block,
     )
