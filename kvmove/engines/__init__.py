@@ -66,18 +66,18 @@ def get_engine(name: str) -> EngineAdapter:
         raise KvmoveError(f"unknown engine kind {name!r} (known: {', '.join(ENGINES)})") from None
 
 
-def reference_model(
-    engine: EngineAdapter,
-    cfg: ModelConfig,
-    layout: EngineLayout,
-    coord: EngineCoord,
-    weights: Mapping[str, torch.Tensor],
-) -> nn.Module:
-    """Engine rank ``coord`` as the engine's own loader fills it from the full BF16 checkpoint ``weights``.
+def reference_models(
+    engine: EngineAdapter, cfg: ModelConfig, layout: EngineLayout, weights: Mapping[str, torch.Tensor]
+) -> list[nn.Module]:
+    """Every rank of one replica as the engine's own loader fills it from the full BF16 checkpoint ``weights``.
 
-    The checkpoint is first put in the engine's format (kvmove.models.checkpoint.engine_checkpoint: for an FP8
-    engine, every quantized tensor quantized whole by the engine's quantizer): what a synced rank must equal.
+    The checkpoint is first put in the engine's format once (kvmove.models.checkpoint.engine_checkpoint: for an
+    FP8 engine, every quantized tensor quantized whole by the engine's quantizer): what synced ranks must equal.
     """
-    model = engine.build(cfg, layout, coord)
-    engine.load_weights(model, engine_checkpoint(cfg, weights).items())
-    return model
+    checkpoint = engine_checkpoint(cfg, weights)
+    models = []
+    for rank in range(layout.ranks_per_replica):
+        model = engine.build(cfg, layout, layout.coord(rank))
+        engine.load_weights(model, checkpoint.items())
+        models.append(model)
+    return models

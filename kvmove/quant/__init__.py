@@ -12,6 +12,7 @@ from kvmove.quant.fp8 import (
     dequantize,
     scale_box,
     scale_shape,
+    scale_to_weight_box,
 )
 from kvmove.quant.quantizer import QUANTIZERS, default_backend, quantize
 
@@ -30,4 +31,5 @@ __all__ = [
     "quantize",
     "scale_box",
     "scale_shape",
+    "scale_to_weight_box",
 ]

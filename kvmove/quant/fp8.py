@@ -113,3 +113,13 @@ def scale_box(start: Sequence[int], stop: Sequence[int], block: int = BLOCK) -> 
     lo = [*start[:lead], *(a // block for a in start[lead:])]
     hi = [*stop[:lead], *(-(-b // block) for b in stop[lead:])]
     return BlockBox(tuple(lo), tuple(hi))
+
+
+def scale_to_weight_box(
+    start: Sequence[int], stop: Sequence[int], shape: Sequence[int], block: int = BLOCK
+) -> BlockBox:
+    """The weight box (of a ``shape`` weight) whose blocks are the scale entries ``[start, stop)``."""
+    lead = len(shape) - 2
+    lo = [*start[:lead], *(a * block for a in start[lead:])]
+    hi = [*stop[:lead], *(min(b * block, n) for b, n in zip(stop[lead:], shape[lead:], strict=True))]
+    return BlockBox(tuple(lo), tuple(hi))

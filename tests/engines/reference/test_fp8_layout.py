@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmove.engines import get_engine, reference_model
+from kvmove.engines import get_engine, reference_models
 from kvmove.errors import LayoutError
 from kvmove.layout import EngineLayout
 from kvmove.models import resolve_model
@@ -29,9 +29,7 @@ def ranks(model: str, engine: str, dtype: str):
     cfg = with_engine_dtype(resolve_model(model), dtype)
     layout = EngineLayout.parse(engine)
     layout.validate(cfg)
-    full = seeded_checkpoint(cfg, seed=3)
-    for r in range(layout.ranks_per_replica):
-        yield reference_model(ENGINE, cfg, layout, layout.coord(r), full)
+    return reference_models(ENGINE, cfg, layout, seeded_checkpoint(cfg, seed=3))
 
 
 @pytest.mark.parametrize(("model", "engine"), LAYOUTS)
@@ -81,10 +79,9 @@ def test_scales_of_replicated_kv_heads_and_expert_shards() -> None:
     """Hand-checked slices: tp=2 rank 1 holds q rows 256.., KV rows 128.., expert rows 128.. of gate and up."""
     cfg = with_engine_dtype(resolve_model("qwen3-moe-fp8-tiny"), "fp8")
     layout = EngineLayout.parse("tp=2")
-    ckpt = engine_checkpoint(cfg, seeded_checkpoint(cfg, seed=3))
-    rank = dict(
-        reference_model(ENGINE, cfg, layout, layout.coord(1), seeded_checkpoint(cfg, seed=3)).named_parameters()
-    )
+    full = seeded_checkpoint(cfg, seed=3)
+    ckpt = engine_checkpoint(cfg, full)
+    rank = dict(reference_models(ENGINE, cfg, layout, full)[1].named_parameters())
     a = "model.layers.1.self_attn."
     qkv_s = rank[a + "qkv_proj.weight_scale_inv"]
     assert qkv_s.shape == (4, 2)  # q 256 + k 128 + v 128 rows, 256 columns
