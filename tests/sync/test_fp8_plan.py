@@ -8,7 +8,7 @@ import torch
 
 from kvmove.engines import get_engine, reference_models
 from kvmove.layout import EngineLayout, TrainerLayout
-from kvmove.models import resolve_model
+from kvmove.models import hf_tensors, resolve_model
 from kvmove.models.checkpoint import engine_checkpoint, with_engine_dtype
 from kvmove.quant import FP8_DTYPE
 from kvmove.sync.ownership import Ownership
@@ -92,10 +92,8 @@ def test_plans_replay_from_bf16_by_quantizing_whole_blocks(model: str, engine: s
 def sides(model: str, trainer: str, engine: str) -> dict[str, str]:
     cfg, layout = fp8(model), EngineLayout.parse(engine)
     tl = TrainerLayout.parse(trainer)
-    tl.validate(cfg)
+    tl.validate(resolve_model(model))
     own = Ownership(cfg, tl)
-    from kvmove.models import hf_tensors
-
     metas = {t.name: t for t in hf_tensors(cfg)}
     plan = plan_engine(cfg, layout)[0]
     out: dict[str, str] = {}
@@ -132,3 +130,19 @@ def test_traffic_adds_up_to_the_plan() -> None:
         assert t.trainer_bytes + t.engine_fp8_bytes + t.plain_bytes == sum(p.nbytes for p in plans)
         assert (t.engine_regions == 0) == (trainer == "tp=2")
         assert t.engine_bf16_bytes >= 2 * t.engine_fp8_bytes * 0.9  # BF16 is about twice FP8 (+ scales)
+
+
+def test_sync_paths_refuse_fp8_engines_until_the_driver_quantizes() -> None:
+    from kvmove.errors import LayoutError
+    from kvmove.sync.dryrun import DryRunConfig, dry_run_sync
+    from kvmove.sync.strategies import STRATEGIES
+
+    config = DryRunConfig(
+        model=fp8("qwen3-moe-fp8-tiny"),
+        trainer=TrainerLayout.parse("tp=2"),
+        engine=EngineLayout.parse("tp=2"),
+        strategies=(STRATEGIES["v3"],),
+        verify=True,
+    )
+    with pytest.raises(LayoutError, match="quantization inside the sync is not built"):
+        dry_run_sync(config)
