@@ -22,7 +22,7 @@ from kvmove.layout import EngineLayout
 from kvmove.models.checkpoint import SCALE_SUFFIX
 from kvmove.models.config import ModelConfig
 from kvmove.models.tensors import TensorMeta, hf_tensors
-from kvmove.quant import FP8_DTYPE, block_aligned, covering_blocks, quantize, scale_shape, scale_to_weight_box
+from kvmove.quant import BLOCK, FP8_DTYPE, covering_blocks, quantize, scale_shape, scale_to_weight_box
 from kvmove.sync.ownership import Ownership
 from kvmove.sync.plan import Box, Region, ShardingPlan, relative_view
 from kvmove.sync.recording import StridedView
@@ -73,32 +73,50 @@ def quantized_data(source: QuantizedSource, cover: torch.Tensor, backend: str | 
     return source.view.apply(q.weight if source.part == "weight" else q.scale_inv)
 
 
+def straddling_share(source: QuantizedSource, ownership: Ownership, meta: TensorMeta) -> float:
+    """The share of the cover's elements in blocks that straddle two trainer raw shards of ``meta``.
+
+    Shards split one dim at a time, so a block straddles when a shard boundary along a dim falls strictly
+    inside it; the cover being a box, the shares along its two matrix dims combine as ``1 - (1-r)(1-c)``.
+    """
+    cover, shares = source.cover, []
+    for d in (-2, -1):
+        lo, hi = cover.start[d], cover.stop[d]
+        cuts = {b for h in ownership.slices(meta) for b in (h.box.start[d], h.box.stop[d]) if lo < b < hi}
+        blocks = {b // BLOCK for b in cuts if b % BLOCK}
+        cut = sum(min(hi, (k + 1) * BLOCK) - max(lo, k * BLOCK) for k in blocks)
+        shares.append(cut / (hi - lo))
+    return 1 - (1 - shares[0]) * (1 - shares[1])
+
+
 def quantize_side(source: QuantizedSource, ownership: Ownership, meta: TensorMeta) -> str:
     """``"trainer"`` when every block of the cover lies inside one trainer rank's raw shard, else ``"engine"``.
 
     Trainer-side, each holder quantizes the whole blocks it holds (a cover spanning several shards is served
     in pieces cut at shard boundaries, which are block boundaries there); a block that straddles two shards
-    can only be quantized where both halves meet: on the engine (or on a trainer after a gather).
+    can only be quantized where both halves meet: on the engine (or on a trainer after a gather). A region
+    with some straddling blocks can be split: :func:`straddling_share` is the part that must go engine-side.
     """
-    for h in ownership.slices(meta):
-        lo = tuple(max(a, b) for a, b in zip(h.box.start, source.cover.start, strict=True))
-        hi = tuple(min(a, b) for a, b in zip(h.box.stop, source.cover.stop, strict=True))
-        if all(a < b for a, b in zip(lo, hi, strict=True)) and not block_aligned(lo, hi, meta.shape):
-            return "engine"
-    return "trainer"
+    return "engine" if straddling_share(source, ownership, meta) > 0 else "trainer"
 
 
 class QuantTraffic(NamedTuple):
-    """Bytes one replica of an FP8 engine receives, by where its regions would be quantized."""
+    """Bytes one replica of an FP8 engine receives, by where its blocks would be quantized.
 
-    trainer_regions: int
-    engine_regions: int
+    Regions with both kinds of blocks are counted as split at block boundaries: their whole-shard blocks
+    trainer-side, their straddling blocks engine-side.
+    """
+
+    regions: int
+    """Quantized regions (FP8 weights and scales)."""
+    split_regions: int
+    """Of those, regions with at least one straddling block."""
     trainer_bytes: int
     """FP8 weights and scales quantized on the trainer: what crosses the link for them."""
-    engine_bf16_bytes: int
-    """BF16 blocks the engine pulls to quantize the other regions itself (each box once per rank)."""
     engine_fp8_bytes: int
-    """The FP8 weights and scales those engine-side regions become."""
+    """FP8 weights and scales of straddling blocks, quantized on the engine."""
+    engine_bf16_bytes: int
+    """The BF16 blocks the engine pulls to quantize those (each box once per rank)."""
     plain_bytes: int
     """Regions loaded unquantized (embeddings, norms, router), in BF16."""
 
@@ -106,11 +124,10 @@ class QuantTraffic(NamedTuple):
 def quant_traffic(
     cfg: ModelConfig, layout: EngineLayout, plans: Sequence[ShardingPlan], own: Ownership
 ) -> QuantTraffic:
-    """Sum :func:`quantize_side` over the ranks of one replica."""
+    """Sum :func:`straddling_share` over the regions of the ranks of one replica."""
     metas = {t.name: t for t in hf_tensors(cfg)}
-    counts = {"trainer": 0, "engine": 0}
-    fp8 = {"trainer": 0, "engine": 0}
-    bf16 = plain = 0
+    regions = split = plain = 0
+    trainer = engine = bf16 = 0.0
     for rank in range(layout.ranks_per_replica):
         plan = plans[layout.coord(rank).local]
         covers: set[tuple[str, Box]] = set()
@@ -118,10 +135,10 @@ def quant_traffic(
             if src is None:
                 plain += region.nbytes
                 continue
-            side = quantize_side(src, own, metas[src.weight])
-            counts[side] += 1
-            fp8[side] += region.nbytes
-            if side == "engine" and (src.weight, src.cover) not in covers:
+            share = straddling_share(src, own, metas[src.weight])
+            regions, split = regions + 1, split + (share > 0)
+            trainer, engine = trainer + region.nbytes * (1 - share), engine + region.nbytes * share
+            if share and (src.weight, src.cover) not in covers:
                 covers.add((src.weight, src.cover))
-                bf16 += src.bf16_bytes
-    return QuantTraffic(counts["trainer"], counts["engine"], fp8["trainer"], bf16, fp8["engine"], plain)
+                bf16 += src.bf16_bytes * share
+    return QuantTraffic(regions, split, round(trainer), round(engine), round(bf16), plain)
