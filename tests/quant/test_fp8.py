@@ -200,3 +200,16 @@ def test_rounding_is_to_nearest_even() -> None:
     got = q.weight.view(-1)[: mids.numel()].view(torch.uint8)
     even = torch.where(codes[:-1] % 2 == 0, codes[:-1], codes[1:])
     assert torch.equal(got, even)
+
+
+def test_check_command_runs_on_cpu(capsys) -> None:
+    """``python -m kvmove.quant`` (the GPU check) on a CPU-only machine: torch/cpu only, nothing to compare."""
+    import json
+
+    from kvmove.quant.__main__ import main
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the command compares real backends (tests/quant/test_fp8_gpu.py)")
+    assert main() == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["backends"] == ["torch/cpu"] and report["checks"] == [] and report["throughput"] == []
