@@ -176,7 +176,8 @@ def weight_sync(
                     head = f"  {transport} {r.strategy} sync {r.sync}: {r.seconds:.3f} s, {r.gbps:.1f} GB/s"
                     say(f"{head}, verified={r.verified}")
                     say(f"    phases {r.phases} peak extra {r.peak_extra_bytes} transfer {r.transfer_gbps:.1f} GB/s")
-                    rows.append(sync_row(config, r, suite="gpu"))  # type: ignore[arg-type]
+                    overrides = {"model_overrides": {"num_hidden_layers": layers}}  # the simulator rebuilds the slice
+                    rows.append(sync_row(config, r, suite="gpu", extra=overrides))  # type: ignore[arg-type]
                     record(rows[-1:])  # NOTE: kept as it lands, so a later hang loses nothing
             except Exception as exc:  # one failed transport must not lose the others' rows
                 say(f"  {transport} {strategy} FAILED: {type(exc).__name__}: {str(exc)[:2000]}")

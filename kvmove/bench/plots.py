@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -36,6 +36,7 @@ def render_plots(report: Report, out_dir: Path) -> Plots:
     out_dir.mkdir(parents=True, exist_ok=True)
     makers: list[tuple[str, Callable[[Report, Path], str | None]]] = [
         ("sync_time.png", _sync_time),
+        ("validation.png", _validation),
         ("bandwidth_vs_limit.png", _bandwidth),
         ("phases.png", _phases),
         ("migration_latency.png", _migration_latency),
@@ -69,11 +70,10 @@ def _sync_time(report: Report, path: Path) -> str | None:
     for i, s in enumerate(strategies):
         ys = [_pick(df, label, s, "seconds") for label in setups]
         ax.bar(np.arange(len(setups)) + i * width, ys, width, label=s)
-    _published_marks(report, ax, setups, strategies, width)
     ax.set_xticks(np.arange(len(setups)) + 0.4 - width / 2, setups, rotation=20, ha="right", fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("sync time (s, log)")
-    ax.set_title("Weight sync time per strategy (bars; black ticks = published)")
+    ax.set_title("Weight sync time per strategy")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -85,19 +85,28 @@ def _pick(df: pd.DataFrame, label: str, strategy: str, col: str) -> float:
     return float(m[col].iloc[0]) if not m.empty else 0.0
 
 
-def _published_marks(report: Report, ax: Any, setups: list[str], strategies: list[str], width: float) -> None:
-    pub = report.published
-    if pub.empty:
-        return
-    for _, p in pub[pub["metric"] == "seconds"].iterrows():
-        for j, label in enumerate(setups):
-            if "[published]" in label and p["strategy"] in strategies and _matches(report, label, p["setup"]):
-                x = j + strategies.index(p["strategy"]) * width
-                ax.plot([x - width / 2, x + width / 2], [p["published"]] * 2, color="black", lw=2)
-
-
-def _matches(report: Report, label: str, setup: str) -> bool:
-    return {"qwen3-235b": "qwen3-235b", "kimi-k2": "kimi-k2 "}.get(setup, setup) in label
+def _validation(report: Report, path: Path) -> str | None:
+    df = report.validation
+    df = df[df["metric"] == "seconds"] if not df.empty else df
+    if df.empty:
+        return "no published figures in simulated rows"
+    fig, ax = plt.subplots(figsize=(7, 7))
+    ax.scatter(df["published"], df["predicted"], color="tab:blue")
+    for _, r in df.iterrows():
+        ax.annotate(r["figure"], (r["published"], r["predicted"]), fontsize=5, alpha=0.8)
+    lo = float(min(df["published"].min(), df["predicted"].min())) / 1.5
+    hi = float(max(df["published"].max(), df["predicted"].max())) * 1.5
+    ax.plot([lo, hi], [lo, hi], color="black", lw=1, label="predicted = published")
+    ax.fill_between([lo, hi], [lo / 2, hi / 2], [lo * 2, hi * 2], color="gray", alpha=0.15, label="within 2x")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("published (s)")
+    ax.set_ylabel("simulated (s)")
+    ax.set_title("Simulator validation: no figure sets a cost")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return None
 
 
 def _bandwidth(report: Report, path: Path) -> str | None:

@@ -2,7 +2,8 @@
 
 Library only: it returns data and file paths; the CLI (kvmove.cli.report) renders to the terminal.
 Unreadable or empty files are skipped with a note (the report says which); unknown columns are kept.
-Published figures come from the simulated rows that carry them (``extra.published``), labelled published.
+Published figures come from the simulated rows that carry them (``extra.published``): the validation table
+shows each next to its prediction with the error, good or bad, and whether it set any cost (it never does).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import Any
 import pandas as pd
 
 from kvmove.bench.results import COLUMNS, read_file
-from kvmove.bench.simulator import COST_SOURCES, FIGURES
 from kvmove.errors import KvmoveError
 
 SYNC_SUITES_EXCLUDED = ("plan", "migration")
@@ -27,17 +27,17 @@ class Report:
 
     rows: pd.DataFrame
     sync: pd.DataFrame
-    published: pd.DataFrame
+    validation: pd.DataFrame
     migrations: pd.DataFrame
-    calibration: pd.DataFrame
+    costs: pd.DataFrame
     notes: tuple[str, ...] = field(default=())
 
     def tables(self) -> dict[str, pd.DataFrame]:
         return {
             "sync": self.sync,
-            "published": self.published,
+            "validation": self.validation,
             "migrations": self.migrations,
-            "calibration": self.calibration,
+            "costs": self.costs,
         }
 
 
@@ -99,7 +99,12 @@ def report_from_rows(rows: pd.DataFrame, notes: list[str] | None = None) -> Repo
     migrations = migration_table(rows)
     if migrations.empty:
         notes.append("no migration rows (results/migration.parquet)")
-    return Report(rows, sync, published_table(rows), migrations, calibration_table(rows), tuple(notes))
+    validation = validation_table(rows)
+    costs = costs_table(rows)
+    if not costs.empty and (costs["kind"] == "default").any():
+        names = ", ".join(costs.loc[costs["kind"] == "default", "cost"])
+        notes.append(f"simulator costs without a measurement of ours yet (named defaults): {names}")
+    return Report(rows, sync, validation, migrations, costs, tuple(notes))
 
 
 def sync_table(rows: pd.DataFrame) -> pd.DataFrame:
@@ -144,32 +149,40 @@ def _pulls(kind: str, strategy: str, extra: dict[str, Any]) -> str:
     return "direct" if extra.get("direct") else "packed"
 
 
-def published_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """Published figures next to simulated rows with the published constraints on (error in %)."""
+VALIDATION_COLUMNS = (
+    "figure",
+    "setup",
+    "strategy",
+    "metric",
+    "published",
+    "predicted",
+    "error_pct",
+    "used_for_costs",
+    "source",
+)
+
+
+def validation_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Every published figure (newest simulated row carrying it): value, source URL, prediction, error, and
+    whether it set any simulator cost."""
     sim = rows[(rows["kind"] == "simulated") & rows["extra_d"].map(lambda e: bool(e.get("published")))]
-    recs = []
-    for f in FIGURES:
-        match = sim[sim["extra_d"].map(lambda e, f=f: e.get("setup") == f.setup) & (sim["strategy"] == f.strategy)]
-        if match.empty:
+    recs: dict[str, dict[str, Any]] = {}
+    for _, r in sim.iterrows():
+        pub = r["extra_d"]["published"]
+        if "figure" not in pub:  # rows of an older simulator carry no figure key
             continue
-        r = match.iloc[-1]
-        value = {"seconds": r["seconds"], "bytes": r["bytes"], "gib_per_s": r["extra_d"].get("gib_per_s", 0.0)}
-        simulated = float(value[f.metric])
-        recs.append(
-            {
-                "setup": f.setup,
-                "strategy": f.strategy,
-                "metric": f.metric,
-                "published": f.value,
-                "simulated": simulated,
-                "error_pct": 100 * (simulated / f.value - 1),
-                "source": f"published: {f.source}",
-                "sol_ratio": r["extra_d"].get("sol_ratio"),
-                "serial_pp_sol_ratio": r["seconds"]
-                / r["extra_d"].get("serial_pp_speed_of_light_seconds", float("nan")),
-            }
-        )
-    return pd.DataFrame(recs)
+        recs[pub["figure"]] = {
+            "figure": pub["figure"],
+            "setup": pub.get("what", ""),
+            "strategy": r["strategy"],
+            "metric": pub.get("metric", "seconds"),
+            "published": float(pub["value"]),
+            "predicted": float(pub["predicted"]),
+            "error_pct": float(pub["error_pct"]),
+            "used_for_costs": "yes" if pub.get("used_for_costs") else "no",
+            "source": pub.get("url", ""),
+        }
+    return pd.DataFrame(list(recs.values()), columns=list(VALIDATION_COLUMNS))
 
 
 def migration_table(rows: pd.DataFrame) -> pd.DataFrame:
@@ -191,24 +204,30 @@ def migration_table(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(recs)
 
 
-def calibration_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """The simulator's costs (value and source) as recorded in the newest simulated row, else the defaults."""
-    sim = rows[rows["kind"] == "simulated"]
-    costs: dict[str, Any] = {}
-    sources: dict[str, str] = dict(COST_SOURCES)
-    if not sim.empty:
-        extra = sim.iloc[-1]["extra_d"]
-        costs, sources = extra.get("costs", {}), extra.get("cost_sources", sources)
-    return pd.DataFrame([{"parameter": k, "value": costs.get(k, ""), "source": v} for k, v in sources.items()])
+def costs_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """The simulator's costs as the newest simulated row records them: value, kind (measured, derived, fitted,
+    default = no measurement of ours yet, user) and the commits of the rows each came from."""
+    sim = rows[(rows["kind"] == "simulated") & rows["extra_d"].map(lambda e: isinstance(e.get("costs"), dict))]
+    if sim.empty:
+        return pd.DataFrame()
+    costs = sim.iloc[-1]["extra_d"]["costs"]
+    recs = []
+    for name, c in costs.items():
+        if not isinstance(c, dict):  # rows of an older simulator
+            return pd.DataFrame()
+        recs.append(
+            {"cost": name, "value": c.get("value"), "kind": c.get("kind"), "commits": ", ".join(c.get("commits", []))}
+        )
+    return pd.DataFrame(recs)
 
 
 def to_markdown(report: Report) -> str:
     parts = ["# kvmove benchmark report", ""]
     titles = {
         "sync": "Weight sync (per strategy and transport)",
-        "published": "Simulated vs published (published engine's constraints on)",
+        "validation": "Simulator validation: published figures vs predictions (no figure sets a cost)",
         "migrations": "KV-cache migrations",
-        "calibration": "Simulator calibration",
+        "costs": "Simulator costs (from our measured rows; default = no measurement of ours yet)",
     }
     for key, df in report.tables().items():
         parts += [f"## {titles[key]}", ""]

@@ -10,6 +10,7 @@ import typer
 from kvmove.bench.results import append_rows
 from kvmove.cli import render
 from kvmove.cli import report as report_cli
+from kvmove.cli import simulate as simulate_cli
 from kvmove.errors import KvmoveError
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks: measured and simulated rows in results/.")
@@ -61,3 +62,4 @@ def run(
 
 
 app.command("report")(report_cli.report)
+app.command("simulate")(simulate_cli.simulate)

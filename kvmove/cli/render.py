@@ -162,6 +162,29 @@ def sync_table(rows: Sequence[Any]) -> None:
         console.print(f"v3 vs broadcast: {means['broadcast'] / means['v3']:.2f}x faster")
 
 
+def frame(df: Any, title: str) -> None:
+    """Any DataFrame as a table: numbers right-aligned with 4 significant digits, URLs and text on the left."""
+    import math
+
+    table = Table(title=title)
+    for c in df.columns:
+        numeric = str(df[c].dtype).startswith(("float", "int"))
+        table.add_column(str(c), justify="right" if numeric else "left", overflow="fold")
+    for _, r in df.iterrows():
+        cells = []
+        for v in r:
+            if isinstance(v, float):
+                cells.append("" if math.isnan(v) else f"{v:,.4g}")
+            else:
+                cells.append(str(v))
+        table.add_row(*cells)
+    console.print(table)
+
+
+def line(text: str) -> None:
+    console.print(text, highlight=False, soft_wrap=True)
+
+
 def summary(values: dict[str, float]) -> None:
     for key, value in values.items():
         console.print(f"{key}: {value:.3f}")

@@ -1,4 +1,4 @@
-"""`kvmove bench report` and `kvmove sync-weights --simulate`: parse, call the library, render."""
+"""`kvmove bench report`: parse, call the library, render."""
 
 from __future__ import annotations
 
@@ -13,11 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvmove.bench.report import Report, build_report, to_csv, to_markdown
-from kvmove.bench.simulator import KVMOVE, PUBLISHED, Topology, calibrate
-from kvmove.bench.simulator import simulate as simulate_setup
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout, TrainerLayout
-from kvmove.models.config import ModelConfig
 
 FORMATS = ("table", "markdown", "csv")
 console = Console(width=None if sys.stdout.isatty() else 220)
@@ -54,9 +50,9 @@ def report(
 def _tables(rep: Report) -> None:
     titles = {
         "sync": "weight sync per strategy and transport (median over runs)",
-        "published": "simulated vs PUBLISHED (published engine's constraints on)",
+        "validation": "simulator validation: published figures vs predictions (no figure sets a cost)",
         "migrations": "KV-cache migrations",
-        "calibration": "simulator calibration",
+        "costs": "simulator costs (default = no measurement of ours yet)",
     }
     for key, df in rep.tables().items():
         if df.empty:
@@ -84,43 +80,3 @@ def _cell(v: Any) -> str:
     if v is None or v is pd.NA:
         return ""
     return str(v)
-
-
-def simulate(
-    cfg: ModelConfig,
-    trainer: TrainerLayout,
-    engine: EngineLayout,
-    strategies: list[str],
-    cluster: str,
-    trainer_nodes: int,
-    engine_nodes: int,
-    published_constraints: bool = False,
-    results: Path | None = None,
-) -> list[dict[str, Any]]:
-    """JSON rows of ``sync-weights --simulate``; costs are calibrated from ``results`` rows when given."""
-    topology = Topology.parse(cluster)
-    rows_df = None
-    if results is not None and results.is_dir() and any(results.glob("*.parquet")):
-        from kvmove.bench.report import load_rows
-
-        rows_df, _ = load_rows(results)
-    costs = calibrate(rows_df).costs
-    constraints = PUBLISHED if published_constraints else KVMOVE
-    preds = simulate_setup(cfg, trainer, engine, strategies, topology, trainer_nodes, engine_nodes, constraints, costs)
-    return [
-        {
-            "strategy": p.strategy,
-            "seconds": round(p.seconds, 5),
-            "bytes_total": p.bytes_total,
-            "bytes_kept": p.bytes_kept,
-            "gbps": round(p.gbps, 3),
-            "speed_of_light_seconds": round(p.speed_of_light_seconds, 5),
-            "serial_pp_speed_of_light_seconds": round(p.serial_pp_speed_of_light_seconds, 5),
-            "sol_ratio": round(p.sol_ratio, 4),
-            "binding_link": p.binding_link,
-            "phases": {k: round(v, 5) for k, v in p.phases.items()},
-            "constraints": constraints.label,
-            "simulated": True,
-        }
-        for p in preds
-    ]

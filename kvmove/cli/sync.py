@@ -83,8 +83,8 @@ def sync_weights(
     simulate: Annotated[bool, typer.Option("--simulate", help="Predict full-scale times (no bytes move).")] = False,
     cluster: Annotated[
         str,
-        typer.Option("--cluster", help="gpus_per_node=8,nic_gbps=400 (Gb/s per NIC),nvlink_gbps=450 (GB/s)"),
-    ] = "gpus_per_node=8,nic_gbps=400,nvlink_gbps=450",
+        typer.Option("--cluster", help="gpu=h100,nic=cx7-400[,gpus_per_node=8,nic_gbps=400 (Gb/s),nvlink_gbps=450]"),
+    ] = "gpu=h100,nic=cx7-400",
     trainer_nodes: Annotated[int, typer.Option("--trainer-nodes", min=1, help="Nodes of trainer ranks.")] = 1,
     engine_nodes: Annotated[int, typer.Option("--engine-nodes", min=1, help="Nodes of engine ranks.")] = 1,
     published_constraints: Annotated[
@@ -114,20 +114,25 @@ def sync_weights(
         engine_kind=engine_kind,
     )
     if simulate:
-        from kvmove.cli.report import simulate as simulate_rows
+        from kvmove.bench.sim.setup import Spec
+        from kvmove.cli.simulate import simulate_json
 
-        predictions = simulate_rows(
-            cfg,
-            config.trainer,
-            engine_layout,
-            [s.name for s in config.strategies],
-            cluster,
-            trainer_nodes,
-            engine_nodes,
-            published_constraints,
-            None if no_record else results,
+        spec = Spec(
+            model=model,
+            overrides=tuple(override or []),
+            trainer=trainer,
+            engine=engine,
+            replicas=engine_layout.replicas,
+            trainer_nodes=trainer_nodes,
+            engine_nodes=engine_nodes,
+            cluster=cluster,
+            transport={"nccl": "nccl", "cuda-ipc": "cuda-ipc"}.get(transport, "pull"),
+            direct=direct and not published_constraints,
+            constraints="published" if published_constraints else "kvmove",
+            group_size=group_size,
+            lookahead=lookahead,
         )
-        render.json_lines(predictions)
+        render.json_lines(simulate_json(spec, ",".join(s.name for s in config.strategies), results))
         return
     if not dry_run:
         sync_config = SyncConfig(

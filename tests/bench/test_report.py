@@ -7,7 +7,6 @@ import io
 import pandas as pd
 import pytest
 
-from kvmove.bench import simulator as S
 from kvmove.bench.report import build_report, to_csv, to_markdown
 from kvmove.bench.results import Labels, Row, append_rows
 from kvmove.errors import KvmoveError
@@ -40,11 +39,15 @@ def _sync_rows() -> list[Row]:
 
 @pytest.fixture(scope="module")
 def simulated_rows() -> list[Row]:
-    rows = []
-    for constraints in (S.PUBLISHED, S.KVMOVE):
-        for p in S.simulate_setup(S.SETUPS["qwen3-235b"], ["v1", "v2", "v3"], constraints):
-            rows.append(S.prediction_row(p, S.SETUPS["qwen3-235b"], S.calibrate()))
-    return rows
+    """Two figures' rows as the simulator writes them (default costs: no measured rows here)."""
+    from kvmove.bench.sim.costs import default_book
+    from kvmove.bench.sim.figures import FIGURES
+    from kvmove.bench.sim.rows import prediction_row
+    from kvmove.bench.sim.validation import figure_setup, validate
+
+    book = default_book()
+    wanted = tuple(f for f in FIGURES if f.key in ("vllm-qwen3-v2", "vllm-qwen3-v3"))
+    return [prediction_row(c.prediction, figure_setup(c.figure), book, c.figure.key, c) for c in validate(book, wanted)]
 
 
 def test_missing_and_empty_results_dirs(tmp_path) -> None:
@@ -75,17 +78,20 @@ def test_corrupt_file_skipped_with_note_and_unknown_columns_kept(tmp_path) -> No
     assert v3["pct_of_link_limit"] == pytest.approx(100 / 3)
 
 
-def test_published_side_by_side_markdown_and_csv(tmp_path, simulated_rows) -> None:
+def test_validation_and_costs_tables_markdown_and_csv(tmp_path, simulated_rows) -> None:
     append_rows(tmp_path, "simulated", simulated_rows, LABELS)
     rep = build_report(tmp_path)
-    pub = rep.published.set_index("strategy")
-    assert pub.loc["v3", "published"] == 3.49 and abs(pub.loc["v3", "error_pct"]) < 25
-    assert pub["source"].str.startswith("published").all()
+    val = rep.validation.set_index("figure")
+    assert list(val.index) == ["vllm-qwen3-v2", "vllm-qwen3-v3"]
+    v3 = val.loc["vllm-qwen3-v3"]
+    assert v3["published"] == 3.49 and v3["used_for_costs"] == "no" and v3["source"].startswith("https://")
+    assert v3["error_pct"] == pytest.approx(100 * (v3["predicted"] / 3.49 - 1))
     md = to_markdown(rep)
-    assert "Simulated vs published" in md and "| qwen3-235b | v3 | seconds | 3.49 |" in md
+    assert "Simulator validation" in md and "| vllm-qwen3-v3 | Qwen3-235B-A22B V3 | v3 | seconds | 3.49 |" in md
     csv = pd.read_csv(io.StringIO(to_csv(rep)))
-    assert {"sync", "published", "calibration"} <= set(csv["table"])
-    assert set(rep.calibration["parameter"]) == set(S.COST_SOURCES)
+    assert {"sync", "validation", "costs"} <= set(csv["table"])
+    assert (rep.costs["kind"] == "default").all()  # no measured rows here: every cost is flagged
+    assert any("without a measurement of ours" in n for n in rep.notes)
 
 
 def test_plots_are_real_pngs(tmp_path, simulated_rows) -> None:
@@ -103,7 +109,7 @@ def test_plots_are_real_pngs(tmp_path, simulated_rows) -> None:
     append_rows(tmp_path / "r", "migration", migration, LABELS)
     plots = render_plots(build_report(tmp_path / "r"), tmp_path / "plots")
     names = {p.name for p in plots.paths}
-    assert {"sync_time.png", "bandwidth_vs_limit.png", "phases.png", "migration_latency.png"} <= names
+    assert {"sync_time.png", "validation.png", "bandwidth_vs_limit.png", "phases.png", "migration_latency.png"} <= names
     assert any("priority_latency_cdf.png skipped" in n for n in plots.notes)
     for path in plots.paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -118,7 +124,7 @@ def test_plots_without_rows_are_skipped_not_failed(tmp_path) -> None:
 
     append_rows(tmp_path / "r", "plan", [Row(kind="measured", suite="plan", name="p", seconds=1.0)], LABELS)
     plots = render_plots(build_report(tmp_path / "r"), tmp_path / "plots")
-    assert not plots.paths and len(plots.notes) == 5
+    assert not plots.paths and len(plots.notes) == 6
 
 
 def test_plots_without_matplotlib_name_the_extra(tmp_path, monkeypatch) -> None:

@@ -1,0 +1,88 @@
+"""Operation counts of a measured sync row's own setup (pulls, served pulls, yields, tensors, kept bytes),
+from the simulator's traffic: what turns a measured phase into a per-operation cost."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+from kvmove.bench.sim.hardware import GPUS, Cluster
+from kvmove.bench.sim.setup import SimSetup, TrainerSpec
+from kvmove.bench.sim.strategies import SIM_STRATEGIES
+from kvmove.bench.sim.traffic import Traffic, build_traffic
+from kvmove.errors import KvmoveError
+from kvmove.layout import EngineLayout, TrainerLayout
+from kvmove.models import model_totals, resolve_model
+
+
+class Counts(NamedTuple):
+    """Per sync, from the row's traffic: the busiest engine rank's pulls, the busiest trainer rank's served
+    pulls and yields, tensors in the checkpoint, and bytes one engine rank keeps."""
+
+    pulls: float
+    calls: float
+    yields: float
+    tensors: float
+    kept: float
+
+
+def row_counts(r: Any) -> Counts | None:
+    """Counts of a measured sync row's own setup (None when its model or layout cannot be rebuilt)."""
+    e = r["extra_d"]
+    overrides = json.dumps(e.get("model_overrides", {}), sort_keys=True)
+    try:
+        return _counts(
+            str(r["model"]),
+            str(r["trainer"]),
+            str(r["engine"]),
+            str(r["strategy"]),
+            int(r["bytes"]),
+            bool(e.get("direct", False)),
+            overrides,
+        )
+    except (KvmoveError, ValueError, KeyError):
+        return None
+
+
+@lru_cache(maxsize=256)
+def _counts(model: str, trainer: str, engine: str, strategy: str, nbytes: int, direct: bool, overrides: str) -> Counts:
+    layout, _, reps = engine.partition(" x")
+    changes = json.loads(overrides)
+    base = resolve_model(model, changes or None)
+    cfg = base if changes else _layers_matching(base, nbytes)
+    s = SimSetup(
+        cfg,
+        TrainerSpec("megatron", TrainerLayout.parse(trainer)),
+        EngineLayout.parse(layout, int(reps or 1)),
+        Cluster(GPUS["h200"]),
+        trainer_nodes=64,
+        engine_nodes=64,
+        direct=direct and strategy in ("v2", "v3"),
+    )
+    chosen = SIM_STRATEGIES[strategy]
+    t: Traffic = build_traffic(s, dataclasses.replace(chosen, grouping="layer", pipelined=False))
+    if chosen.grouping == "tensor":  # one pull per tensor and keeper: the regions it keeps
+        pulls, calls = t.total("engine", "regions").max(), t.total("trainer", "regions").max()
+    else:
+        t = build_traffic(s, chosen)
+        pulls, calls = t.total("engine", "pulls").max(), t.total("trainer", "calls").max()
+    return Counts(
+        pulls=float(pulls),
+        calls=float(calls),
+        yields=float(t.total("trainer", "yield").max()),
+        tensors=float(model_totals(cfg).num_tensors),
+        kept=float(t.total("engine", "kept").max()),
+    )
+
+
+def _layers_matching(cfg: Any, nbytes: int) -> Any:
+    """The preset with as many decoder layers as make its checkpoint ``nbytes`` (GPU rows sync a slice)."""
+    from dataclasses import replace
+
+    for layers in range(1, cfg.num_hidden_layers + 1):
+        candidate = replace(cfg, num_hidden_layers=layers)
+        if model_totals(candidate).total_bytes == nbytes:
+            return candidate
+    return cfg

@@ -1,0 +1,142 @@
+"""Published weight-sync figures and the setups they describe, for validation only (no cost is set from them).
+
+Each figure states what its source states; what the source leaves out (NIC counts, node types, layouts) is
+written in ``assumptions`` so the reader can judge the comparison. ``docs/simulator.md`` lists the sources.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvmove.bench.sim.setup import Spec
+
+VLLM = "https://github.com/vllm-project/vllm-project.github.io/blob/main/_posts/2026-08-22-rdt-weight-transfer.md"
+CKPT = "https://github.com/MoonshotAI/checkpoint-engine/blob/main/README.md#benchmark"
+PPLX = "https://research.perplexity.ai/articles/weight-transfer-for-rl-post-training-in-under-2-seconds"
+LMSYS = "https://lmsys.org/blog/2026-04-29-p2p-update/"
+VERL = "https://github.com/volcengine/verl/blob/main/verl/checkpoint_engine/README.md"
+SLIME = "https://hebiao064.github.io/rl-weight-sync"
+
+H100 = "gpu=h100,nic=cx7-400,nics_per_node=8"
+H800 = "gpu=h800,nic=cx7-400,nics_per_node=8"
+H20 = "gpu=h20,nic=cx7-400,nics_per_node=8"
+H200 = "gpu=h200,nic=cx7-400,nics_per_node=8"
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One published figure (``metric`` "seconds" or "bytes") and the setup it describes."""
+
+    key: str
+    source: str
+    url: str
+    what: str
+    value: float
+    strategy: str
+    spec: Spec
+    metric: str = "seconds"
+    assumptions: str = ""
+
+
+def _fig(key: str, source: str, url: str, what: str, value: float, strategy: str, spec: Spec, note: str) -> Figure:
+    return Figure(key, source, url, what, value, strategy, spec, assumptions=note)
+
+
+_Q235 = Spec("qwen3-235b-a22b", "tp=4,pp=2,ep=8", "dp=16,ep=16", 1, 2, 2, H100, constraints="published")
+_Q235_NOTE = "8 NICs x 400 Gb/s per node (the post does not say); warm syncs, engine layer-wise reload"
+_KIMI = Spec("kimi-k2", "tp=8,pp=8,ep=32", "tp=32,ep=32", 4, 32, 16, H100, constraints="published")
+_KIMI_NOTE = "4 replicas of TP32/EP32 (the post's 400x4 GB/s per replica), 8 NICs x 400 Gb/s per node"
+
+
+def _vllm() -> list[Figure]:
+    src = "vLLM blog (RDT)"
+    out = [
+        _fig(f"vllm-qwen3-{v}", src, VLLM, f"Qwen3-235B-A22B {v.upper()}", t, v, _Q235, _Q235_NOTE)
+        for v, t in (("v1", 25.02), ("v2", 5.61), ("v3", 3.49))
+    ]
+    nccl = replace(_Q235, transport="nccl")
+    out.append(_fig("skyrl-qwen3-broadcast", "SkyRL NCCL broadcast (vLLM blog)", VLLM,
+                    "Qwen3-235B-A22B NCCL broadcast", 64.72, "broadcast", nccl, _Q235_NOTE))  # fmt: skip
+    out.append(_fig("vllm-kimi-v3", src, VLLM, "Kimi K2 BF16 V3, 48 nodes", 7.53, "v3", _KIMI, _KIMI_NOTE))
+    moved = Figure("vllm-kimi-bytes", src, VLLM, "Kimi K2 bytes moved per sync ('7.9 TB')", 7.9e12, "v3", _KIMI,
+                   metric="bytes", assumptions=_KIMI_NOTE)  # fmt: skip
+    return [*out, moved]
+
+
+_CKPT_ROWS = (
+    ("glm-air-8xh800", "GLM-4.5-Air BF16, 8xH800 TP8", "glm-4.5-air", "tp=8", 1, 8, H800, "bf16", 3.47, 4.12),
+    ("qwen3-235b-8xh800", "Qwen3-235B BF16, 8xH800 TP8", "qwen3-235b-a22b", "tp=8", 1, 8, H800, "bf16", 6.22, 7.10),
+    ("dsv31-16xh20", "DeepSeek-V3.1 FP8, 16xH20 TP16", "deepseek-v3.1", "tp=16", 1, 16, H20, "fp8", 10.19, 11.80),
+    ("kimi-16xh20", "Kimi-K2 FP8, 16xH20 TP16", "kimi-k2", "tp=16", 1, 16, H20, "fp8", 14.36, 17.49),
+    ("dsv31-256xh20", "DeepSeek-V3.1 FP8, 256xH20 (16 x TP16)", "deepseek-v3.1", "tp=16", 16, 256, H20, "fp8",
+     11.33, 11.81),
+    ("kimi-256xh20", "Kimi-K2 FP8, 256xH20 (16 x TP16)", "kimi-k2", "tp=16", 16, 256, H20, "fp8", 16.04, 16.75),
+)  # fmt: skip
+
+
+def _checkpoint_engine() -> list[Figure]:
+    src, note = "MoonshotAI checkpoint-engine README", "weights in host memory of the serving nodes, vLLM v0.10.2rc1"
+    out = []
+    for key, what, model, engine, replicas, gpus, cluster, dtype, bcast, p2p in _CKPT_ROWS:
+        nodes = max(1, gpus // 8)
+        spec = Spec(model, f"host:world={gpus}", engine, replicas, nodes, nodes, cluster, placement="colocated",
+                    transport="nccl", dtype=dtype, quantize_on="none" if dtype == "fp8" else "engine")  # fmt: skip
+        out.append(_fig(f"ckpt-{key}-broadcast", src, CKPT, f"{what}, broadcast", bcast, "broadcast-pipelined",
+                        spec, note))  # fmt: skip
+        small = min(gpus, 16)
+        p2p_spec = replace(spec, trainer=f"host:world={small}", replicas=1, trainer_nodes=max(1, small // 8),
+                           engine_nodes=max(1, small // 8), transport="push")  # fmt: skip
+        out.append(_fig(f"ckpt-{key}-p2p", src, CKPT, f"{what}, P2P (timed on <= 16 GPUs)", p2p, "v3", p2p_spec,
+                        note + "; P2P modelled as RDMA WRITE from host memory of the same nodes"))  # fmt: skip
+    return out
+
+
+_LMSYS_ROWS = (
+    ("qwen3-30b", "Qwen3-30B-A3B", "qwen3-30b-a3b", "tp=4,pp=1,ep=8,dp=4", 2, "tp=8,ep=8", 2, 2, 2.6700, 2.1602),
+    ("glm-air", "GLM-4.5-Air", "glm-4.5-air", "tp=1,pp=4,ep=8,dp=8", 4, "tp=8,ep=8", 4, 4, 5.0011, 2.6372),
+    ("qwen3-235b", "Qwen3-235B-A22B", "qwen3-235b-a22b", "tp=4,pp=4,ep=16,dp=4", 8, "tp=32,ep=32", 2, 8, 10.7536,
+     3.1620),
+    ("kimi-fp8", "Kimi-K2 FP8 (64x64 blocks)", "kimi-k2", "tp=8,pp=8,ep=32,dp=4", 32, "tp=32,ep=32", 8, 32, 53.2791,
+     7.2273),
+)  # fmt: skip
+
+
+def _lmsys() -> list[Figure]:
+    src = "LMSYS blog (SGLang P2P weight transfer)"
+    note = "miles (Megatron) -> SGLang on 8xH100 IB nodes; context parallel ranks counted as data parallel"
+    out = []
+    for key, what, model, trainer, tnodes, engine, replicas, enodes, nccl, rdma in _LMSYS_ROWS:
+        spec = Spec(model, trainer, engine, replicas, tnodes, enodes, H100, transport="nccl",
+                    dtype="fp8" if key == "kimi-fp8" else "bf16", block=64)  # fmt: skip
+        out.append(_fig(f"lmsys-{key}-nccl", src, LMSYS, f"{what}, NCCL broadcast", nccl, "broadcast", spec, note))
+        p2p = replace(spec, transport="push", via_host=True, quantize_on="trainer")
+        out.append(_fig(f"lmsys-{key}-rdma", src, LMSYS, f"{what}, RDMA P2P", rdma, "v2", p2p,
+                        note + "; staged through a host-memory engine replica (modelled as a D2H copy)"))  # fmt: skip
+    return out
+
+
+def _others() -> list[Figure]:
+    pplx = Spec("kimi-k2", "fsdp:world=256,shard=8", "tp=16,ep=16", 8, 32, 16, H200, transport="push", dtype="fp8",
+                quantize_on="trainer")  # fmt: skip
+    verl = Spec("qwen3-30b-a3b", "fsdp:world=2,shard=2", "tp=1", 30, 1, 4, H100, transport="nccl")
+    verl_note = "30 rollout ranks receiving only (no engine load), 4x8 H100 with CX-7 400 Gb/s"
+    slime = Spec("qwen3-30b-a3b", "tp=4,ep=8", "tp=8", 1, 1, 1, H100, placement="colocated", transport="cuda-ipc")
+    return [
+        _fig("pplx-kimi", "Perplexity research blog", PPLX, "Kimi-K2 BF16 (256 GPUs) -> FP8 (128 GPUs)", 1.3, "v3",
+             pplx, "H200 nodes with 8x400 Gb/s; FSDP shards of 8 GPUs, 32 mesh groups; 8 replicas of 16 GPUs"),
+        _fig("verl-qwen3-30b-nccl", "verl checkpoint-engine README", VERL,
+             "Qwen3-30B-A3B, NCCL all-gather + broadcast", 7.0, "broadcast", verl, verl_note),
+        _fig("verl-qwen3-30b-nixl", "verl checkpoint-engine README", VERL, "Qwen3-30B-A3B, NIXL all-gather + ring",
+             7.0, "v3", replace(verl, transport="pull", fanout="chain"), verl_note),
+        _fig("slime-qwen3-30b-colocated", "slime weight-sync blog", SLIME, "Qwen3-30B-A3B colocated (CUDA IPC)",
+             7.0, "v1", slime, "8xH100, Megatron TP4/EP8 as slime's example, one SGLang TP8 engine on the same GPUs"),
+    ]  # fmt: skip
+
+
+FIGURES: tuple[Figure, ...] = (*_vllm(), *_checkpoint_engine(), *_lmsys(), *_others())
+
+NOT_SIMULATED = (
+    ("Awex (inclusionAI)", "https://github.com/inclusionAI/asystem-awex",
+     "trillion-parameter sync in 5-10 s on thousands of GPUs: no model layout, node or engine setup is published"),
+    ("checkpoint-engine headline", CKPT, "'about 20 s for Kimi-K2 across thousands of GPUs': no setup stated"),
+)  # fmt: skip

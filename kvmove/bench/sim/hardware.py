@@ -1,0 +1,185 @@
+"""GPU and NIC presets (vendor figures, sources cited) and the cluster a simulated sync runs on.
+
+Units: every preset keeps the vendor's convention and says so; :class:`Cluster` turns them into bytes/s.
+``nvlink_gbps``, ``pcie_gbps`` and ``hbm_gbps`` are **gigabytes**/s (NVLink and PCIe per direction: half the
+vendor's bidirectional figure); ``nic_gbps`` is **gigabits**/s per NIC port. The sources are listed in
+``docs/simulator.md`` with the figures taken from each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kvmove.errors import KvmoveError
+
+GB = 1e9
+
+_NV_H100 = "https://www.nvidia.com/en-us/data-center/h100/"
+_NV_H200 = "https://www.nvidia.com/en-us/data-center/h200/"
+_MLC_H200 = (
+    "https://github.com/mlcommons/inference_results_v4.1/blob/main/closed/NVIDIA/systems/H200-SXM-141GBx8_TRT_MaxQ.json"
+)
+_MLC_B200 = "https://github.com/mlcommons/inference_results_v6.0/blob/main/closed/Nebius/systems/nebius_b200_n1.json"
+_NV_HGX = "https://www.nvidia.com/en-us/data-center/hgx/"
+_H20 = "https://tweakers.net/nieuws/215984/nvidia-stelt-release-ai-chip-voor-chinese-markt-uit-naar-begin-2024.html"
+_H800 = "https://www.tomshardware.com/news/nvidia-gimps-h100-hopper-gpu-to-sell-as-h800-to-china"
+_CX7 = "https://docs.nvidia.com/networking/display/800GMMA4Z00NS/Overview"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU model: memory bandwidth (GB/s, read+write), NVLink and PCIe (GB/s per direction)."""
+
+    name: str
+    hbm_gbps: float
+    nvlink_gbps: float
+    pcie_gbps: float
+    memory_gb: float
+    source: str
+
+
+@dataclass(frozen=True)
+class Nic:
+    """One NIC port: line rate in gigabits/s."""
+
+    name: str
+    nic_gbps: float
+    source: str
+
+
+GPUS: dict[str, Gpu] = {
+    g.name: g
+    for g in (
+        Gpu("h100", 3350, 450, 64, 80, f"{_NV_H100} (SXM: 3.35 TB/s HBM3, NVLink 900 GB/s, PCIe Gen5 128 GB/s)"),
+        Gpu("h200", 4800, 450, 64, 141, f"{_NV_H200}; {_MLC_H200} (18x NVLink4 900 GB/s, PCIe Gen5 x16)"),
+        Gpu("h20", 4000, 450, 64, 96, f"{_H20} (96 GB HBM3, 4 TB/s; NVLink as H100's 900 GB/s)"),
+        Gpu("h800", 3350, 200, 64, 80, f"{_H800} (H100 die, NVLink cut to 400 GB/s bidirectional)"),
+        Gpu("b200", 8000, 900, 64, 180, f"{_NV_HGX}; {_MLC_B200} (180 GB HBM3e, NVLink5 1.8 TB/s per GPU)"),
+    )
+}
+
+NICS: dict[str, Nic] = {
+    n.name: n
+    for n in (
+        Nic("cx7-400", 400, f"{_CX7} (ConnectX-7 NDR 400 Gb/s port); {_MLC_B200} (8x CX-7 400 Gb/s per node)"),
+        Nic("cx7-200", 200, f"{_CX7} (ConnectX-7 at NDR200)"),
+        Nic("cx8-800", 800, "https://build.nvidia.com/playbooks/connect-two-stations (ConnectX-8, 800 Gb/s)"),
+    )
+}
+
+_NUMBERS = ("gpus_per_node", "nics_per_node", "nic_gbps", "nvlink_gbps", "pcie_gbps", "hbm_gbps")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Homogeneous nodes of ``gpus_per_node`` GPUs and ``nics_per_node`` NICs (GPUDirect RDMA, rail-optimized)."""
+
+    gpu: Gpu = GPUS["h100"]
+    nic: Nic = NICS["cx7-400"]
+    gpus_per_node: int = 8
+    nics_per_node: int = 8
+
+    @classmethod
+    def parse(cls, text: str) -> Cluster:
+        """``gpu=h200,nic=cx7-400[,gpus_per_node=8,nics_per_node=8,nic_gbps=..,nvlink_gbps=..,pcie_gbps=..]``.
+
+        Numbers override the preset's (nic_gbps in Gb/s; nvlink/pcie/hbm in GB/s); a KvmoveError names a bad key.
+        """
+        values = _parse_pairs(text)
+        gpu = _preset(GPUS, values.pop("gpu", "h100"), "gpu")
+        nic = _preset(NICS, values.pop("nic", "cx7-400"), "nic")
+        numbers = {k: _number(text, k, v) for k, v in values.items()}
+        gpu = _override(gpu, numbers, ("nvlink_gbps", "pcie_gbps", "hbm_gbps"))
+        nic = _override(nic, numbers, ("nic_gbps",))
+        gpn = int(numbers.get("gpus_per_node", 8))
+        return cls(gpu, nic, gpn, int(numbers.get("nics_per_node", gpn)))
+
+    @property
+    def nvlink_rate(self) -> float:
+        return self.gpu.nvlink_gbps * GB
+
+    @property
+    def pcie_rate(self) -> float:
+        return self.gpu.pcie_gbps * GB
+
+    @property
+    def hbm_rate(self) -> float:
+        """Bytes/s the memory reads plus writes; a copy moves each byte twice, so it copies at half of this."""
+        return self.gpu.hbm_gbps * GB
+
+    @property
+    def gpu_nic_rate(self) -> float:
+        """Bytes/s one GPU pushes through its share of the node's NICs, capped by its PCIe link."""
+        share = self.nic.nic_gbps / 8 * GB * self.nics_per_node / self.gpus_per_node
+        return min(share, self.pcie_rate)
+
+    @property
+    def node_nic_rate(self) -> float:
+        return self.nics_per_node * self.nic.nic_gbps / 8 * GB
+
+    def label(self) -> str:
+        return (
+            f"{self.gpus_per_node}x{self.gpu.name.upper()}/node, {self.nics_per_node}x{self.nic.nic_gbps:g} Gb/s NICs, "
+            f"NVLink {self.gpu.nvlink_gbps:g} GB/s/dir, HBM {self.gpu.hbm_gbps:g} GB/s"
+        )
+
+    def spec(self) -> str:
+        """The flag text that rebuilds this cluster."""
+        return (
+            f"gpu={self.gpu.name.rstrip('*')},nic={self.nic.name.rstrip('*')},gpus_per_node={self.gpus_per_node},"
+            f"nics_per_node={self.nics_per_node},nic_gbps={self.nic.nic_gbps:g},nvlink_gbps={self.gpu.nvlink_gbps:g},"
+            f"pcie_gbps={self.gpu.pcie_gbps:g},hbm_gbps={self.gpu.hbm_gbps:g}"
+        )
+
+
+def gpu_of_hardware(label: str) -> Gpu | None:
+    """The preset a results row's hardware label names (``gpu:H200 x2`` -> h200), else None."""
+    text = label.lower()
+    if not text.startswith("gpu:"):
+        return None
+    model = text[4:].split()[0] if len(text) > 4 else ""
+    for name, gpu in GPUS.items():
+        if model.startswith(name) or model.endswith(name):
+            return gpu
+    return None
+
+
+def _parse_pairs(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    known = ("gpu", "nic", *_NUMBERS)
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, raw = part.partition("=")
+        key = key.strip()
+        if not sep or key not in known:
+            raise KvmoveError(f"cluster spec {text!r}: {part!r} is not one of {', '.join(known)}=VALUE")
+        out[key] = raw.strip()
+    return out
+
+
+def _preset(table: dict[str, Any], name: str, what: str) -> Any:
+    if name.lower() not in table:
+        raise KvmoveError(f"unknown {what} {name!r} (known: {', '.join(table)})")
+    return table[name.lower()]
+
+
+def _number(text: str, key: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise KvmoveError(f"cluster spec {text!r}: {key} must be a number, got {raw!r}") from None
+    if value <= 0 or not math.isfinite(value):
+        raise KvmoveError(f"cluster spec {text!r}: {key} must be positive")
+    if key in ("gpus_per_node", "nics_per_node") and value != int(value):
+        raise KvmoveError(f"cluster spec {text!r}: {key} must be a whole number")
+    return value
+
+
+def _override(preset: Any, numbers: dict[str, float], keys: tuple[str, ...]) -> Any:
+    changed = {k: numbers[k] for k in keys if k in numbers and numbers[k] != getattr(preset, k)}
+    if not changed:
+        return preset
+    note = ", ".join(f"{k}={v:g}" for k, v in changed.items())
+    return dataclasses.replace(preset, **changed, name=f"{preset.name}*", source=f"{preset.source}; user flags {note}")

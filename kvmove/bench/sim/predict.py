@@ -1,0 +1,47 @@
+"""The simulator's entry point: predictions for one setup and a list of strategies (traffic built once, cached)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from kvmove.bench.sim.costs import CostBook
+from kvmove.bench.sim.pricing import Prediction, price
+from kvmove.bench.sim.setup import SimSetup
+from kvmove.bench.sim.strategies import SimStrategy
+from kvmove.bench.sim.traffic import Traffic, build_traffic
+
+_TRAFFIC: dict[tuple[object, ...], Traffic] = {}
+_CACHE_LIMIT = 64
+
+
+def traffic_for(s: SimSetup, strategy: SimStrategy) -> Traffic:
+    """The traffic of ``strategy`` on ``s``, built once per process (it does not depend on costs or topology)."""
+    key = (
+        s.model,
+        s.trainer,
+        s.engine,
+        s.dtype,
+        s.quantize_on,
+        s.block,
+        s.direct,
+        s.via_host,
+        s.group_size,
+        strategy,
+    )
+    if key not in _TRAFFIC:
+        if len(_TRAFFIC) >= _CACHE_LIMIT:
+            _TRAFFIC.pop(next(iter(_TRAFFIC)))
+        _TRAFFIC[key] = build_traffic(s, strategy)
+    return _TRAFFIC[key]
+
+
+def simulate(s: SimSetup, strategies: Iterable[SimStrategy], book: CostBook) -> list[Prediction]:
+    """One prediction per strategy."""
+    out = []
+    for strategy in strategies:
+        totals = None
+        if strategy.grouping == "tensor":
+            totals = traffic_for(s, dataclasses.replace(strategy, grouping="layer", pipelined=False))
+        out.append(price(traffic_for(s, strategy), s, book, totals))
+    return out

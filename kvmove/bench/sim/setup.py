@@ -1,0 +1,260 @@
+"""What a simulated sync is of: model, weight format, trainer kind and layout, engines, placement, transport,
+fan-out, cluster and the published engine's constraints. Frozen, validated once, built at the CLI edge."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvmove.bench.sim.hardware import Cluster
+from kvmove.errors import KvmoveError
+from kvmove.layout import EngineLayout, TrainerLayout
+from kvmove.models.config import ModelConfig
+
+TRAINER_KINDS = ("megatron", "fsdp", "host")
+PLACEMENTS = ("disaggregated", "colocated")
+TRANSPORTS = ("pull", "push", "nccl", "cuda-ipc")
+FANOUTS = ("none", "chain", "tree")
+DTYPES = ("bf16", "fp8")
+QUANTIZE_ON = ("trainer", "engine", "none")
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """``megatron``: TP/PP/EP/ETP shards on GPUs; ``fsdp``: every tensor sharded on dim 0 over ``shard`` ranks,
+    ``world // shard`` mesh groups materializing disjoint layers with ``full_tensor()``; ``host``: full tensors
+    in pinned host memory, spread over ``world`` ranks (checkpoint-engine's parameter server)."""
+
+    kind: str = "megatron"
+    layout: TrainerLayout = field(default_factory=TrainerLayout)
+    shard: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> TrainerSpec:
+        """``tp=4,pp=2,ep=8`` or ``megatron:tp=..``; ``fsdp:world=256,shard=8``; ``host:world=16``."""
+        kind, sep, rest = text.partition(":")
+        if not sep:
+            kind, rest = "megatron", text
+        kind = kind.strip()
+        if kind == "megatron":
+            return cls("megatron", TrainerLayout.parse(rest))
+        if kind not in TRAINER_KINDS:
+            raise KvmoveError(f"trainer {text!r}: kind must be one of {', '.join(TRAINER_KINDS)}")
+        values = _ints(text, rest, ("world", "shard"))
+        world = values.get("world", 1)
+        shard = values.get("shard", world) if kind == "fsdp" else 1
+        if world % shard:
+            raise KvmoveError(f"trainer {text!r}: shard ({shard}) must divide world ({world})")
+        return cls(kind, TrainerLayout(dp=world), shard)
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    def label(self) -> str:
+        if self.kind == "megatron":
+            return self.layout.label()
+        if self.kind == "fsdp":
+            return f"fsdp:world={self.world},shard={self.shard}"
+        return f"host:world={self.world}"
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """The published vLLM engine's limits: switch them on to compare with its figures."""
+
+    serial_pp: bool = False
+    """Transfers serialized across trainer PP stages (layer-wise reload would otherwise run out of memory)."""
+    layerwise_reload: bool = False
+    """vLLM's layer-wise reload: per decoder layer, a fixed cost plus a copy of its bytes."""
+    synchronized_replicas: bool = False
+    """Replicas pull a group in lockstep: one release barrier per group."""
+
+    @property
+    def label(self) -> str:
+        return "published" if self == PUBLISHED else "kvmove" if self == KVMOVE else "custom"
+
+
+PUBLISHED = Constraints(serial_pp=True, layerwise_reload=True, synchronized_replicas=True)
+KVMOVE = Constraints()
+
+
+@dataclass(frozen=True)
+class SimSetup:
+    """One setup to predict. ``direct``: kvmove's direct pulls (regions inside one trainer shard are read
+    straight from it: no gather, pack or scatter); ``via_host``: gathered tensors are staged in pinned host
+    memory and sent from there (a device-to-host copy each); ``cold``: the first sync (registration)."""
+
+    model: ModelConfig
+    trainer: TrainerSpec
+    engine: EngineLayout
+    cluster: Cluster = field(default_factory=Cluster)
+    trainer_nodes: int = 1
+    engine_nodes: int = 1
+    placement: str = "disaggregated"
+    transport: str = "pull"
+    fanout: str = "none"
+    dtype: str = "bf16"
+    """The engine's weight format; with fp8, ``quantize_on`` says where BF16 becomes FP8 ("none": the source
+    already holds FP8, as an FP8 checkpoint in host memory does)."""
+    quantize_on: str = "engine"
+    block: int = 128
+    direct: bool = False
+    via_host: bool = False
+    constraints: Constraints = KVMOVE
+    group_size: int = 1
+    lookahead: int = 1
+    num_buffers: int = 2
+    cold: bool = False
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (
+            ("placement", self.placement, PLACEMENTS),
+            ("transport", self.transport, TRANSPORTS),
+            ("fanout", self.fanout, FANOUTS),
+            ("dtype", self.dtype, DTYPES),
+            ("quantize_on", self.quantize_on, QUANTIZE_ON),
+        ):
+            if value not in allowed:
+                raise KvmoveError(f"{name} {value!r} is not one of {', '.join(allowed)}")
+        for name in ("trainer_nodes", "engine_nodes", "block", "group_size", "num_buffers"):
+            if getattr(self, name) < 1:
+                raise KvmoveError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lookahead < 0:
+            raise KvmoveError(f"lookahead must be >= 0, got {self.lookahead}")
+        self._check_layouts()
+        self._check_placement()
+
+    def _check_layouts(self) -> None:
+        if self.trainer.kind == "megatron":
+            self.trainer.layout.validate(self.model)
+        self.engine.validate(self.model)
+        gpn = self.cluster.gpus_per_node
+        for who, world, nodes in (
+            ("trainer", self.trainer.world, self.trainer_nodes),
+            ("engine", self.engine.world, self.engine_nodes),
+        ):
+            if world > nodes * gpn:
+                raise KvmoveError(f"{who} needs {world} GPUs but {nodes} node(s) x {gpn} GPUs hold {nodes * gpn}")
+
+    def _check_placement(self) -> None:
+        outgrows = self.engine.world > self.trainer.world or self.engine_nodes != self.trainer_nodes
+        if self.placement == "colocated" and outgrows:
+            raise KvmoveError(
+                "colocated placement puts engine ranks on the trainer's GPUs: engine GPUs "
+                f"({self.engine.world}) must not exceed trainer GPUs ({self.trainer.world}) on the same nodes"
+            )
+        if self.transport == "cuda-ipc" and self.placement != "colocated" and self.nodes > 1:
+            raise KvmoveError("cuda-ipc reaches GPUs of one node: use --placement colocated or a single node")
+        if self.fanout != "none" and self.engine.replicas < 2:
+            raise KvmoveError(f"fan-out {self.fanout!r} relays between replicas: it needs --replicas >= 2")
+        if self.direct and self.trainer.kind != "megatron":
+            raise KvmoveError("direct pulls read Megatron shards in place: they need a megatron trainer")
+
+    @property
+    def wire_dtype(self) -> str:
+        """What moves: FP8 when the weights are quantized before they leave (trainer, or an FP8 source)."""
+        return "fp8" if self.dtype == "fp8" and self.quantize_on != "engine" else "bf16"
+
+    @property
+    def nodes(self) -> int:
+        return self.trainer_nodes if self.placement == "colocated" else self.trainer_nodes + self.engine_nodes
+
+    @property
+    def relay_depth(self) -> int:
+        """Hops after the first replica: a chain forwards R-1 times, a binary tree ceil(log2 R) times."""
+        r = self.engine.replicas
+        return {"none": 0, "chain": r - 1, "tree": math.ceil(math.log2(r)) if r > 1 else 0}[self.fanout]
+
+    @property
+    def relay_children(self) -> int:
+        return {"none": 0, "chain": 1, "tree": 2}[self.fanout]
+
+    def label(self) -> str:
+        parts = [
+            self.model.name,
+            f"trainer {self.trainer.label()}",
+            f"engine {self.engine.label()}",
+            self.dtype + (f" (quantized on {self.quantize_on})" if self.dtype == "fp8" else ""),
+            self.placement,
+            self.transport + (" direct" if self.direct else "") + (" via host" if self.via_host else ""),
+        ]
+        if self.fanout != "none":
+            parts.append(f"{self.fanout} fan-out")
+        return ", ".join(parts)
+
+
+def _ints(text: str, rest: str, keys: tuple[str, ...]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        key, sep, raw = part.partition("=")
+        if not sep or key.strip() not in keys:
+            raise KvmoveError(f"trainer {text!r}: {part!r} is not one of {', '.join(keys)}=N")
+        try:
+            out[key.strip()] = int(raw)
+        except ValueError:
+            raise KvmoveError(f"trainer {text!r}: {key.strip()} must be an integer, got {raw!r}") from None
+        if out[key.strip()] < 1:
+            raise KvmoveError(f"trainer {text!r}: {key.strip()} must be >= 1")
+    return out
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A setup as flags spell it (plain values): what rows record so ``--regenerate`` can rebuild it."""
+
+    model: str = "qwen3-235b-a22b"
+    trainer: str = "tp=4,pp=2,ep=8"
+    engine: str = "dp=16,ep=16"
+    replicas: int = 1
+    trainer_nodes: int = 2
+    engine_nodes: int = 2
+    cluster: str = "gpu=h100,nic=cx7-400"
+    placement: str = "disaggregated"
+    transport: str = "pull"
+    fanout: str = "none"
+    dtype: str = "bf16"
+    quantize_on: str = "engine"
+    block: int = 128
+    direct: bool = False
+    via_host: bool = False
+    constraints: str = "kvmove"
+    group_size: int = 1
+    lookahead: int = 1
+    num_buffers: int = 2
+    cold: bool = False
+    overrides: tuple[str, ...] = ()
+
+    def build(self) -> SimSetup:
+        """The validated setup (a KvmoveError names the first bad value)."""
+        from kvmove.bench.sim.models import sim_model
+        from kvmove.models import parse_overrides, resolve_model
+
+        if self.constraints not in ("kvmove", "published"):
+            raise KvmoveError(f"constraints {self.constraints!r} is not kvmove or published")
+        model = (
+            resolve_model(self.model, parse_overrides(list(self.overrides)))
+            if self.overrides
+            else sim_model(self.model)
+        )
+        return SimSetup(
+            model=model,
+            trainer=TrainerSpec.parse(self.trainer),
+            engine=EngineLayout.parse(self.engine, self.replicas),
+            cluster=Cluster.parse(self.cluster),
+            trainer_nodes=self.trainer_nodes,
+            engine_nodes=self.engine_nodes,
+            placement=self.placement,
+            transport=self.transport,
+            fanout=self.fanout,
+            dtype=self.dtype,
+            quantize_on=self.quantize_on,
+            block=self.block,
+            direct=self.direct,
+            via_host=self.via_host,
+            constraints=PUBLISHED if self.constraints == "published" else KVMOVE,
+            group_size=self.group_size,
+            lookahead=self.lookahead,
+            num_buffers=self.num_buffers,
+            cold=self.cold,
+        )

@@ -1,0 +1,130 @@
+"""Who holds which part of each HF tensor: Megatron, FSDP and host-memory trainers; vLLM-style engine ranks.
+
+Pure rules on names and shapes (no tensors, no plans): the simulator's traffic is built from them, and tests
+check the bytes they give against the real sharding plans' totals. Also the bytes of a tensor on the wire: BF16,
+or FP8 e4m3 with one FP32 scale per ``block`` x ``block`` tile (DeepSeek-V3 / Kimi K2 checkpoints' format).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from kvmove.layout import EngineLayout, TrainerLayout, split_layers
+from kvmove.models.config import ModelConfig
+
+LINEAR = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+"""Projections an FP8 checkpoint stores quantized (router, embeddings, head and norms stay BF16)."""
+_COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+_ROW = ("o_proj", "down_proj")
+
+
+class Split(NamedTuple):
+    """How one side splits a tensor: along ``dim`` into ``parts`` (dim None: every holder keeps all of it).
+
+    ``keep`` is the fraction one keeping rank holds (1/parts, or 1/kv_heads for K/V replicated over TP ranks);
+    ``owner`` is the expert-parallel index of the ranks that hold an expert (None: every rank of the stage).
+    """
+
+    stage: int
+    dim: int | None
+    parts: int
+    keep: float
+    owner: int | None
+
+
+def role(name: str) -> str:
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``q_proj``; ``...mlp.gate.e_score_correction_bias`` -> gate."""
+    parts = name.split(".")
+    if name.endswith("e_score_correction_bias"):
+        return "gate"
+    return parts[-2] if len(parts) >= 2 else name
+
+
+def quantizable(name: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) == 2 and role(name) in LINEAR
+
+
+def wire_bytes(name: str, shape: tuple[int, ...], dtype: str, block: int = 128) -> int:
+    """Bytes of the full tensor as sent: BF16, or FP8 e4m3 plus FP32 block scales for quantizable projections."""
+    numel = math.prod(shape)
+    if dtype == "bf16" or not quantizable(name, shape):
+        return 2 * numel
+    rows, cols = shape
+    return numel + 4 * math.ceil(rows / block) * math.ceil(cols / block)
+
+
+def megatron_split(cfg: ModelConfig, layout: TrainerLayout, name: str, layer: int | None, expert: int | None) -> Split:
+    """Megatron's split: column projections on dim 0, row projections on dim 1, over TP (ETP for experts)."""
+    stage = _trainer_stage(cfg, layout, name, layer)
+    leaf = role(name)
+    owner = None if expert is None else expert // (cfg.num_experts // layout.ep)
+    if leaf in ("q_a_proj", "kv_a_proj_with_mqa", "gate") or "norm" in leaf:
+        return Split(stage, None, 1, 1.0, owner)
+    parts = layout.etp if expert is not None else layout.tp
+    dim = 1 if leaf in _ROW else 0
+    return Split(stage, dim if parts > 1 else None, parts, 1.0 / parts, owner)
+
+
+def engine_split(cfg: ModelConfig, engine: EngineLayout, name: str, layer: int | None, expert: int | None) -> Split:
+    """vLLM's split of one engine replica: TP shards, K/V heads replicated when tp > kv heads, whole experts
+    per EP rank when ep > 1 (else experts TP-sharded); norms, router and MLA's down-projections replicated."""
+    stage = _engine_stage(cfg, engine, name, layer)
+    leaf = role(name)
+    if expert is not None and engine.ep > 1:
+        return Split(stage, None, 1, 1.0, expert // (cfg.num_experts // engine.ep))
+    if leaf in ("q_a_proj", "kv_a_proj_with_mqa", "gate") or "norm" in leaf or engine.tp == 1:
+        return Split(stage, None, 1, 1.0, None)
+    if leaf in ("k_proj", "v_proj") and not cfg.is_mla and engine.tp > cfg.num_key_value_heads:
+        kv = cfg.num_key_value_heads
+        return Split(stage, 0, kv, 1.0 / kv, None)
+    return Split(stage, 1 if leaf in _ROW else 0, engine.tp, 1.0 / engine.tp, None)
+
+
+def slice_index(split: Split, engine: EngineLayout, tp_rank: int) -> int:
+    """Which of ``split.parts`` slices the engine rank with this TP rank keeps."""
+    if split.parts == 1:
+        return 0
+    return tp_rank * split.parts // engine.tp
+
+
+def nested(engine: Split, trainer: Split) -> bool:
+    """Whether every engine slice lies inside one trainer shard (so it can be read straight from that shard)."""
+    if trainer.dim is None:
+        return True
+    return engine.dim == trainer.dim and engine.parts % trainer.parts == 0
+
+
+def trainer_shard_of(engine: Split, trainer: Split, index: int) -> int:
+    """The trainer shard holding engine slice ``index`` (see :func:`nested`)."""
+    if trainer.dim is None:
+        return 0
+    return index // (engine.parts // trainer.parts)
+
+
+def _trainer_stage(cfg: ModelConfig, layout: TrainerLayout, name: str, layer: int | None) -> int:
+    if layer is None:
+        return 0 if name == "model.embed_tokens.weight" else layout.pp - 1
+    return _stage_of(split_layers(cfg.num_hidden_layers, layout.pp, extra_first=True), layer)
+
+
+def _engine_stage(cfg: ModelConfig, engine: EngineLayout, name: str, layer: int | None) -> int:
+    if layer is None:
+        return 0 if name == "model.embed_tokens.weight" else engine.pp - 1
+    return _stage_of(engine.stage_layers(cfg), layer)
+
+
+def _stage_of(ranges: list[range], layer: int) -> int:
+    return next(i for i, r in enumerate(ranges) if layer in r)

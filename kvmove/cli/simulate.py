@@ -1,0 +1,134 @@
+"""`kvmove bench simulate`: full-scale predictions from costs we measured (flags -> spec -> library -> render)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvmove.bench.results import Row
+from kvmove.bench.sim.costs import CostBook, load_cost_file, parse_cost_flags
+from kvmove.bench.sim.measure import costs_from_rows
+from kvmove.bench.sim.rows import adhoc_rows, measured_rows, regenerate, write_rows
+from kvmove.bench.sim.setup import Spec
+from kvmove.bench.sim.strategies import parse_sim_strategies
+from kvmove.bench.sim.tables import costs_frame, predictions_frame, summary_line, validation_frame
+from kvmove.bench.sim.validation import validate
+from kvmove.cli import render
+from kvmove.cli.options import JsonOpt, OverrideOpt
+
+ResultsOpt = Annotated[Path, typer.Option("--results", help="Measured rows (costs) and where rows are written.")]
+
+
+def simulate(
+    model: Annotated[str, typer.Option("--model", "-m", help="Preset, HF config.json path, or a figure's model.")] = (
+        "qwen3-235b-a22b"
+    ),
+    override: OverrideOpt = None,
+    trainer: Annotated[
+        str, typer.Option("--trainer", help="tp=..,pp=..,ep=..[,etp,dp] | fsdp:world=N,shard=S | host:world=N")
+    ] = "tp=4,pp=2,ep=8",
+    engine: Annotated[str, typer.Option("--engine", help="One engine: tp=..,dp=..,ep=..[,pp=..].")] = "dp=16,ep=16",
+    replicas: Annotated[int, typer.Option("--replicas", min=1, help="Engine replicas.")] = 1,
+    trainer_nodes: Annotated[int, typer.Option("--trainer-nodes", min=1, help="Nodes of trainer ranks.")] = 2,
+    engine_nodes: Annotated[int, typer.Option("--engine-nodes", min=1, help="Nodes of engine ranks.")] = 2,
+    cluster: Annotated[
+        str, typer.Option("--cluster", help="gpu=h100|h200|h20|h800|b200,nic=cx7-400|cx7-200|cx8-800[,numbers]")
+    ] = "gpu=h100,nic=cx7-400",
+    strategy: Annotated[str, typer.Option("--strategy", help="v1,v2,v3,broadcast,broadcast-pipelined or all.")] = "all",
+    transport: Annotated[str, typer.Option("--transport", help="pull | push | nccl | cuda-ipc.")] = "pull",
+    placement: Annotated[str, typer.Option("--placement", help="disaggregated | colocated.")] = "disaggregated",
+    fanout: Annotated[str, typer.Option("--fanout", help="none | chain | tree (relays between replicas).")] = "none",
+    dtype: Annotated[str, typer.Option("--dtype", help="bf16 | fp8 (e4m3, block scales).")] = "bf16",
+    quantize_on: Annotated[str, typer.Option("--quantize-on", help="engine | trainer | none (FP8 source).")] = "engine",
+    block: Annotated[int, typer.Option("--block", min=1, help="FP8 scale block (block x block).")] = 128,
+    direct: Annotated[bool, typer.Option("--direct/--packed", help="kvmove's direct pulls, or pack all.")] = False,
+    via_host: Annotated[bool, typer.Option("--via-host", help="Stage gathered tensors in host memory.")] = False,
+    published_constraints: Annotated[
+        bool, typer.Option("--published-constraints", help="Serial PP groups, layer-wise reload, lockstep replicas.")
+    ] = False,
+    cold: Annotated[bool, typer.Option("--cold", help="The first sync (registration).")] = False,
+    group_size: Annotated[int, typer.Option("--group-size", min=1, help="v3: decoder blocks per group.")] = 1,
+    cost: Annotated[list[str] | None, typer.Option("--cost", help="NAME=VALUE, overrides a cost (repeatable).")] = None,
+    costs: Annotated[Path | None, typer.Option("--costs", help="JSON file of cost name -> value.")] = None,
+    results: ResultsOpt = Path("results"),
+    as_json: JsonOpt = False,
+    record: Annotated[bool, typer.Option("--record", help="Append the rows to RESULTS/simulated.parquet.")] = False,
+    do_regenerate: Annotated[
+        bool, typer.Option("--regenerate", help="Rewrite RESULTS/simulated.parquet: every simulated row.")
+    ] = False,
+    do_validate: Annotated[bool, typer.Option("--validate", help="Every published figure vs its prediction.")] = False,
+    show_costs: Annotated[bool, typer.Option("--show-costs", help="Print the cost book and its sources.")] = False,
+) -> None:
+    """Predict weight syncs at full scale with costs from our own measured rows; validate on published figures.
+
+    Example: kvmove bench simulate --model kimi-k2 --trainer tp=8,pp=8,ep=32 --engine tp=32,ep=32 --replicas 16
+    --trainer-nodes 32 --engine-nodes 64 --fanout tree --direct
+
+    Example: kvmove bench simulate --regenerate    (every simulated row in results/, from the measured rows there)
+    """
+    overrides = {**(load_cost_file(costs) if costs else {}), **parse_cost_flags(cost or [])}
+    if do_regenerate:
+        path, rows, book = regenerate(results, overrides)
+        checks = validate(book)
+        render.frame(validation_frame(checks), "published figures vs predictions (validation)")
+        render.line(summary_line(checks))
+        render.line(f"{len(rows)} simulated rows -> {path}; costs without a measurement of ours: {_defaults(book)}")
+        return
+    book = _book(results, overrides)
+    if show_costs:
+        render.frame(costs_frame(book), "simulator costs and the rows they come from")
+    if do_validate:
+        checks = validate(book)
+        render.frame(validation_frame(checks), "published figures vs predictions (validation)")
+        render.line(summary_line(checks))
+        return
+    spec = Spec(
+        model, trainer, engine, replicas, trainer_nodes, engine_nodes, cluster, placement, transport, fanout, dtype,
+        quantize_on, block, direct, via_host, "published" if published_constraints else "kvmove", group_size,
+        cold=cold, overrides=tuple(override or []),
+    )  # fmt: skip
+    predictions, rows = adhoc_rows(spec, parse_sim_strategies(strategy), book)
+    if as_json:
+        render.json_lines(_json(r) for r in rows)
+    else:
+        render.frame(predictions_frame(predictions), f"simulated: {rows[0].extra['setup_detail']}")
+        render.line(f"costs without a measurement of ours (named defaults): {_defaults(book)}")
+    if record:
+        render.line(f"rows appended to {write_rows(results, rows, replace=False)}")
+
+
+def _book(results: Path, overrides: dict[str, float]) -> CostBook:
+    book = costs_from_rows(measured_rows(results))
+    return book.with_values(overrides, "set by --cost/--costs") if overrides else book
+
+
+def _defaults(book: CostBook) -> str:
+    return ", ".join(book.defaults()) or "none"
+
+
+def _json(r: Row) -> dict[str, object]:
+    extra = r.extra
+    return {
+        "strategy": r.strategy,
+        "seconds": round(r.seconds, 6),
+        "bytes_total": r.bytes,
+        "gbps": round(r.gbps, 3),
+        "speed_of_light_seconds": round(extra["speed_of_light_seconds"], 6),
+        "receiver_bound_seconds": round(extra["receiver_bound_seconds"], 6),
+        "serial_pp_speed_of_light_seconds": round(extra["serial_pp_speed_of_light_seconds"], 6),
+        "sol_ratio": round(extra["sol_ratio"], 4),
+        "binding_link": extra["binding_link"],
+        "phases": {k: round(v, 6) for k, v in r.phases.items()},
+        "constraints": extra["constraints"],
+        "setup": extra["setup_detail"],
+        "default_costs": [n for n, c in extra["costs"].items() if c["kind"] == "default"],
+        "simulated": True,
+    }
+
+
+def simulate_json(spec: Spec, strategies: str, results: Path) -> list[dict[str, object]]:
+    """JSON rows of ``sync-weights --simulate`` (costs from the measured rows under ``results``)."""
+    _, rows = adhoc_rows(spec, parse_sim_strategies(strategies), _book(results, {}))
+    return [_json(r) for r in rows]

@@ -1,0 +1,124 @@
+"""Predictions respect their speed of light and move the right way with bytes, replicas and link speed."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from kvmove.bench.sim.costs import default_book
+from kvmove.bench.sim.hardware import Cluster
+from kvmove.bench.sim.predict import simulate
+from kvmove.bench.sim.setup import PUBLISHED, SimSetup, TrainerSpec
+from kvmove.bench.sim.strategies import SIM_STRATEGIES
+from kvmove.errors import KvmoveError
+from kvmove.layout import EngineLayout
+from kvmove.models import resolve_model
+
+BOOK = default_book()
+ALL = list(SIM_STRATEGIES.values())
+
+
+def _qwen(layers: int = 4, **kw: object) -> SimSetup:
+    cfg = resolve_model("qwen3-235b-a22b", {"num_hidden_layers": layers})
+    base = dict(trainer_nodes=2, engine_nodes=2, cluster=Cluster())
+    base.update(kw)
+    trainer = base.pop("trainer", TrainerSpec.parse("tp=4,pp=2,ep=8"))
+    engine = base.pop("engine", EngineLayout.parse("dp=16,ep=16"))
+    return SimSetup(cfg, trainer, engine, **base)  # type: ignore[arg-type]
+
+
+def _grid() -> list[SimSetup]:
+    out = []
+    for transport, dtype, quant, direct, fanout in itertools.product(
+        ("pull", "push", "nccl"), ("bf16", "fp8"), ("engine", "trainer"), (False, True), ("none", "tree")
+    ):
+        if dtype == "bf16" and quant == "trainer":
+            continue
+        engine = EngineLayout.parse("tp=8,ep=8", 2)
+        out.append(_qwen(transport=transport, dtype=dtype, quantize_on=quant, direct=direct, fanout=fanout,
+                         engine=engine))  # fmt: skip
+    out.append(_qwen(constraints=PUBLISHED))
+    out.append(_qwen(trainer=TrainerSpec.parse("fsdp:world=16,shard=8"), engine=EngineLayout.parse("tp=8", 2)))
+    out.append(_qwen(trainer=TrainerSpec.parse("host:world=16"), engine=EngineLayout.parse("tp=8", 2),
+                     placement="colocated"))  # fmt: skip
+    out.append(_qwen(trainer=TrainerSpec.parse("tp=4,pp=2,ep=8,dp=2"), engine=EngineLayout.parse("tp=8", 2),
+                     placement="colocated", transport="cuda-ipc"))  # fmt: skip
+    out.append(_qwen(cluster=Cluster.parse("gpu=b200,nic=cx8-800"), cold=True))
+    out.append(_qwen(cluster=Cluster.parse("gpu=h20,nic=cx7-200,nics_per_node=4"), via_host=True))
+    return out
+
+
+@pytest.mark.parametrize("setup", _grid(), ids=lambda s: s.label()[:90])
+def test_no_prediction_beats_its_speed_of_light(setup: SimSetup) -> None:
+    for p in simulate(setup, ALL, BOOK):
+        assert p.seconds >= p.speed_of_light_seconds * (1 - 1e-9) > 0, p
+        assert p.seconds >= p.receiver_bound_seconds * (1 - 1e-9), p
+        assert p.speed_of_light_seconds >= p.receiver_bound_seconds * (1 - 1e-9) or p.strategy == "v1"
+        assert all(v >= 0 for v in p.phases.values())
+        assert p.bytes_moved >= p.bytes_kept > 0
+
+
+def test_efficiency_of_one_reaches_the_speed_of_light_only_without_overheads() -> None:
+    """With every efficiency 1 and every overhead 0, v2's transfer is its line-rate bound (nothing is faster)."""
+    book = BOOK.with_values({n: 1.0 for n, c in BOOK.costs.items() if c.unit == "fraction"}, "test")
+    book = book.with_values({n: 0.0 for n, c in BOOK.costs.items() if c.unit != "fraction"}, "test")
+    s = _qwen(direct=True)
+    (p,) = simulate(s, [SIM_STRATEGIES["v2"]], book)
+    assert p.phases["transfer"] == pytest.approx(p.speed_of_light_seconds, rel=1e-6)
+    assert p.seconds >= p.speed_of_light_seconds
+
+
+@pytest.mark.parametrize("strategy", list(SIM_STRATEGIES))
+def test_monotonic_in_bytes_replicas_and_link_speed(strategy: str) -> None:
+    st = [SIM_STRATEGIES[strategy]]
+    times = [simulate(_qwen(layers), st, BOOK)[0].seconds for layers in (2, 4, 8)]
+    assert times == sorted(times) and times[0] < times[-1]
+    engine = EngineLayout.parse("tp=8,ep=8")
+    for fanout in ("none", "chain", "tree"):
+        by_r = []
+        for r in (1, 2, 4, 8):
+            if r == 1 and fanout != "none":
+                continue
+            s = _qwen(engine=dataclasses.replace(engine, replicas=r), engine_nodes=r, fanout=fanout)
+            by_r.append(simulate(s, st, BOOK)[0].seconds)
+        assert by_r == sorted(by_r), (fanout, by_r)
+    for key in ("nic_gbps", "nvlink_gbps", "hbm_gbps", "pcie_gbps"):
+        by_link = [simulate(_qwen(cluster=Cluster.parse(f"gpu=h100,{key}={v}")), st, BOOK)[0].seconds
+                   for v in (100, 400, 1600)]  # fmt: skip
+        assert by_link == sorted(by_link, reverse=True), (key, by_link)
+
+
+def test_relays_take_the_load_off_the_trainer_with_many_replicas() -> None:
+    """With one trainer node and 16 replicas, the trainer's NICs bind direct fan-out; a tree relays instead."""
+    s = _qwen(layers=8, trainer=TrainerSpec.parse("tp=4,pp=1,ep=8"), trainer_nodes=1,
+              engine=EngineLayout.parse("tp=8,ep=8", 16), engine_nodes=16)  # fmt: skip
+    direct, tree = (
+        simulate(dataclasses.replace(s, fanout=f), [SIM_STRATEGIES["v3"]], BOOK)[0] for f in ("none", "tree")
+    )
+    assert "trainer" in direct.binding_link and tree.seconds < direct.seconds / 2
+
+
+def test_costs_move_the_prediction_the_right_way() -> None:
+    s, st = _qwen(), [SIM_STRATEGIES["v3"]]
+    base = simulate(s, st, BOOK)[0].seconds
+    assert simulate(s, st, BOOK.with_values({"pull_efficiency": 0.4}, "t"))[0].seconds > base
+    assert simulate(s, st, BOOK.with_values({"request_s": 1e-2}, "t"))[0].seconds > base
+
+
+def test_bad_setups_are_one_clear_error() -> None:
+    with pytest.raises(KvmoveError, match="colocated placement puts engine ranks"):
+        _qwen(engine=EngineLayout.parse("tp=8", 3), engine_nodes=3, placement="colocated")
+    with pytest.raises(KvmoveError, match="needs --replicas >= 2"):
+        _qwen(fanout="chain")
+    with pytest.raises(KvmoveError, match="cuda-ipc reaches GPUs of one node"):
+        _qwen(transport="cuda-ipc")
+    with pytest.raises(KvmoveError, match="trainer needs 16 GPUs"):
+        _qwen(trainer_nodes=1)
+    with pytest.raises(KvmoveError, match="transport 'rdma' is not one of"):
+        _qwen(transport="rdma")
+    with pytest.raises(KvmoveError, match="direct pulls read Megatron shards"):
+        _qwen(trainer=TrainerSpec.parse("fsdp:world=16,shard=8"), direct=True)
+    with pytest.raises(KvmoveError, match=r"shard \(8\) must divide world \(12\)"):
+        TrainerSpec.parse("fsdp:world=12,shard=8")

@@ -1,0 +1,111 @@
+"""The simulator's traffic against the real sharding plans (bytes per sync, per engine rank, per trainer rank)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from kvmove.bench.sim.groups import units
+from kvmove.bench.sim.hardware import Cluster
+from kvmove.bench.sim.models import sim_model
+from kvmove.bench.sim.setup import SimSetup, TrainerSpec
+from kvmove.bench.sim.shards import wire_bytes
+from kvmove.bench.sim.strategies import SIM_STRATEGIES
+from kvmove.bench.sim.traffic import build_traffic
+from kvmove.cli.main import app
+from kvmove.layout import EngineLayout
+from kvmove.models import model_totals, resolve_model
+
+
+def _setup(model: str, trainer: str, engine: str, replicas: int = 1, **kw: object) -> SimSetup:
+    return SimSetup(
+        sim_model(model), TrainerSpec.parse(trainer), EngineLayout.parse(engine, replicas), Cluster(), 64, 64, **kw
+    )  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("model", "trainer", "engine", "replicas", "expected"),
+    [
+        ("qwen3-235b-a22b", "tp=4,pp=2,ep=8", "dp=16,ep=16", 1, 710_104_432_640),
+        ("kimi-k2", "tp=8,pp=8,ep=32", "tp=32,ep=32", 4, 8_481_498_595_328),
+    ],
+)
+def test_published_layouts_move_the_plans_bytes(model, trainer, engine, replicas, expected) -> None:
+    """The bytes the real plans of these layouts keep (kvmove.sync.plan; 8,481,498,595,328 = Kimi's '7.9 TB')."""
+    s = _setup(model, trainer, engine, replicas)
+    for name in ("v1", "v2", "v3"):
+        t = build_traffic(s, SIM_STRATEGIES[name])
+        assert round(t.kept_per_replica * replicas) == expected
+        assert round(t.received_per_replica * replicas) == expected
+    b = build_traffic(s, SIM_STRATEGIES["broadcast"])
+    assert round(b.received_per_replica) == model_totals(s.model).total_bytes * s.engine.ranks_per_replica
+
+
+LAYOUTS = [
+    ("qwen3-moe-tiny", "tp=2,pp=2,ep=2", "tp=2,ep=2", 2),
+    ("qwen3-moe-tiny", "tp=1,pp=2,ep=4", "tp=4", 1),
+    ("qwen3-moe-tiny", "tp=2,pp=1,ep=2,etp=2", "dp=2,ep=2", 1),
+    ("kimi-k2-tiny", "tp=2,pp=3,ep=4", "tp=4,ep=4", 1),
+    ("kimi-k2-tiny", "tp=1,pp=1,ep=2", "tp=1,dp=2,ep=2,pp=1", 2),
+]
+
+
+@pytest.mark.parametrize(("model", "trainer", "engine", "replicas"), LAYOUTS)
+def test_bytes_per_rank_equal_the_dry_run_of_the_real_plans(model, trainer, engine, replicas) -> None:
+    """`kvmove sync-weights --dry-run --json` (the real recording-tensor plans and router) against the traffic."""
+    args = ["sync-weights", "--dry-run", "--json", "--model", model, "--trainer", trainer, "--engine", engine]
+    out = CliRunner().invoke(app, [*args, "--replicas", str(replicas), "--strategy", "v1,v2,v3"])
+    assert out.exit_code == 0, out.output
+    reports = {r["strategy"]: r for r in map(json.loads, out.stdout.strip().splitlines())}
+    s = SimSetup(
+        resolve_model(model), TrainerSpec.parse(trainer), EngineLayout.parse(engine, replicas), Cluster(), 8, 8
+    )
+    for name, r in reports.items():
+        t = build_traffic(s, SIM_STRATEGIES[name])
+        whole = t if name != "v1" else build_traffic(s, SIM_STRATEGIES["v2"])  # per-rank totals are layout facts
+        assert round(t.kept_per_replica * replicas) == r["bytes_total"]
+        assert whole.total("engine", "kept").max() == pytest.approx(r["bytes_per_engine_rank_max"])
+        # the router balances bytes greedily; the traffic spreads them evenly: equal up to the plan's imbalance
+        busiest = whole.total("trainer", "send").max() * replicas
+        assert busiest == pytest.approx(r["bytes_per_trainer_rank_max"], rel=0.35)
+
+
+def test_fp8_wire_bytes_have_one_fp32_scale_per_block() -> None:
+    assert wire_bytes("model.layers.0.mlp.experts.3.down_proj.weight", (7168, 2048), "fp8") == 7168 * 2048 + 4 * 56 * 16
+    assert wire_bytes("model.layers.0.mlp.experts.3.down_proj.weight", (7168, 2048), "fp8", 64) == (
+        7168 * 2048 + 4 * 112 * 32
+    )
+    assert (
+        wire_bytes("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", (576, 7168), "fp8") == 576 * 7168 + 4 * 5 * 56
+    )
+    for unquantized in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.3.mlp.gate.weight"):
+        assert wire_bytes(unquantized, (384, 7168), "fp8") == 2 * 384 * 7168
+    s = _setup("kimi-k2", "tp=8,pp=8,ep=32", "tp=32,ep=32", dtype="fp8", quantize_on="trainer")
+    fp8 = build_traffic(s, SIM_STRATEGIES["v3"]).kept_per_replica
+    bf16 = 8_481_498_595_328 / 4  # one replica's BF16 bytes (replicated tensors counted on every rank)
+    assert 0.5 * bf16 < fp8 < 0.51 * bf16  # one byte per weight plus 4 bytes per 128x128 block
+    s_engine = _setup("kimi-k2", "tp=8,pp=8,ep=32", "tp=32,ep=32", dtype="fp8", quantize_on="engine")
+    assert build_traffic(s_engine, SIM_STRATEGIES["v3"]).kept_per_replica == bf16  # BF16 on the wire
+
+
+def test_direct_pulls_skip_gather_and_pack_where_slices_nest() -> None:
+    s = _setup("qwen3-235b-a22b", "tp=4,pp=2,ep=8", "tp=4,ep=16,dp=4", direct=True)
+    packed = build_traffic(s.__class__(**{**s.__dict__, "direct": False}), SIM_STRATEGIES["v3"])
+    direct = build_traffic(s, SIM_STRATEGIES["v3"])
+    assert direct.total("trainer", "pack").sum() == 0 and direct.total("engine", "scatter").sum() == 0
+    assert packed.total("trainer", "pack").sum() > 0 and packed.gather and not direct.gather
+    assert direct.kept_per_replica == packed.kept_per_replica
+
+
+def test_groups_follow_the_strategy() -> None:
+    s = _setup("kimi-k2", "tp=8,pp=8,ep=32", "tp=32,ep=32")
+    cfg = s.model
+    assert len(units(s, SIM_STRATEGIES["v3"])) == cfg.num_hidden_layers + 2
+    assert len(units(s, SIM_STRATEGIES["v2"])) == 8
+    reps = units(s, SIM_STRATEGIES["v1"])
+    assert sum(u.times for u in reps if u.items) == model_totals(cfg).num_tensors
+    assert sum(u.times * u.layers for u in reps) == cfg.num_hidden_layers
+    assert math.isclose(sum(u.times for u in reps if u.items and u.items[0].experts), 60 * 384 * 3)
