@@ -47,6 +47,20 @@ def serve(
     transport: TransportOpt = "auto",
     max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help="Larger request bodies get 413.")] = 8 << 20,
     peer_timeout: Annotated[float, typer.Option("--peer-timeout", help="Seconds to wait for a peer server.")] = 60.0,
+    tp_size: Annotated[
+        int,
+        typer.Option(
+            "--tp-size", "--tp", min=1, help="Tensor-parallel ranks (each its share of the KV heads and host pool)."
+        ),
+    ] = 1,
+    kvmove_routes: Annotated[
+        bool,
+        typer.Option(
+            "--kvmove-routes/--no-kvmove-routes",
+            help="Serve kvmove's own control routes (hold/release, migration abort, integrity); off: only SGLang's "
+            "routes and the fork's five migration routes.",
+        ),
+    ] = True,
 ) -> None:
     """Serve one rollout worker over HTTP (/generate, /tokenize, /health, /metrics and the migration routes).
 
@@ -75,6 +89,8 @@ def serve(
             transport=transport,
             max_body_bytes=max_body_bytes,
             peer_timeout=peer_timeout,
+            tp_size=tp_size,
+            kvmove_routes=kvmove_routes,
         )
     )
 

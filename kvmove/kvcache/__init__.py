@@ -6,6 +6,7 @@
 
 from kvmove.kvcache.allocator import PageAllocator, PageIds, pages_to_slots, slots_to_pages
 from kvmove.kvcache.geometry import KVGeometry
+from kvmove.kvcache.heads import HeadShard, HeadSlice, head_slices, rank_heads, slice_ranges
 from kvmove.kvcache.host_pool import HostKVPool
 from kvmove.kvcache.pool import KV, KVPool
 from kvmove.kvcache.radix import (
@@ -22,6 +23,8 @@ from kvmove.kvcache.radix import (
 __all__ = [
     "KV",
     "EvictResult",
+    "HeadShard",
+    "HeadSlice",
     "HostKVPool",
     "InsertResult",
     "KVGeometry",
@@ -34,6 +37,9 @@ __all__ = [
     "RadixKey",
     "RadixNode",
     "RadixTree",
+    "head_slices",
     "pages_to_slots",
+    "rank_heads",
+    "slice_ranges",
     "slots_to_pages",
 ]

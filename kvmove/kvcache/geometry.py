@@ -13,7 +13,9 @@ from kvmove.errors import KVCacheError
 class KVGeometry:
     """Per rank: ``num_layers`` layers, each with a K and a V buffer of ``[tokens, num_kv_heads, head_dim]``.
 
-    Two pools can exchange pages only if their geometries are equal (``check_compatible``).
+    A tensor-parallel rank holds KV heads ``head_start .. head_start + num_kv_heads - 1`` of the model's
+    ``total_kv_heads`` (0: the rank holds them all). Two pools can exchange whole pages only if their geometries
+    are equal (``check_compatible``); ranks of different TP exchange head slices of pages (``kvmove.kvcache.heads``).
     """
 
     num_layers: int
@@ -21,6 +23,8 @@ class KVGeometry:
     head_dim: int
     page_size: int
     dtype: torch.dtype = torch.bfloat16
+    head_start: int = 0
+    total_kv_heads: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
@@ -28,6 +32,25 @@ class KVGeometry:
                 raise KVCacheError(f"KV geometry: {name} must be >= 1, got {getattr(self, name)}")
         if self.dtype.is_complex or self.dtype == torch.bool:
             raise KVCacheError(f"KV geometry: unsupported dtype {self.dtype}")
+        if self.head_start < 0 or self.head_start + self.num_kv_heads > self.model_kv_heads:
+            raise KVCacheError(
+                f"KV geometry: heads {self.head_start}..{self.head_start + self.num_kv_heads - 1} "
+                f"outside the model's {self.model_kv_heads}"
+            )
+
+    @property
+    def model_kv_heads(self) -> int:
+        """KV heads of the whole model (every rank together)."""
+        return self.total_kv_heads or self.num_kv_heads
+
+    @property
+    def head_stop(self) -> int:
+        return self.head_start + self.num_kv_heads
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one token's K (or V) of one head in one layer."""
+        return self.head_dim * self.dtype.itemsize
 
     @property
     def token_shape(self) -> tuple[int, int]:

@@ -30,13 +30,28 @@ class KVPool:
     radix tree): callers free each page exactly once.
     """
 
-    def __init__(self, geometry: KVGeometry, num_pages: int, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        num_pages: int,
+        device: str | torch.device = "cpu",
+        allocator: PageAllocator | None = None,
+    ) -> None:
+        """``allocator``: shared by the pools of a worker's tensor-parallel ranks (one page table, each rank its
+        own heads at the same page ids); a fresh one by default."""
         self.geometry = geometry
-        self._alloc = PageAllocator(num_pages)
+        self._alloc = allocator or PageAllocator(num_pages)
+        if self._alloc.num_pages != num_pages:
+            raise KVCacheError(f"shared allocator has {self._alloc.num_pages} pages, the pool {num_pages}")
         shape = (num_pages * geometry.page_size, *geometry.token_shape)
         self._k = [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.num_layers)]
         self._v = [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.num_layers)]
         self.device = self._k[0].device
+
+    @property
+    def allocator(self) -> PageAllocator:
+        """The page allocator (pass it to the pools of the other tensor-parallel ranks of the same worker)."""
+        return self._alloc
 
     @property
     def num_pages(self) -> int:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import base64
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kvmove.errors import KvmoveError, MissingDependencyError
-from kvmove.kvcache import HostKVPool, KVGeometry
+from kvmove.kvcache import HeadSlice, HostKVPool, KVGeometry, slice_ranges
 from kvmove.migration.errors import MigrationError, PeerUnreachableError
 from kvmove.migration.messages import BufferInfo, SourceEndpoint
 from kvmove.migration.session import check_transport, geometry_info
@@ -33,6 +34,7 @@ from kvmove.transport import (
     TransportError,
 )
 from kvmove.transport.http_route import ReadAnswer, ReadRefused
+from kvmove.transport.local import LocalTransport
 
 SERVER_TRANSPORTS: dict[str, Callable[[str], Transport]] = {
     "nixl": lambda url: NixlTransport(),
@@ -40,6 +42,9 @@ SERVER_TRANSPORTS: dict[str, Callable[[str], Transport]] = {
 }
 """Transports that move KV between two plain server processes, in the order ``auto`` tries them, each built from
 the base URL of the server it lives in (the ``http`` one serves its reads through that server's routes)."""
+
+IN_PROCESS_TRANSPORTS: dict[str, Callable[[str], Transport]] = {"local": lambda url: LocalTransport()}
+"""Transports between endpoints of one process only (both sides of a benchmark); only ever chosen by name."""
 
 FALLBACK_NOTE = "NIXL is not installed (pip install 'kvmove[nixl]'); KV pages move over HTTP, a slower fallback"
 
@@ -66,6 +71,8 @@ def choose_transport(requested: str) -> TransportChoice:
         if name is None:
             raise MissingDependencyError("no KV transport is installed here: pip install 'kvmove[serve]'")
         return TransportChoice(name, requested, "" if name == "nixl" else FALLBACK_NOTE)
+    if requested in IN_PROCESS_TRANSPORTS:
+        return TransportChoice(requested, requested)
     if requested not in SERVER_TRANSPORTS:
         known = ", ".join(["auto", *SERVER_TRANSPORTS])
         raise KvmoveError(f"transport {requested!r} cannot move KV between servers (use one of: {known})")
@@ -77,27 +84,51 @@ def choose_transport(requested: str) -> TransportChoice:
 
 
 class HostEndpoint:
-    """The host pool of one rank and its transport endpoint; thread-safe (one lock around the transport's reads).
+    """The host pool of one rank and its transport endpoint; thread-safe (one lock around the transport's reads,
+    another around the pool's page table, neither ever held by the decode loop).
 
-    ``transport``: auto, nixl or http (``choose_transport``); ``url``: the base URL of this rank's server.
+    ``transport``: auto, nixl or http (``choose_transport``), or ``local`` (within one process); ``url``: the base
+    URL of this rank's server. ``pin_memory``: page-locked host buffers (fast copies to and from a GPU).
     """
 
-    def __init__(self, geometry: KVGeometry, num_pages: int, transport: str = "auto", url: str = "") -> None:
+    def __init__(
+        self, geometry: KVGeometry, num_pages: int, transport: str = "auto", url: str = "", pin_memory: bool = False
+    ) -> None:
         self.choice = choose_transport(transport)
-        self.pool = HostKVPool(geometry, num_pages)
-        self.transport: Transport = SERVER_TRANSPORTS[self.choice.name](url)
+        self.pool = HostKVPool(geometry, num_pages, pin_memory=pin_memory)
+        factory = IN_PROCESS_TRANSPORTS.get(self.choice.name) or SERVER_TRANSPORTS[self.choice.name]
+        self.transport: Transport = factory(url)
         self._descs = [self.transport.register(_as_bytes(b)) for b in self.pool.buffers()]
         self._lock = threading.Lock()
         self._pool_lock = threading.Lock()
+        self.staged_pages = 0
 
-    def alloc(self, num_pages: int) -> torch.Tensor | None:
-        """``num_pages`` host pages, or None if the pool has fewer free."""
+    def alloc(self, num_pages: int, staged: bool = False) -> torch.Tensor | None:
+        """``num_pages`` host pages, or None if the pool has fewer free. ``staged``: a source's pages for one
+        transfer (counted in ``staged_pages`` until freed with ``staged=True``)."""
         with self._pool_lock:
-            return self.pool.alloc(num_pages) if self.pool.can_alloc(num_pages) else None
+            if not self.pool.can_alloc(num_pages):
+                return None
+            self.staged_pages += num_pages if staged else 0
+            return self.pool.alloc(num_pages)
 
-    def free(self, pages: torch.Tensor) -> None:
+    def free(self, pages: torch.Tensor, staged: bool = False) -> None:
         with self._pool_lock:
             self.pool.free(pages)
+            self.staged_pages -= pages.numel() if staged else 0
+
+    def check_owned(self, migration_pages: int) -> None:
+        """Pool invariants, and every used page owned: by migrations (``migration_pages``, counted by the caller
+        under its own lock) or staged by a transfer; no read grant without staged pages."""
+        with self._pool_lock:
+            self.pool.check_integrity()
+            used, owned = self.pool.used_pages, migration_pages + self.staged_pages
+            if used != owned:
+                raise MigrationError(
+                    f"host pool: {used} pages used != {migration_pages} of migrations + {self.staged_pages} staged"
+                )
+            if self.open_grants and not self.staged_pages:
+                raise MigrationError(f"{self.open_grants} read grants outlived their transfers")
 
     @property
     def transport_name(self) -> str:
@@ -144,13 +175,26 @@ class HostEndpoint:
             raise ReadRefused(404, f"this rank moves KV over {self.transport.name}; HTTP reads serve only http")
         return self.transport.serve(body)
 
-    def pull(self, source: SourceEndpoint, src_pages: list[int], dst_pages: torch.Tensor) -> TransferStats:
-        """Read ``src_pages`` of every source buffer into ``dst_pages`` (allocated here) of the matching buffer."""
+    def pull(
+        self,
+        source: SourceEndpoint,
+        src_pages: list[int],
+        dst_pages: torch.Tensor,
+        src_geometry: KVGeometry | None = None,
+        pieces: Sequence[HeadSlice] = (),
+    ) -> TransferStats:
+        """Read ``src_pages`` of every source buffer into ``dst_pages`` (allocated here) of the matching buffer:
+        whole pages, or (a source rank of ``src_geometry`` splitting the heads differently) only the heads of
+        ``pieces``, each token's heads one contiguous range."""
         check_transport(self.transport.name, source.transport)
         if len(source.buffers) != len(self._descs) or len(src_pages) != dst_pages.numel():
             raise MigrationError(f"{len(src_pages)} source pages for {dst_pages.numel()} target pages")
-        item = self.pool.item_lens()[0]
-        ranges = [(s * item, int(d) * item, item) for s, d in zip(src_pages, dst_pages.tolist(), strict=True)]
+        mine = self.pool.geometry
+        if src_geometry is None or not pieces:
+            src_geometry, pieces = mine, [HeadSlice(0, 0, 0, mine.num_kv_heads)]
+        ranges = np.concatenate(
+            [slice_ranges(src_geometry, mine, src_pages, dst_pages.tolist(), piece) for piece in pieces]
+        )
         total, seconds = 0, 0.0
         with self._lock:
             try:

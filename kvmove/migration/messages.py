@@ -44,13 +44,16 @@ class Topology(Response):
 
 
 class GeometryInfo(BaseModel):
-    """kvmove addition: what two peers must agree on before any byte moves."""
+    """kvmove addition: what two peers must agree on before any byte moves. A tensor-parallel rank holds KV heads
+    ``head_start .. head_start + num_kv_heads - 1`` of the model's ``total_kv_heads`` (0: it holds them all)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     page_size: int
     dtype: str
+    head_start: int = 0
+    total_kv_heads: int = 0
 
 
 class RankSession(BaseModel):
@@ -111,7 +114,9 @@ class AllocateTokenForTransferResp(Response):
 
 
 class TransferTarget(Request):
-    """One target rank: the join of its ``RankSession`` and its ``RankKVIndices`` on ``(tp, pp)``."""
+    """One target rank: the join of its ``RankSession`` and its ``RankKVIndices`` on ``(tp, pp)``. A kvmove client
+    also copies the rank's ``transport`` and ``geometry`` (which KV heads it holds: the source then checks its
+    layout exactly, also when the two workers split the heads differently)."""
 
     tp: int
     pp: int
@@ -120,6 +125,7 @@ class TransferTarget(Request):
     host_kv_item_lens: list[int]
     kv_indices: list[int]
     transport: str | None = None
+    geometry: GeometryInfo | None = None
 
 
 class TransferRequestKVCacheReq(Request):
@@ -131,10 +137,14 @@ class TransferRequestKVCacheReq(Request):
 
 
 class TransferRequestKVCacheResp(Response):
+    """kvmove additions: ``bytes`` moved, ``seconds`` of transport (the longest of the target ranks' pulls, which
+    run at once), ``stage_seconds`` of device -> host copies on the source."""
+
     success: bool = True
     bytes: int = 0
     seconds: float = 0.0
     transport: str = ""
+    stage_seconds: float = 0.0
 
 
 # -- target: POST /commit_transfer_request_kvcache, /abort_transfer_request_kvcache (kvmove) -------------------
@@ -145,9 +155,12 @@ class CommitTransferReq(Request):
 
 
 class CommitTransferResp(Response):
+    """kvmove addition: ``load_seconds`` of host -> device copies on the target."""
+
     success: bool = True
     matched_after_commit: int
     message: str = ""
+    load_seconds: float = 0.0
 
 
 class AbortTransferReq(Request):
@@ -183,16 +196,27 @@ class SourceEndpoint(BaseModel):
     weight_version: str
 
 
+class PullSource(BaseModel):
+    """One source rank the target rank may read from: its staged ``src_pages`` (one per page to send, in order)."""
+
+    tp: int
+    pp: int
+    src_pages: list[int]
+    endpoint: SourceEndpoint
+
+
 class PullKVReq(Request):
-    """Sent by the source to the target it was told about. The target pulls only into the host slots it allocated
-    for the pending migration whose ``kv_indices``, tokens and namespace equal these."""
+    """Sent by the source to each target rank ``(tp, pp)`` it was told about. That rank pulls only into the host
+    slots it allocated for the pending migration whose ``kv_indices``, tokens and namespace equal these, and reads
+    from ``sources`` only the KV heads it holds (all of one source rank's pages when both split heads alike)."""
 
     input_ids: list[int]
     extra_key: str | None = None
     matched_token_size: int
     kv_indices: list[int]
-    src_pages: list[int]
-    source: SourceEndpoint
+    tp: int = 0
+    pp: int = 0
+    sources: list[PullSource]
 
 
 class PullKVResp(Response):
@@ -241,6 +265,15 @@ class HoldRequestResp(Response):
     rid: str
     input_ids: list[int]
     request: ResumeState
+
+
+class AbortRequestReq(Request):
+    """SGLang's ``/abort_request`` body (``AbortReq``)."""
+
+    rid: str = ""
+    abort_all: bool = False
+    finished_reason: dict[str, Any] | None = None
+    abort_message: str | None = None
 
 
 class ReleaseRequestReq(Request):

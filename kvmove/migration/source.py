@@ -1,15 +1,22 @@
 """Source side of a migration: collect the request's pages along its radix path, stage only the pages the target
-lacks in the host pool (device -> host write-back), and have the target pull them.
+lacks in every rank's host pool (device -> host write-back), and have each target rank pull what it holds.
 
 The source keeps no state between calls: the path stays locked, the staged host pages stay allocated and (over
 ``http``) readable by the target exactly for the duration of one ``transfer`` (released on success and on every
-failure; the target's read grant ends before the pages are freed).
+failure; the target's read grants end before the pages are freed). The worker's lock is held only to lock and
+unlock the path: the copies to the host pool and the pulls run without it, so decoding goes on meanwhile (the
+locked pages are never written: cached K/V is immutable).
+
+Every target rank gets one pull naming all source ranks; it reads from each only the KV heads it holds, so workers
+of different tensor parallelism exchange exactly the bytes each target rank needs.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -20,76 +27,101 @@ from kvmove.migration.errors import MigrationError, OutOfPagesError
 from kvmove.migration.messages import (
     PullKVReq,
     PullKVResp,
+    PullSource,
     RankSession,
     TransferRequestKVCacheReq,
     TransferRequestKVCacheResp,
     TransferTarget,
 )
-from kvmove.migration.session import check_layout, check_transport, target_for_rank
+from kvmove.migration.session import check_target
 
 SendPull = Callable[[str, PullKVReq], PullKVResp]
 """Asks the target rank at ``session_id`` to pull (the server's HTTP client; tests may call the target directly)."""
 
 
 class MigrationSource:
+    """``endpoints[r]`` and ``sessions()[r]``: tensor-parallel rank ``r``'s host pool and its session entry."""
+
     def __init__(
         self,
         worker: RolloutWorker,
         worker_lock: threading.RLock,
-        endpoint: HostEndpoint,
-        session: Callable[[], RankSession],
+        endpoints: list[HostEndpoint],
+        sessions: Callable[[], list[RankSession]],
         send_pull: SendPull,
     ) -> None:
-        self.worker, self.worker_lock, self.endpoint = worker, worker_lock, endpoint
-        self.session, self.send_pull = session, send_pull
+        self.worker, self.worker_lock, self.endpoints = worker, worker_lock, endpoints
+        self.sessions, self.send_pull = sessions, send_pull
         self.page_size = worker.config.page_size
-        self.staged_pages = 0
-        self._count_lock = threading.Lock()
+
+    @property
+    def staged_pages(self) -> int:
+        return sum(e.staged_pages for e in self.endpoints)
 
     def transfer(self, req: TransferRequestKVCacheReq) -> TransferRequestKVCacheResp:
-        """Send ``input_ids[matched : matched + extra]`` (whole pages) to this rank's target entry; blocks."""
-        me = self.session()
-        target = target_for_rank(req.target_per_rank, me.tp, me.pp)
-        check_layout(me, target.host_kv_data_ptrs, target.host_kv_item_lens)
-        check_transport(me.transport, target.transport)
+        """Send ``input_ids[matched : matched + extra]`` (whole pages) to every target rank; blocks until done."""
+        mine = self.sessions()
+        if not req.target_per_rank:
+            raise MigrationError("target_per_rank is empty: no target rank to send to")
         start, stop = self._window(req)
-        if slots_to_pages(target.kv_indices, self.page_size).numel() != (stop - start) // self.page_size:
-            raise MigrationError(f"{len(target.kv_indices)} kv_indices for extra_token_size {stop - start}")
+        for target in req.target_per_rank:
+            check_target(mine[min(target.tp, len(mine) - 1)], target)
+            if slots_to_pages(target.kv_indices, self.page_size).numel() != (stop - start) // self.page_size:
+                raise MigrationError(f"{len(target.kv_indices)} kv_indices for extra_token_size {stop - start}")
         if stop == start:
-            return TransferRequestKVCacheResp(transport=self.endpoint.transport_name)
-        tokens = req.input_ids[:stop]
+            return TransferRequestKVCacheResp(transport=self.endpoints[0].transport_name)
         with self.worker_lock:
-            exported = self.worker.export_request_kv(tokens=tokens, extra_key=req.extra_key, lock=True)
-            try:
-                staged = self._stage(exported.pages, start, stop)
-            except BaseException:
-                self._unlock(exported)
-                raise
+            exported = self.worker.export_request_kv(tokens=req.input_ids[:stop], extra_key=req.extra_key, lock=True)
         try:
-            done = self._send(me, target, req, staged)
+            t0 = time.perf_counter()
+            staged = self._stage(exported.pages, start, stop)
+            stage_seconds = time.perf_counter() - t0
+            try:
+                done = self._send(mine, req, staged)
+            finally:
+                self._unstage(staged)
         finally:
-            self._unstage(staged)
             with self.worker_lock:
                 self._unlock(exported)
-        return TransferRequestKVCacheResp(bytes=done.bytes, seconds=done.seconds, transport=done.transport)
+        return TransferRequestKVCacheResp(
+            bytes=sum(d.bytes for d in done),
+            seconds=max(d.seconds for d in done),
+            transport=done[0].transport,
+            stage_seconds=stage_seconds,
+        )
 
     def _send(
-        self, me: RankSession, target: TransferTarget, req: TransferRequestKVCacheReq, staged: torch.Tensor
-    ) -> PullKVResp:
-        """Let the target read ``staged`` (only those pages, only until it answered) and ask it to pull them."""
-        offer = self.endpoint.offer(me.session_id, self.worker.weight_version, staged)
+        self, mine: list[RankSession], req: TransferRequestKVCacheReq, staged: list[torch.Tensor]
+    ) -> list[PullKVResp]:
+        """Let the targets read ``staged`` (only those pages, only until they answered) and ask every target rank
+        to pull; the ranks pull at once."""
+        version = self.worker.weight_version
+        offers = [e.offer(s.session_id, version, p) for e, s, p in zip(self.endpoints, mine, staged, strict=True)]
         try:
-            pull = PullKVReq(
-                input_ids=req.input_ids[: req.matched_token_size + req.extra_token_size],
-                extra_key=req.extra_key,
-                matched_token_size=req.matched_token_size,
-                kv_indices=target.kv_indices,
-                src_pages=staged.tolist(),
-                source=offer,
-            )
-            return self.send_pull(target.session_id, pull)
+            sources = [
+                PullSource(tp=s.tp, pp=s.pp, src_pages=p.tolist(), endpoint=o)
+                for s, p, o in zip(mine, staged, offers, strict=True)
+            ]
+            pulls = [(t.session_id, self._pull_body(req, t, sources)) for t in req.target_per_rank]
+            if len(pulls) == 1:
+                return [self.send_pull(*pulls[0])]
+            with ThreadPoolExecutor(max_workers=len(pulls), thread_name_prefix="kvmove-pull") as pool:
+                return list(pool.map(lambda p: self.send_pull(*p), pulls))
         finally:
-            self.endpoint.withdraw(offer)
+            for endpoint, offer in zip(self.endpoints, offers, strict=True):
+                endpoint.withdraw(offer)
+
+    @staticmethod
+    def _pull_body(req: TransferRequestKVCacheReq, target: TransferTarget, sources: list[PullSource]) -> PullKVReq:
+        return PullKVReq(
+            input_ids=req.input_ids[: req.matched_token_size + req.extra_token_size],
+            extra_key=req.extra_key,
+            matched_token_size=req.matched_token_size,
+            kv_indices=target.kv_indices,
+            tp=target.tp,
+            pp=target.pp,
+            sources=sources,
+        )
 
     def _window(self, req: TransferRequestKVCacheReq) -> tuple[int, int]:
         start, extra = req.matched_token_size, req.extra_token_size
@@ -99,23 +131,28 @@ class MigrationSource:
             raise MigrationError(f"matched + extra = {start + extra} > {len(req.input_ids)} input_ids")
         return start, start + extra
 
-    def _stage(self, pages: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    def _stage(self, pages: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
+        """Every rank's copy of ``pages[start / page : stop / page]`` in its host pool (all ranks or none)."""
         need = stop // self.page_size
         if pages.numel() < need:
             raise MigrationError(f"source missing pages: have {pages.numel()}, need {need} (possibly evicted)")
         send = pages[start // self.page_size : need]
-        staged = self.endpoint.alloc(send.numel())
-        if staged is None:
-            raise OutOfPagesError(f"source host pool has no room to stage {send.numel()} pages")
-        self.endpoint.pool.write_back(self.worker.pool, send, staged)
-        with self._count_lock:
-            self.staged_pages += staged.numel()
+        staged: list[torch.Tensor] = []
+        try:
+            for r, (endpoint, pool) in enumerate(zip(self.endpoints, self.worker.pools, strict=True)):
+                host = endpoint.alloc(send.numel(), staged=True)
+                if host is None:
+                    raise OutOfPagesError(f"source host pool of rank {r} has no room to stage {send.numel()} pages")
+                staged.append(host)
+                endpoint.pool.write_back(pool, send, host)
+        except BaseException:
+            self._unstage(staged)
+            raise
         return staged
 
-    def _unstage(self, staged: torch.Tensor) -> None:
-        self.endpoint.free(staged)
-        with self._count_lock:
-            self.staged_pages -= staged.numel()
+    def _unstage(self, staged: list[torch.Tensor]) -> None:
+        for endpoint, pages in zip(self.endpoints, staged, strict=False):
+            endpoint.free(pages, staged=True)
 
     def _unlock(self, exported: ExportedKV) -> None:
         if exported.node is not None:

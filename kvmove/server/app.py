@@ -3,6 +3,12 @@
 Routes and bodies follow SGLang's server and its KV-migration fork (kvmove/migration/messages.py); errors are
 ``{"success": false, "message": ...}`` with a 4xx/5xx status (400 for malformed bodies instead of FastAPI's 422).
 ``/kvmove/read_pages`` is the ``http`` transport's data plane: raw bytes out, refusals as above.
+
+With ``kvmove_routes`` off, the server answers only what an SGLang server of the fork answers: SGLang's own routes
+and the fork's five migration routes; kvmove's control routes (``/abort_transfer_request_kvcache``,
+``/kvmove/hold_request``, ``/kvmove/release_request``, ``/kvmove/integrity``) are absent (404). The peer-to-peer
+data plane (``/kvmove/pull_kv``, ``/kvmove/read_pages``) stays: it is how two kvmove servers move the bytes, as the
+fork's servers use their transfer engine.
 """
 
 from __future__ import annotations
@@ -49,9 +55,10 @@ def create_app(rt: Runtime) -> FastAPI:
     def flush_cache() -> m.FlushCacheResp:
         return rt.flush_cache()
 
-    @app.get("/kvmove/integrity")
-    def integrity() -> m.Integrity:
-        return rt.integrity()
+    @app.post("/abort_request")
+    def abort_request(body: m.AbortRequestReq) -> Response:
+        rt.abort_request(body)
+        return Response(status_code=200)
 
     # -- KV migration (SGLang fork routes) --------------------------------------------------------------------
 
@@ -75,11 +82,7 @@ def create_app(rt: Runtime) -> FastAPI:
     def commit_transfer_request_kvcache(body: m.CommitTransferReq) -> m.CommitTransferResp:
         return rt.target.commit(body)
 
-    # -- kvmove additions: abort, data plane, request hand-over --------------------------------------------------
-
-    @app.post("/abort_transfer_request_kvcache")
-    def abort_transfer_request_kvcache(body: m.AbortTransferReq) -> m.AbortTransferResp:
-        return rt.target.abort(body.migration_id)
+    # -- kvmove's peer-to-peer data plane ---------------------------------------------------------------------
 
     @app.post("/kvmove/pull_kv")
     def pull_kv(body: m.PullKVReq) -> m.PullKVResp:
@@ -89,6 +92,18 @@ def create_app(rt: Runtime) -> FastAPI:
     async def read_pages(request: Request) -> Response:
         return await answer_read(request, rt.read_pages)
 
+    if rt.config.kvmove_routes:
+        _add_kvmove_routes(app, rt)
+    return app
+
+
+def _add_kvmove_routes(app: FastAPI, rt: Runtime) -> None:
+    """kvmove's control routes: migration abort, request hand-over, integrity."""
+
+    @app.post("/abort_transfer_request_kvcache")
+    def abort_transfer_request_kvcache(body: m.AbortTransferReq) -> m.AbortTransferResp:
+        return rt.target.abort(body.migration_id)
+
     @app.post("/kvmove/hold_request")
     def hold_request(body: m.HoldRequestReq) -> m.HoldRequestResp:
         return rt.hold(body)
@@ -97,7 +112,9 @@ def create_app(rt: Runtime) -> FastAPI:
     def release_request(body: m.ReleaseRequestReq) -> m.ReleaseRequestResp:
         return rt.release(body)
 
-    return app
+    @app.get("/kvmove/integrity")
+    def integrity() -> m.Integrity:
+        return rt.integrity()
 
 
 def _tokenize(rt: Runtime, body: m.TokenizeReq) -> m.TokenizeResp:

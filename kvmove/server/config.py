@@ -1,4 +1,5 @@
-"""Configuration of one kvmove server (one rollout worker, tp = pp = 1), built once at the CLI edge."""
+"""Configuration of one kvmove server (one rollout worker of ``tp_size`` tensor-parallel ranks, pp = 1), built once
+at the CLI edge."""
 
 from __future__ import annotations
 
@@ -30,12 +31,16 @@ class ServerConfig:
     transport: str = "auto"  # KV data plane: auto (nixl where installed, else http), nixl or http
     max_body_bytes: int = 8 << 20
     peer_timeout: float = 60.0
+    tp_size: int = 1
+    kvmove_routes: bool = True  # False: only SGLang's routes and the fork's five migration routes (+ the data plane)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise KvmoveError(f"port must be in [0, 65536), got {self.port}")
         if self.kv_migration_watchdog_timeout <= 0 or self.watchdog_interval <= 0:
             raise KvmoveError("the watchdog timeout and interval must be > 0 seconds")
+        if self.tp_size < 1:
+            raise KvmoveError(f"tp size must be >= 1, got {self.tp_size}")
 
     @property
     def session_id(self) -> str:

@@ -73,8 +73,9 @@ def serve_args(config: ServerConfig) -> list[str]:
     for f in fields(config):
         value = getattr(config, f.name)
         flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            args += [flag] if value else []
+        if isinstance(value, bool):  # NOTE: on/off pairs: a True default is turned off by --no-<name>
+            if value != f.default:
+                args += [flag if value else "--no-" + flag[2:]]
         else:
             args += [flag, str(value)]
     return args

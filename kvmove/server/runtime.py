@@ -1,8 +1,9 @@
 """A server's runtime: the rollout worker stepped by a background thread, generation futures, request hand-over,
-and (with ``enable_kv_migration``) the migration target, source and watchdog.
+and (with ``enable_kv_migration``) the migration plane: every rank's host endpoint, the target, source, watchdog.
 
-Locks: ``lock`` guards the worker and the request tables; the migration target's own lock is always taken
-before it (never after), so generation keeps stepping while a migration pulls pages.
+Locks: ``lock`` guards the worker and the request tables and is held by each step of the decode loop; the
+migration target's table lock is always taken before it (never after). No byte of a migration moves under
+either, so generation keeps stepping while a migration pulls pages (``kvmove.migration.target``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import httpx
 import torch
 
 from kvmove.engines.reference import (
@@ -29,13 +29,9 @@ from kvmove.engines.reference import (
     WorkerConfig,
 )
 from kvmove.migration.endpoint import HostEndpoint
-from kvmove.migration.errors import (
-    MigrationConflictError,
-    MigrationDisabledError,
-    PeerUnreachableError,
-    error_for_status,
-)
+from kvmove.migration.errors import MigrationConflictError, MigrationDisabledError
 from kvmove.migration.messages import (
+    AbortRequestReq,
     FlushCacheResp,
     GenerateReq,
     GenerateResp,
@@ -43,22 +39,20 @@ from kvmove.migration.messages import (
     HoldRequestResp,
     Integrity,
     Metrics,
-    PullKVReq,
-    PullKVResp,
     RankSession,
     ReleaseRequestReq,
     ReleaseRequestResp,
     ResumeState,
     SamplingParamsMsg,
-    Topology,
     TransferSessionIds,
 )
-from kvmove.migration.session import geometry_info
 from kvmove.migration.source import MigrationSource
 from kvmove.migration.target import MigrationTarget
 from kvmove.migration.watchdog import Watchdog
 from kvmove.models import resolve_model
 from kvmove.server.config import ServerConfig
+from kvmove.server.plane import MigrationPlane
+from kvmove.server.steps import StepLog, StepRecord
 from kvmove.server.tokenizer import ByteTokenizer
 from kvmove.sync.verify import seeded_checkpoint
 from kvmove.transport.http_route import ReadAnswer
@@ -90,6 +84,7 @@ class Runtime:
             config.max_prefill_tokens,
             dtype,
             config.weight_version,
+            config.tp_size,
         )
         self.worker = RolloutWorker(model, seeded_checkpoint(model, config.seed).items(), worker_config)
         self.tokenizer = ByteTokenizer(model.vocab_size)
@@ -99,16 +94,11 @@ class Runtime:
         self._held: dict[str, _Held] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"kvmove-worker-{config.port}", daemon=True)
-        self._target: MigrationTarget | None = None
-        self._source: MigrationSource | None = None
-        self.watchdog: Watchdog | None = None
-        self.endpoint: HostEndpoint | None = None
-        if config.enable_kv_migration:
-            geometry = self.worker.pool.geometry
-            self.endpoint = HostEndpoint(geometry, config.num_host_pages, config.transport, config.url)
-            self._target = MigrationTarget(self.worker, self.lock, self.endpoint, config.kv_migration_watchdog_timeout)
-            self._source = MigrationSource(self.worker, self.lock, self.endpoint, self.rank_session, self._send_pull)
-            self.watchdog = Watchdog(self._target, config.watchdog_interval)
+        self.steps = StepLog()
+        self.plane = MigrationPlane(config, self.worker, self.lock) if config.enable_kv_migration else None
+        self._target: MigrationTarget | None = self.plane.target if self.plane else None
+        self._source: MigrationSource | None = self.plane.source if self.plane else None
+        self.watchdog: Watchdog | None = self.plane.watchdog if self.plane else None
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
@@ -121,8 +111,13 @@ class Runtime:
             self._wake.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
-        if self.endpoint is not None:
-            self.endpoint.close()
+        if self.plane is not None:
+            self.plane.close()
+
+    @property
+    def endpoint(self) -> HostEndpoint | None:
+        """Rank 0's host endpoint (None without migration)."""
+        return self.plane.endpoint if self.plane else None
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -135,6 +130,7 @@ class Runtime:
                 self.watchdog.tick()
 
     def _step(self) -> None:
+        start = time.perf_counter()
         try:
             out = self.worker.step()
         except Exception as exc:  # NOTE: a bug in a step must not hang every client
@@ -143,6 +139,7 @@ class Runtime:
                 self._inflight.pop(rid).future.set_exception(exc)
             return
         now = time.perf_counter()
+        self.steps.record(StepRecord(now, now - start, out.decode_tokens, out.prefill_tokens))
         for rid in out.new_tokens:
             pending = self._inflight.get(rid)
             if pending is not None and pending.first_token_at is None:
@@ -247,6 +244,20 @@ class Runtime:
             )
         return ReleaseRequestResp(rid=body.rid, state="migrated" if body.migrated else "resumed")
 
+    def abort_request(self, body: AbortRequestReq) -> None:
+        """SGLang's ``/abort_request``: end waiting or running ``rid`` (or all) now; its client gets what it has
+        generated so far with finish reason abort, and its computed whole pages stay cached."""
+        with self._wake:
+            rids = list(self._inflight) if body.abort_all else [body.rid]
+            aborted = []
+            for rid in rids:
+                if rid in self._inflight and self.worker.scheduler.get(rid) is not None:
+                    aborted.append((self.worker.abort(rid), self._inflight.pop(rid)))
+        message = body.abort_message or "aborted by /abort_request"
+        for req, inflight in aborted:
+            reason = {"type": "abort", "message": message, "status_code": None, "err_type": None}
+            inflight.future.set_result(self._response(req, inflight, finish_reason=reason))
+
     # -- migration -------------------------------------------------------------------------------------------------
 
     @property
@@ -262,36 +273,20 @@ class Runtime:
         return self._source
 
     def rank_session(self) -> RankSession:
-        endpoint = self.target.endpoint
-        return RankSession(
-            tp=0,
-            pp=0,
-            session_id=self.config.session_id,
-            host_kv_data_ptrs=endpoint.pool.data_ptrs(),
-            host_kv_item_lens=endpoint.pool.item_lens(),
-            geometry=geometry_info(endpoint.pool.geometry),
-            weight_version=self.worker.weight_version,
-            transport=endpoint.transport_name,
-        )
+        """Rank 0's session entry."""
+        return self._plane().rank_sessions()[0]
 
     def session_ids(self) -> TransferSessionIds:
-        topology = Topology(tp_size=1, pp_size=1, page_size=self.config.page_size)
-        return TransferSessionIds(topology=topology, ranks=[self.rank_session()])
+        return self._plane().session_ids()
 
     def read_pages(self, body: bytes) -> ReadAnswer:
-        """A peer's read of host pages this rank offered it for a transfer (the ``http`` data plane)."""
-        return self.target.endpoint.serve(body)
+        """A peer's read of host pages a rank of this server offered it (the ``http`` data plane)."""
+        return self._plane().read_pages(body)
 
-    def _send_pull(self, session_id: str, body: PullKVReq) -> PullKVResp:
-        try:
-            resp = httpx.post(
-                f"http://{session_id}/kvmove/pull_kv", json=body.model_dump(), timeout=self.config.peer_timeout
-            )
-        except httpx.HTTPError as exc:
-            raise PeerUnreachableError(f"target {session_id} unreachable: {exc}") from exc
-        if resp.status_code != 200:
-            raise error_for_status(resp.status_code, f"target {session_id}: {_message(resp)}")
-        return PullKVResp.model_validate(resp.json())
+    def _plane(self) -> MigrationPlane:
+        if self.plane is None:
+            raise MigrationDisabledError("kv migration not enabled (start the server with --enable-kv-migration)")
+        return self.plane
 
     # -- metrics, invariants -----------------------------------------------------------------------------------------
 
@@ -310,7 +305,7 @@ class Runtime:
                 cached_pages=s.cached_pages,
                 total_pages=s.total_pages,
                 page_size=self.config.page_size,
-                host_free_pages=self.endpoint.pool.free_pages if self.endpoint else 0,
+                host_free_pages=self.plane.host_free_pages if self.plane else 0,
                 migrations_pending=len(self._target.pending) if self._target else 0,
                 weight_version=s.weight_version,
                 transport=self.endpoint.choice.name if self.endpoint else "",
@@ -325,19 +320,15 @@ class Runtime:
         return Integrity(ok=True)
 
     def check_integrity(self) -> None:
-        """Worker invariants; host pages used == pending migrations' + staged; no lock without a holder; no read
-        grant without a transfer in flight."""
-        with self.lock:
+        """Worker invariants (every rank); each rank's host pages used == its migrations' + staged; no lock
+        without a holder; no read grant without a transfer in flight."""
+        if self.plane is None:
+            with self.lock:
+                self.worker.check_integrity()
+            return
+        with self.plane.target.locked(), self.lock:
             self.worker.check_integrity()
-            if self.endpoint is not None and self._target is not None and self._source is not None:
-                self.endpoint.pool.check_integrity()
-                owned = self._target.host_pages_in_use + self._source.staged_pages
-                if self.endpoint.pool.used_pages != owned:
-                    raise MigrationConflictError(
-                        f"host pool: {self.endpoint.pool.used_pages} pages used != {owned} owned by migrations"
-                    )
-                if self.endpoint.open_grants and not self._source.staged_pages:
-                    raise MigrationConflictError(f"{self.endpoint.open_grants} read grants outlived their transfers")
+            self.plane.check_owned()
 
     def flush_cache(self) -> FlushCacheResp:
         with self.lock:
@@ -388,10 +379,3 @@ def _generator(state: str) -> torch.Generator:
     except (ValueError, RuntimeError) as exc:
         raise RequestError(f"resume.generator_state is not a valid generator state: {exc}") from exc
     return gen
-
-
-def _message(resp: httpx.Response) -> str:
-    try:
-        return str(resp.json().get("message", resp.text))
-    except ValueError:
-        return resp.text

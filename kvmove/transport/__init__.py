@@ -2,6 +2,7 @@
 
 ``get_transport("auto")`` picks the best available, in the order of ``AUTO_ORDER``. ``http`` is registered but never
 picked by ``auto``: it is the KV-migration servers' fallback data plane (kvmove.migration.endpoint chooses it there).
+``LocalTransport`` (copies within one process) is not registered: nothing that spans processes may choose it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvmove.transport.base import (
 from kvmove.transport.cuda_ipc import CudaIpcTransport
 from kvmove.transport.gloo import GlooGroup, GlooTransport
 from kvmove.transport.http import HttpTransport
+from kvmove.transport.local import LocalTransport
 from kvmove.transport.nccl import NcclGroup, NcclTransport
 from kvmove.transport.nixl import NixlTransport
 from kvmove.transport.object_store import ObjectStoreTransport
@@ -72,6 +74,7 @@ __all__ = [
     "GlooGroup",
     "GlooTransport",
     "HttpTransport",
+    "LocalTransport",
     "NcclGroup",
     "NcclTransport",
     "NixlTransport",

@@ -16,7 +16,15 @@ from kvmove.engines.reference.request import (
     SamplingParams,
     UnknownRequestError,
 )
-from kvmove.engines.reference.worker import RolloutWorker, StepOutput, WorkerConfig, WorkerStats, build_model
+from kvmove.engines.reference.worker import (
+    RolloutWorker,
+    StepOutput,
+    WorkerConfig,
+    WorkerStats,
+    build_model,
+    build_models,
+    rank_geometry,
+)
 
 __all__ = [
     "ExportedKV",
@@ -34,6 +42,8 @@ __all__ = [
     "WorkerConfig",
     "WorkerStats",
     "build_model",
+    "build_models",
     "load_weights",
     "rank_context",
+    "rank_geometry",
 ]

@@ -1,4 +1,5 @@
-"""Forward pass of the reference model (Qwen2/Qwen3 dense and MoE, tp=1) with attention over a paged KV pool.
+"""Forward pass of the reference model (Qwen2/Qwen3 dense and MoE, tp ranks in one process) with attention over a
+paged KV pool, on any device.
 
 A ``ForwardBatch`` is the flattened new tokens of several sequences: each sequence computes its tokens
 ``[start, start + num_new)`` of a context of ``len(context_slots)`` tokens whose KV lives in the pool at
@@ -8,7 +9,8 @@ every new token attends causally over its sequence's context. Hidden states are 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -44,87 +46,78 @@ class ForwardBatch:
         """Index into the flattened tokens of each sequence's last new token (whose logits sample the next)."""
         return torch.tensor([s.offset + s.num_new - 1 for s in self.seqs], dtype=torch.int64)
 
-
-@dataclass(frozen=True)
-class PaddedAttention:
-    """The batch's sequences padded to ``[B, max new]`` queries over ``[B, max context]`` keys, built once a pass."""
-
-    query_index: torch.Tensor  # [B, Q] flattened token of each query (padding: 0)
-    query_valid: torch.Tensor  # [B, Q] bool
-    context_slots: torch.Tensor  # [B, L] pool slots (padding: the sequence's first slot)
-    allowed: torch.Tensor  # [B, 1, 1, Q, L] bool: causal within the context, padding masked
-
-    @classmethod
-    def of(cls, batch: ForwardBatch) -> PaddedAttention:
-        seqs = batch.seqs
-        q_max, l_max = max(s.num_new for s in seqs), max(s.context_len for s in seqs)
-        qi = torch.arange(q_max)
-        offsets = torch.tensor([s.offset for s in seqs]).unsqueeze(1)
-        num_new = torch.tensor([s.num_new for s in seqs]).unsqueeze(1)
-        ctx_len = torch.tensor([s.context_len for s in seqs]).unsqueeze(1)
-        valid = qi < num_new
-        slots = torch.stack(
-            [F.pad(s.context_slots, (0, l_max - s.context_len), value=int(s.context_slots[0])) for s in seqs]
-        )
-        q_pos = (ctx_len - num_new + qi).unsqueeze(2)  # [B, Q, 1]
-        keys = torch.arange(l_max).view(1, 1, -1)
-        # NOTE: padded queries may see key 0 only, so that no softmax row is all -inf (their output is dropped)
-        allowed = ((keys <= q_pos) & (keys < ctx_len.unsqueeze(2)) & valid.unsqueeze(2)) | (
-            (keys == 0) & ~valid.unsqueeze(2)
-        )
-        return cls(torch.where(valid, offsets + qi, 0), valid, slots, allowed[:, None, None])
+    def to(self, device: torch.device) -> ForwardBatch:
+        """The batch with every tensor on ``device`` (itself if they are there already)."""
+        if self.input_ids.device == device:
+            return self
+        seqs = tuple(replace(s, context_slots=s.context_slots.to(device)) for s in self.seqs)
+        return ForwardBatch(self.input_ids.to(device), self.positions.to(device), self.out_slots.to(device), seqs)
 
 
-def check_supported(model: ReferenceModel) -> None:
-    """Raise ModelError unless this module can run ``model`` (GQA attention, tp=1, one stage)."""
-    cfg, ctx = model.config, model.ctx
+def check_supported(models: ReferenceModel | Sequence[ReferenceModel]) -> None:
+    """Raise ModelError unless this module can run ``models``: GQA attention, ep = pp = 1, every layer, and (for
+    tensor parallelism) exactly the ranks ``0 .. tp_size - 1`` of one tp group, in order."""
+    ranks = [models] if isinstance(models, ReferenceModel) else list(models)
+    cfg = ranks[0].config
     if cfg.is_mla:
         raise ModelError(f"{cfg.name}: the reference forward pass supports GQA models only, not MLA")
-    if ctx.tp_size != 1 or ctx.ep_size != 1 or ctx.pp_size != 1:
-        raise ModelError(f"{cfg.name}: the reference forward pass runs tp=ep=pp=1 only")
-    if list(ctx.layers) != list(range(cfg.num_hidden_layers)):
-        raise ModelError(f"{cfg.name}: the reference forward pass needs every layer on the rank")
-    if ctx.weight_block is not None:
-        raise ModelError(f"{cfg.name}: the reference forward pass runs unquantized weights, not block FP8")
+    for r, model in enumerate(ranks):
+        ctx = model.ctx
+        if ctx.ep_size != 1 or ctx.pp_size != 1:
+            raise ModelError(f"{cfg.name}: the reference forward pass runs ep = pp = 1 only")
+        if ctx.tp_size != len(ranks) or ctx.tp_rank != r:
+            raise ModelError(f"{cfg.name}: rank {r} of {len(ranks)} has tp rank {ctx.tp_rank} of {ctx.tp_size}")
+        if list(ctx.layers) != list(range(cfg.num_hidden_layers)):
+            raise ModelError(f"{cfg.name}: the reference forward pass needs every layer on the rank")
+        if ctx.weight_block is not None:
+            raise ModelError(f"{cfg.name}: the reference forward pass runs unquantized weights, not block FP8")
 
 
 def forward(model: ReferenceModel, pool: KVPool, batch: ForwardBatch) -> torch.Tensor:
     """Logits ``[num_seqs, vocab]`` (float32) at each sequence's last new token; writes the new K/V into ``pool``."""
-    x = model.model.embed_tokens(batch.input_ids).float()
-    cos, sin = rope_cos_sin(batch.positions, model.config.head_dim, model.config.rope_theta)
-    padded = PaddedAttention.of(batch)
-    layers: list[DecoderLayer] = list(model.model.layers.values())  # type: ignore[arg-type]
-    for i, layer in enumerate(layers):
-        x = decoder_layer(model.config, layer, i, x, cos, sin, pool, batch, padded)
-    x = model.model.norm(x)
-    return model.lm_head(x[batch.last_token_index]).float()
+    return forward_ranks([model], [pool], batch)
 
 
-def decoder_layer(
-    cfg: ModelConfig,
-    layer: DecoderLayer,
-    index: int,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    pool: KVPool,
-    batch: ForwardBatch,
-    padded: PaddedAttention,
-) -> torch.Tensor:
-    attn = layer.self_attn
-    assert isinstance(attn, GQAAttention)
-    x = x + attention(attn, index, layer.input_layernorm(x), cos, sin, pool, batch, padded)
-    h = layer.post_attention_layernorm(x)
-    mlp = layer.mlp
-    if isinstance(mlp, MoEMLP):
-        return x + moe(mlp, h, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    assert isinstance(mlp, DenseMLP)
-    return x + dense_mlp(mlp, h)
+def forward_ranks(models: Sequence[ReferenceModel], pools: Sequence[KVPool], batch: ForwardBatch) -> torch.Tensor:
+    """``forward`` over the tensor-parallel ranks of one worker: rank ``r`` runs its heads and its slice of every
+    MLP with its own parameters and KV pool; partial sums are added (the all-reduce) and the vocabulary slices of
+    the head concatenated (the all-gather). One rank: the plain tp = 1 pass."""
+    device = pools[0].device
+    batch = batch.to(device)
+    cfg = models[0].config
+    x = _all_reduce([m.model.embed_tokens(batch.input_ids).float() for m in models])
+    cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta)
+    layers: list[list[DecoderLayer]] = [list(m.model.layers.values()) for m in models]  # type: ignore[arg-type]
+    for i in range(cfg.num_hidden_layers):
+        h = layers[0][i].input_layernorm(x)
+        x = x + _all_reduce(
+            [attention(ls[i].self_attn, i, h, cos, sin, p, batch) for ls, p in zip(layers, pools, strict=True)]  # type: ignore[arg-type]
+        )
+        h = layers[0][i].post_attention_layernorm(x)
+        x = x + _all_reduce([mlp(cfg, ls[i], h) for ls in layers])
+    x = models[0].model.norm(x)[batch.last_token_index.to(device)]
+    return torch.cat([m.lm_head(x).float() for m in models], dim=-1)
+
+
+def _all_reduce(parts: list[torch.Tensor]) -> torch.Tensor:
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out
+
+
+def mlp(cfg: ModelConfig, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+    """The layer's MLP (dense or MoE) on the normalized hidden states: this rank's partial sum."""
+    block = layer.mlp
+    if isinstance(block, MoEMLP):
+        return moe(block, h, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    assert isinstance(block, DenseMLP)
+    return dense_mlp(block, h)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary tables ``[T, 1, head_dim]`` (float32) for ``positions``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
     freqs = positions.float().unsqueeze(1) * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
     return emb.cos(), emb.sin()
@@ -144,9 +137,12 @@ def attention(
     sin: torch.Tensor,
     pool: KVPool,
     batch: ForwardBatch,
-    padded: PaddedAttention,
 ) -> torch.Tensor:
-    """Write the new tokens' K/V into their slots, then attend over each sequence's context in the pool."""
+    """Write the new tokens' K/V into their slots, then attend over each sequence's context in the pool.
+
+    Attention runs per sequence with ``scaled_dot_product_attention`` (flash or memory-efficient kernels on
+    cuda, GQA without repeating K/V) in the pool's dtype, causal with the queries at the end of the context.
+    """
     proj = attn.qkv_proj
     d = proj.head_dim
     q, k, v = proj(x.to(proj.weight.dtype)).float().split(list(proj.sizes), dim=-1)
@@ -156,16 +152,28 @@ def attention(
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     dtype = pool.geometry.dtype
     pool.write(index, batch.out_slots, k.to(dtype), v.to(dtype))
-    group = proj.q_heads // proj.kv_heads
-    keys = pool.k_buffer(index)[padded.context_slots].float()  # [B, L, H_kv, d]
-    values = pool.v_buffer(index)[padded.context_slots].float()
-    queries = q[padded.query_index].unflatten(2, (proj.kv_heads, group))  # [B, Q, H_kv, G, d]: GQA groups
-    scores = torch.einsum("bqkgd,blkd->bkgql", queries, keys) * d**-0.5
-    probs = scores.masked_fill(~padded.allowed, float("-inf")).softmax(dim=-1)
-    attended = torch.einsum("bkgql,blkd->bqkgd", probs, values).flatten(2, 3)  # [B, Q, H, d]
+    q = q.to(dtype)
     out = torch.empty_like(q)
-    out[padded.query_index[padded.query_valid]] = attended[padded.query_valid]
+    k_buf, v_buf = pool.k_buffer(index), pool.v_buffer(index)
+    for s in batch.seqs:
+        queries = q[s.offset : s.offset + s.num_new].transpose(0, 1).unsqueeze(0)  # [1, H, Q, d]
+        keys = k_buf[s.context_slots].transpose(0, 1).unsqueeze(0)  # [1, H_kv, L, d]
+        values = v_buf[s.context_slots].transpose(0, 1).unsqueeze(0)
+        mask = _causal_mask(s.num_new, s.context_len, q.device)
+        attended = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, is_causal=mask is None and s.num_new > 1, enable_gqa=True
+        )
+        out[s.offset : s.offset + s.num_new] = attended[0].transpose(0, 1)
     return attn.o_proj(out.reshape(out.shape[0], -1).to(attn.o_proj.weight.dtype)).float()
+
+
+def _causal_mask(num_new: int, context_len: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean ``[Q, L]`` mask letting query ``i`` (position ``L - Q + i``) see keys ``0 .. L - Q + i``; None where
+    SDPA's own flags say it (one query sees everything; ``Q == L`` is plain causal)."""
+    if num_new == 1 or num_new == context_len:
+        return None
+    q_pos = torch.arange(context_len - num_new, context_len, device=device).unsqueeze(1)
+    return torch.arange(context_len, device=device).unsqueeze(0) <= q_pos
 
 
 def dense_mlp(mlp: DenseMLP, x: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from kvmove.engines.reference.forward import ForwardBatch, SeqSpan, forward
+from kvmove.engines.reference.forward import ForwardBatch, SeqSpan, forward_ranks
 from kvmove.engines.reference.kv_manager import KVAllocation
 from kvmove.engines.reference.model import ReferenceModel
 from kvmove.engines.reference.request import Request
@@ -13,15 +15,17 @@ from kvmove.kvcache import KVPool
 
 
 class ModelRunner:
-    def __init__(self, model: ReferenceModel, pool: KVPool) -> None:
-        self.model = model
-        self.pool = pool
+    """Runs the worker's tensor-parallel ranks together: ``models[r]`` with ``pools[r]`` (one page table)."""
+
+    def __init__(self, models: Sequence[ReferenceModel], pools: Sequence[KVPool]) -> None:
+        self.models, self.pools = list(models), list(pools)
+        self.pool = self.pools[0]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, allocs: dict[str, KVAllocation]) -> list[int]:
         """Compute each request's tokens ``all_ids[kv_len:]``, advance ``kv_len``, return one sampled token each."""
         fb = self.prepare(batch.requests, allocs)
-        logits = forward(self.model, self.pool, fb)
+        logits = forward_ranks(self.models, self.pools, fb)
         for req, span in zip(batch.requests, fb.seqs, strict=True):
             req.kv_len += span.num_new
             req.computed_tokens += span.num_new
@@ -33,8 +37,8 @@ class ModelRunner:
         for req in reqs:
             start, end = req.kv_len, req.num_tokens
             slots = self.pool.token_slots(allocs[req.rid].pages)[:end]
-            ids.append(torch.tensor(req.all_ids[start:end], dtype=torch.int64))
-            positions.append(torch.arange(start, end, dtype=torch.int64))
+            ids.append(torch.tensor(req.all_ids[start:end], dtype=torch.int64, device=slots.device))
+            positions.append(torch.arange(start, end, dtype=torch.int64, device=slots.device))
             out_slots.append(slots[start:end])
             seqs.append(SeqSpan(offset, end - start, slots))
             offset += end - start
@@ -45,5 +49,5 @@ def sample(req: Request, logits: torch.Tensor) -> int:
     """Greedy argmax, or a draw from ``softmax(logits / temperature)`` with the request's own generator."""
     if req.sampling.greedy:
         return int(logits.argmax())
-    probs = (logits.float() / req.sampling.temperature).softmax(dim=-1)
+    probs = (logits.float().cpu() / req.sampling.temperature).softmax(dim=-1)
     return int(torch.multinomial(probs, 1, generator=req.sampler()))

@@ -1,7 +1,12 @@
-"""The rollout worker: one process, tp=1; owns the model, the paged KV pool, the radix cache and the scheduler.
+"""The rollout worker: one process; owns the model, the paged KV pool, the radix cache and the scheduler.
 
 A step is three calls: schedule (admit by priority under the KV budget) -> run (one paged forward pass, one token
 per request) -> postprocess (append, finish, cache finished K/V in the radix tree).
+
+With ``tp_size > 1`` the worker holds that many tensor-parallel ranks, run together in this process: each rank its
+own parameters (its heads and its slice of every MLP) and its own device KV pool holding its share of the KV heads.
+The ranks share one scheduler, one page table and one radix tree (SGLang keeps identical copies of those on every
+rank), so a page id names the same tokens on every rank.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from kvmove.engines.reference.request import Request, RequestError, UnknownReque
 from kvmove.engines.reference.runner import ModelRunner
 from kvmove.engines.reference.scheduler import Scheduler
 from kvmove.errors import KvmoveError
-from kvmove.kvcache import KVGeometry, KVPool
+from kvmove.kvcache import KVGeometry, KVPool, rank_heads
 from kvmove.kvcache.allocator import PageIds
 from kvmove.models.config import ModelConfig
 
@@ -35,9 +40,11 @@ class WorkerConfig:
     max_prefill_tokens: int = 1024
     dtype: torch.dtype = torch.float32
     weight_version: str = "0"
+    tp_size: int = 1
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("num_pages", "page_size", "max_running", "max_prefill_tokens"):
+        for name in ("num_pages", "page_size", "max_running", "max_prefill_tokens", "tp_size"):
             if getattr(self, name) < 1:
                 raise KvmoveError(f"worker config: {name} must be >= 1, got {getattr(self, name)}")
 
@@ -71,31 +78,74 @@ class WorkerStats:
 
 def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> ReferenceModel:
     """A tp=1 reference model holding every layer, loaded from HF-named ``weights``."""
-    ctx = RankContext(layers=tuple(range(cfg.num_hidden_layers)), dtype=dtype)
-    model = ReferenceModel(cfg, ctx)
-    check_supported(model)
-    load_weights(model, weights)
-    return model
+    return build_models(cfg, weights, dtype)[0]
+
+
+def build_models(
+    cfg: ModelConfig,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    tp_size: int = 1,
+    device: str = "cpu",
+) -> list[ReferenceModel]:
+    """The ``tp_size`` ranks of a reference model holding every layer, each loaded from HF-named ``weights``."""
+    ranks = [
+        ReferenceModel(
+            cfg,
+            RankContext(
+                tp_size=tp_size, tp_rank=r, layers=tuple(range(cfg.num_hidden_layers)), dtype=dtype, device=device
+            ),
+        )
+        for r in range(tp_size)
+    ]
+    check_supported(ranks)
+    named = list(weights) if tp_size > 1 else weights
+    for model in ranks:
+        load_weights(model, named)
+    return ranks
+
+
+def rank_geometry(model: ReferenceModel, page_size: int, dtype: torch.dtype) -> KVGeometry:
+    """The KV geometry of one rank: its share of the KV heads (``rank_heads``), every layer."""
+    cfg, ctx = model.config, model.ctx
+    shard = rank_heads(cfg.num_key_value_heads, ctx.tp_size, ctx.tp_rank)
+    return KVGeometry(
+        cfg.num_hidden_layers, shard.num, cfg.head_dim, page_size, dtype, shard.start, cfg.num_key_value_heads
+    )
 
 
 class RolloutWorker:
+    """``models``: ranks built already (``build_models``; e.g. shared by two workers of one process), in which case
+    ``weights`` is not read."""
+
     def __init__(
-        self, model_config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], config: WorkerConfig
+        self,
+        model_config: ModelConfig,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        config: WorkerConfig,
+        *,
+        models: list[ReferenceModel] | None = None,
     ) -> None:
         self.model_config, self.config = model_config, config
-        self.model = build_model(model_config, weights, config.dtype)
-        geometry = KVGeometry(
-            model_config.num_hidden_layers,
-            model_config.num_key_value_heads,
-            model_config.head_dim,
-            config.page_size,
-            config.dtype,
-        )
-        self.pool = KVPool(geometry, config.num_pages)
+        self.models = models or build_models(model_config, weights, config.dtype, config.tp_size, config.device)
+        check_supported(self.models)
+        if len(self.models) != config.tp_size:
+            raise KvmoveError(f"worker config: tp_size {config.tp_size} but {len(self.models)} model ranks")
+        self.model = self.models[0]
+        first = KVPool(rank_geometry(self.model, config.page_size, config.dtype), config.num_pages, config.device)
+        self.pools = [first] + [
+            KVPool(rank_geometry(m, config.page_size, config.dtype), config.num_pages, config.device, first.allocator)
+            for m in self.models[1:]
+        ]
+        self.pool = first
         self.kv = KVManager(self.pool, config.weight_version)
         self.scheduler = Scheduler(self.kv, config.max_running, config.max_prefill_tokens)
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = ModelRunner(self.models, self.pools)
         self._prefill_tokens = self._decode_tokens = self._cached_tokens = 0
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.models)
 
     @property
     def weight_version(self) -> str:
@@ -161,8 +211,10 @@ class RolloutWorker:
         self.kv.set_weight_version(version)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
-        """Load new HF-named weights in place and switch to ``version``."""
-        load_weights(self.model, weights)
+        """Load new HF-named weights in place (every rank) and switch to ``version``."""
+        named = list(weights) if self.tp_size > 1 else weights
+        for model in self.models:
+            load_weights(model, named)
         self.set_weight_version(version)
 
     # -- migration hooks -----------------------------------------------------------------------------------------
@@ -219,7 +271,12 @@ class RolloutWorker:
         )
 
     def check_integrity(self) -> None:
-        """Every page has one owner (free, cached, a running request, an import); no lock leaks when idle."""
+        """Every page has one owner (free, cached, a running request, an import); no lock leaks when idle; every
+        rank's pool keeps its buffers and shares the page table."""
         self.kv.check_integrity()
+        for pool in self.pools[1:]:
+            pool.check_integrity()
+            if pool.allocator is not self.pool.allocator:
+                raise KvmoveError("tensor-parallel ranks no longer share one page table")
         if set(self.scheduler.running) != set(self.scheduler.allocs):
             raise KvmoveError("scheduler: running requests and KV allocations disagree")

@@ -1,0 +1,114 @@
+"""A server's migration plane: one host KV endpoint per tensor-parallel rank (its host pool, transport and session
+entry), the migration target and source over all of them, and the watchdog.
+
+Lock order, everywhere: the target's table lock, then the worker's lock, then an endpoint's page-table lock. The
+decode loop takes only the worker's lock, and never while a byte of a migration moves.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+
+from kvmove.engines.reference import RolloutWorker
+from kvmove.migration.endpoint import HostEndpoint
+from kvmove.migration.errors import PeerUnreachableError, error_for_status
+from kvmove.migration.messages import PullKVReq, PullKVResp, RankSession, Topology, TransferSessionIds
+from kvmove.migration.session import geometry_info
+from kvmove.migration.source import MigrationSource
+from kvmove.migration.target import MigrationTarget
+from kvmove.migration.watchdog import Watchdog
+from kvmove.server.config import ServerConfig
+from kvmove.transport.http_route import ReadAnswer
+
+
+class MigrationPlane:
+    def __init__(self, config: ServerConfig, worker: RolloutWorker, worker_lock: threading.RLock) -> None:
+        self.config, self.worker = config, worker
+        self.endpoints: list[HostEndpoint] = []
+        try:
+            for pool in worker.pools:
+                self.endpoints.append(HostEndpoint(pool.geometry, config.num_host_pages, config.transport, config.url))
+        except BaseException:
+            self.close()
+            raise
+        timeout = config.kv_migration_watchdog_timeout
+        self.target = MigrationTarget(worker, worker_lock, self.endpoints, timeout)
+        self.source = MigrationSource(worker, worker_lock, self.endpoints, self.rank_sessions, self.send_pull)
+        self.watchdog = Watchdog(self.target, config.watchdog_interval)
+
+    @property
+    def endpoint(self) -> HostEndpoint:
+        """Rank 0's endpoint (its transport choice is the server's)."""
+        return self.endpoints[0]
+
+    def rank_sessions(self) -> list[RankSession]:
+        """Every rank's session entry: its host buffers and the KV heads it holds; one address, the server's."""
+        return [
+            RankSession(
+                tp=r,
+                pp=0,
+                session_id=self.config.session_id,
+                host_kv_data_ptrs=e.pool.data_ptrs(),
+                host_kv_item_lens=e.pool.item_lens(),
+                geometry=geometry_info(e.pool.geometry),
+                weight_version=self.worker.weight_version,
+                transport=e.transport_name,
+            )
+            for r, e in enumerate(self.endpoints)
+        ]
+
+    def session_ids(self) -> TransferSessionIds:
+        topology = Topology(tp_size=len(self.endpoints), pp_size=1, page_size=self.config.page_size)
+        return TransferSessionIds(topology=topology, ranks=self.rank_sessions())
+
+    def read_pages(self, body: bytes) -> ReadAnswer:
+        """A peer's read of host pages one of this server's ranks offered it (the ``http`` data plane)."""
+        name = _read_endpoint(body)
+        endpoint = next((e for e in self.endpoints if e.transport.endpoint == name), self.endpoints[0])
+        return endpoint.serve(body)  # NOTE: a body naming no rank here gets rank 0's refusal
+
+    def send_pull(self, session_id: str, body: PullKVReq) -> PullKVResp:
+        try:
+            resp = httpx.post(
+                f"http://{session_id}/kvmove/pull_kv", json=body.model_dump(), timeout=self.config.peer_timeout
+            )
+        except httpx.HTTPError as exc:
+            raise PeerUnreachableError(f"target {session_id} unreachable: {exc}") from exc
+        if resp.status_code != 200:
+            raise error_for_status(resp.status_code, f"target {session_id}: {_message(resp)}")
+        return PullKVResp.model_validate(resp.json())
+
+    def check_owned(self) -> None:
+        """Every rank's host pages owned by a migration or a transfer; call under ``target.locked()``."""
+        for r, endpoint in enumerate(self.endpoints):
+            endpoint.check_owned(self.target.host_pages_in_use(r))
+
+    @property
+    def host_free_pages(self) -> int:
+        return min(e.pool.free_pages for e in self.endpoints)
+
+    @property
+    def open_grants(self) -> int:
+        return sum(e.open_grants for e in self.endpoints)
+
+    def close(self) -> None:
+        for endpoint in self.endpoints:
+            endpoint.close()
+
+
+def _read_endpoint(body: bytes) -> str | None:
+    try:
+        name = json.loads(body).get("endpoint")
+    except (ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
+def _message(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json().get("message", resp.text))
+    except ValueError:
+        return resp.text

@@ -1,0 +1,57 @@
+"""``local``: reads between endpoints of one process (a plain memory copy), for code paths whose two sides live in
+one process: the GPU resume benchmark on a machine without NIXL, and its CPU twin.
+
+Endpoints find each other by name in a process-wide table (weak: a closed or collected endpoint is gone); a read
+copies each span with one tensor copy. It never crosses a process, so servers never pick it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+from kvmove.transport.base import BufferDesc, EndpointInfo, Transport, TransportError
+
+_ENDPOINTS: weakref.WeakValueDictionary[str, LocalTransport] = weakref.WeakValueDictionary()
+_TABLE_LOCK = threading.Lock()
+
+
+class LocalTransport(Transport):
+    name = "local"
+
+    def __init__(self) -> None:
+        super().__init__()
+        with _TABLE_LOCK:
+            _ENDPOINTS[self.endpoint] = self
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def _register(self, buf: torch.Tensor, buffer_id: int) -> None:
+        pass
+
+    def endpoint_info(self) -> EndpointInfo:
+        self._check_open()
+        return EndpointInfo(self.name, self.endpoint)
+
+    def _connect(self, peer: EndpointInfo) -> None:
+        with _TABLE_LOCK:
+            if peer.endpoint not in _ENDPOINTS:
+                raise TransportError(f"local endpoint {peer.endpoint} is not in this process (or was closed)")
+
+    def _read(self, peer: EndpointInfo, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> None:
+        with _TABLE_LOCK:
+            owner = _ENDPOINTS.get(remote.endpoint)
+        src = None if owner is None else owner._buffers.get(remote.buffer_id)
+        if src is None:
+            raise TransportError(f"local buffer {remote.endpoint}#{remote.buffer_id} is gone")
+        for r, lo, n in spans.tolist():
+            local[lo : lo + n].copy_(src[r : r + n])
+
+    def _close(self) -> None:
+        with _TABLE_LOCK:
+            _ENDPOINTS.pop(self.endpoint, None)
