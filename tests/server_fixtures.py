@@ -75,6 +75,23 @@ def pair_over(start_server: Callable[..., ServerThread]) -> Callable[[str], Pair
     return get
 
 
+@pytest.fixture(scope="session")
+def tp_pair_over(start_server: Callable[..., ServerThread]) -> Callable[[str], Pair]:
+    """``tp_pair_over(transport)``: two migration servers of tp=2 (skips if ``transport`` is not installed)."""
+    pairs: dict[str, Pair] = {}
+
+    def get(transport: str) -> Pair:
+        skip_unless_installed(transport)
+        if transport not in pairs:
+            pairs[transport] = (
+                start_server(transport=transport, tp_size=2),
+                start_server(transport=transport, tp_size=2),
+            )
+        return pairs[transport]
+
+    return get
+
+
 @pytest.fixture
 def pair(pair_over: Callable[[str], Pair]) -> Pair:
     """Two migration servers on the transport ``auto`` picks here (nixl where installed, else http)."""

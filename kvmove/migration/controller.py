@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.errors import MigrationError
-from kvmove.migration.session import check_peer
+from kvmove.migration.session import check_peers
 
 
 @dataclass
 class Migration:
-    """One executed migration; ``phases`` are wall seconds seen by the controller (HTTP round trips included)."""
+    """One executed migration; ``phases`` are wall seconds seen by the controller (HTTP round trips included), plus
+    ``source_stage`` (device -> host on the source) and ``target_load`` (host -> device on the target) as the
+    servers measured them."""
 
     rid: str
     source: str
@@ -80,7 +82,7 @@ def migrate_request(src: WorkerClient, dst: WorkerClient, rid: str) -> Migration
 def _transfer(src: WorkerClient, dst: WorkerClient, held: m.HoldRequestResp, rec: Migration, clock: _Clock) -> str:
     ids, key = held.input_ids, held.request.extra_key
     theirs, mine = dst.session_ids(), src.session_ids()
-    check_peer(mine.ranks[0], theirs.ranks[0])
+    check_peers(mine.ranks, theirs.ranks)
     size = dst.extra_token_size(m.GetRequestExtraTokenSizeReq(input_ids=ids, extra_key=key))
     clock.lap("handshake")
     alloc = dst.allocate(
@@ -91,8 +93,9 @@ def _transfer(src: WorkerClient, dst: WorkerClient, held: m.HoldRequestResp, rec
     try:
         done = src.transfer(transfer_body(ids, key, size, theirs, alloc))
         clock.lap("transfer")
-        dst.commit(alloc.migration_id)
+        committed = dst.commit(alloc.migration_id)
         clock.lap("commit")
+        rec.phases.update(source_stage=done.stage_seconds, target_load=committed.load_seconds)
     except MigrationError:
         _abort_quietly(dst, alloc.migration_id)
         raise
@@ -112,6 +115,7 @@ def transfer_body(
     targets = [
         m.TransferTarget(
             **r.model_dump(include={"tp", "pp", "session_id", "host_kv_data_ptrs", "host_kv_item_lens", "transport"}),
+            geometry=r.geometry,
             kv_indices=indices[(r.tp, r.pp)],
         )
         for r in sessions.ranks

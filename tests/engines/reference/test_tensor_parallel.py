@@ -12,7 +12,9 @@ from kvmove.errors import KvmoveError, ModelError
 from kvmove.models import resolve_model
 
 
-@pytest.mark.parametrize(("model", "tp"), [("qwen3-tiny", 2), ("qwen3-moe-tiny", 2), ("qwen2-tiny", 2), ("qwen3-tiny", 4)])
+@pytest.mark.parametrize(
+    ("model", "tp"), [("qwen3-tiny", 2), ("qwen3-moe-tiny", 2), ("qwen2-tiny", 2), ("qwen3-tiny", 4)]
+)
 def test_tp_worker_generates_the_dense_greedy_tokens(make_worker, model: str, tp: int) -> None:
     w = make_worker(model, tp_size=tp)
     ids = prompt(13, seed=4)
