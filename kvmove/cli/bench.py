@@ -17,7 +17,7 @@ app = typer.Typer(no_args_is_help=True, help="Benchmarks: measured and simulated
 
 ResultsOpt = Annotated[Path, typer.Option("--results", help="Directory of result parquet files.")]
 
-SUITES = ("plan", "sync", "quick", "full", "gpu", "vllm")
+SUITES = ("plan", "sync", "quick", "full", "gpu", "vllm", "decode-latency", "migration-gpu")
 
 
 @app.command("run")
@@ -54,6 +54,16 @@ def run(
         append_rows(results, "transport", [r for r in rows if r.suite == "transport"])
         render.bench_rows(rows, append_rows(results, "sync", [r for r in rows if r.suite == "sync"]))
         render.summary(summarize(rows))
+    if suite == "migration-gpu":
+        from kvmove.bench.resume import main as resume_main  # NOTE: one GPU, plain torch: see kvmove/bench/resume.py
+
+        resume_main(["--out", str(results)])
+        return
+    if suite == "decode-latency":
+        from kvmove.bench.decode_latency import DecodeLatencyConfig, decode_latency
+
+        rows = [decode_latency(DecodeLatencyConfig(transport=transport), say=typer.echo)]
+        render.bench_rows(rows, append_rows(results, "decode_latency", rows))
     if suite == "vllm":
         from kvmove.bench.syncs import vllm_suite
 

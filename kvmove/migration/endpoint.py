@@ -15,11 +15,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from kvmove.errors import KvmoveError, MissingDependencyError
-from kvmove.kvcache import HeadSlice, HostKVPool, KVGeometry, slice_ranges
+from kvmove.kvcache import HeadSlice, HostKVPool, KVGeometry
+from kvmove.kvcache.host_link import HostLink
 from kvmove.migration.errors import MigrationError, PeerUnreachableError
 from kvmove.migration.messages import BufferInfo, SourceEndpoint
 from kvmove.migration.session import check_transport, geometry_info
@@ -84,8 +84,8 @@ def choose_transport(requested: str) -> TransportChoice:
 
 
 class HostEndpoint:
-    """The host pool of one rank and its transport endpoint; thread-safe (one lock around the transport's reads,
-    another around the pool's page table, neither ever held by the decode loop).
+    """The host pool of one rank and its transport endpoint (``link``); thread-safe (one lock around the
+    transport's reads, another around the pool's page table, neither ever held by the decode loop).
 
     ``transport``: auto, nixl or http (``choose_transport``), or ``local`` (within one process); ``url``: the base
     URL of this rank's server. ``pin_memory``: page-locked host buffers (fast copies to and from a GPU).
@@ -98,8 +98,8 @@ class HostEndpoint:
         self.pool = HostKVPool(geometry, num_pages, pin_memory=pin_memory)
         factory = IN_PROCESS_TRANSPORTS.get(self.choice.name) or SERVER_TRANSPORTS[self.choice.name]
         self.transport: Transport = factory(url)
-        self._descs = [self.transport.register(_as_bytes(b)) for b in self.pool.buffers()]
-        self._lock = threading.Lock()
+        self.link = HostLink(self.pool, self.transport)
+        self._descs = self.link.descs
         self._pool_lock = threading.Lock()
         self.staged_pages = 0
 
@@ -169,7 +169,7 @@ class HostEndpoint:
     def serve(self, body: bytes) -> ReadAnswer:
         """A peer's HTTP read of pages this rank offered it (``http`` only; ReadRefused with the status otherwise).
 
-        NOTE: never takes ``_lock``: two servers pulling from each other at once would deadlock.
+        NOTE: never takes the link's read lock: two servers pulling from each other at once would deadlock.
         """
         if not isinstance(self.transport, HttpTransport):
             raise ReadRefused(404, f"this rank moves KV over {self.transport.name}; HTTP reads serve only http")
@@ -189,30 +189,14 @@ class HostEndpoint:
         check_transport(self.transport.name, source.transport)
         if len(source.buffers) != len(self._descs) or len(src_pages) != dst_pages.numel():
             raise MigrationError(f"{len(src_pages)} source pages for {dst_pages.numel()} target pages")
-        mine = self.pool.geometry
-        if src_geometry is None or not pieces:
-            src_geometry, pieces = mine, [HeadSlice(0, 0, 0, mine.num_kv_heads)]
-        ranges = np.concatenate(
-            [slice_ranges(src_geometry, mine, src_pages, dst_pages.tolist(), piece) for piece in pieces]
-        )
-        total, seconds = 0, 0.0
-        with self._lock:
-            try:
-                self.transport.connect(_endpoint_info(source))
-                for remote, local in zip(source.buffers, self._descs, strict=True):
-                    stats = self.transport.read(_remote_desc(source.transport, remote), local, ranges)
-                    total, seconds = total + stats.bytes, seconds + stats.seconds
-            except TransportError as exc:
-                raise PeerUnreachableError(f"pull from {source.session_id} failed: {exc}") from exc
-        return TransferStats(total, seconds)
+        remote = [_remote_desc(source.transport, b) for b in source.buffers]
+        try:
+            return self.link.read(_endpoint_info(source), remote, src_pages, dst_pages.tolist(), src_geometry, pieces)
+        except TransportError as exc:
+            raise PeerUnreachableError(f"pull from {source.session_id} failed: {exc}") from exc
 
     def close(self) -> None:
-        with self._lock:
-            self.transport.close()
-
-
-def _as_bytes(buf: torch.Tensor) -> torch.Tensor:
-    return buf.view(-1).view(torch.uint8)
+        self.link.close()
 
 
 def _endpoint_info(source: SourceEndpoint) -> EndpointInfo:

@@ -334,9 +334,7 @@ class Runtime:
         with self.lock:
             if not self.worker.is_idle or self._held or (self._target and self._target.pending):
                 raise MigrationConflictError("cannot flush the cache while requests or migrations are in flight")
-            pages = self.worker.kv.tree.evict(self.worker.kv.tree.total_pages).pages
-            self.worker.pool.free(pages)
-        return FlushCacheResp(freed_pages=pages.numel())
+            return FlushCacheResp(freed_pages=self.worker.flush_cache())
 
 
 def _finish_reason(req: Request) -> dict[str, object] | None:

@@ -73,6 +73,7 @@ class NixlTransport(Transport):
         while state == "PROC":
             if time.monotonic() > deadline:
                 raise TransportError(f"NIXL READ from {remote.endpoint} still running after {self._timeout_s:.0f} s")
+            time.sleep(0)  # NOTE: yield the GIL between polls: a pull must not starve the decode loop's thread
             state = self._agent.check_xfer_state(handle)
         if state != "DONE":
             self._prepared.pop(self._key(remote, local, spans), None)

@@ -253,6 +253,14 @@ class RolloutWorker:
         """
         return self.kv.import_kv(list(tokens), extra_key, pages)
 
+    def flush_cache(self) -> int:
+        """Evict every unlocked cached page (freed); returns how many. KvmoveError unless the worker is idle."""
+        if not self.is_idle:
+            raise KvmoveError("cannot flush the cache while requests wait or run")
+        pages = self.kv.tree.evict(self.kv.tree.total_pages).pages
+        self.pool.free(pages)
+        return pages.numel()
+
     # -- metrics, invariants -------------------------------------------------------------------------------------
 
     def stats(self) -> WorkerStats:
