@@ -37,7 +37,14 @@ from typing import NamedTuple
 import torch
 
 from kvmove.bench.results import Labels, Row, append_rows, git_commit, versions
-from kvmove.engines.reference import ReferenceModel, Request, RolloutWorker, SamplingParams, WorkerConfig
+from kvmove.engines.reference import (
+    ReferenceModel,
+    Request,
+    RolloutWorker,
+    SamplingParams,
+    StepOutput,
+    WorkerConfig,
+)
 from kvmove.engines.reference.worker import build_models
 from kvmove.errors import KvmoveError
 from kvmove.kvcache import HostKVPool
@@ -168,7 +175,7 @@ class ResumeBench:
             raise KvmoveError(f"the re-prefill computed {out.prefill_tokens} of {len(tokens)} tokens")
         return seconds, next(iter(out.new_tokens.values()))
 
-    def _first_token(self, tokens: list[int], key: str, rid: str):  # type: ignore[no-untyped-def]
+    def _first_token(self, tokens: list[int], key: str, rid: str) -> StepOutput:
         self.target.submit(Request(rid, tokens, SamplingParams(max_new_tokens=1), extra_key=key))
         out = self.target.step()
         if not out.finished:

@@ -20,7 +20,6 @@ from kvmove.kvcache.heads import HeadSlice, slice_ranges
 from kvmove.kvcache.host_pool import HostKVPool
 from kvmove.transport.base import BufferDesc, EndpointInfo, TransferStats, Transport
 
-
 _NEVER = object()  # a peer never connected
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmove.bench.resume import ResumeConfig, crossover, main, prefill_flops, run
 from kvmove.bench.results import Row, load_results
+from kvmove.bench.resume import ResumeConfig, crossover, main, prefill_flops, run
 from kvmove.models import resolve_model
 
 
