@@ -32,6 +32,17 @@ def migrate(
     measure_link: Annotated[
         bool, typer.Option("--measure-link/--no-measure-link", help="Measure the raw transport bandwidth too.")
     ] = True,
+    routes: Annotated[
+        str,
+        typer.Option(
+            "--routes",
+            help="kvmove: hold/release hand-over and migration abort; sglang: only the SGLang fork's five migration "
+            "routes, /abort_request and /generate (the workers start with --no-kvmove-routes).",
+        ),
+    ] = "kvmove",
+    tp: Annotated[
+        str, typer.Option("--tp", help="Tensor-parallel ranks per worker, one value or one per worker: 2 or 2,1.")
+    ] = "1",
     as_json: JsonOpt = False,
     results: Annotated[Path, typer.Option("--results", help="Append rows to DIR/migration.parquet.")] = Path("results"),
     no_record: Annotated[bool, typer.Option("--no-record", help="Do not append rows to --results.")] = False,
@@ -47,6 +58,9 @@ def migrate(
     from kvmove.server.config import ServerConfig
     from kvmove.server.launch import LocalCluster, free_port
 
+    if routes not in ("kvmove", "sglang"):
+        raise KvmoveError(f"--routes must be kvmove or sglang, not {routes!r}")
+    tps = _tp_sizes(tp, workers)
     cfg = WorkloadConfig(
         requests=requests,
         prompt_len=prompt_len,
@@ -54,6 +68,7 @@ def migrate(
         page_size=page_size,
         model=model,
         seed=seed,
+        routes=routes,
     )
     need = -(-(prompt_len + cfg.suffix_len + new_tokens) // page_size)
     if need * requests > num_pages - 1:
@@ -67,8 +82,9 @@ def migrate(
         transport=choice.name,
         enable_kv_migration=True,
         max_prefill_tokens=4096,
+        kvmove_routes=routes == "kvmove",
     )
-    configs = [replace(base, port=free_port()) for _ in range(workers)]
+    configs = [replace(base, port=free_port(), tp_size=n) for n in tps]
     with tempfile.TemporaryDirectory(prefix="kvmove-migrate-") as logs, LocalCluster(configs, Path(logs)) as cluster:
         clients = [WorkerClient(u, timeout=cfg.deadline_s) for u in cluster.urls]
         with ThreadPoolExecutor(max_workers=2 * requests + 8) as pool:
@@ -87,6 +103,19 @@ def migrate(
         append_rows(results, "migration", rows_for(lines, model, choice.name))
     if not all(line["verified"] and line["integrity_ok"] for line in lines):
         raise KvmoveError("a migrated request diverged from its unmigrated run or a worker failed its integrity check")
+
+
+def _tp_sizes(text: str, workers: int) -> list[int]:
+    """``--tp``: one size for every worker, or one per worker."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise KvmoveError(f"--tp takes integers separated by commas, not {text!r}") from None
+    if len(sizes) == 1:
+        sizes *= workers
+    if len(sizes) != workers or min(sizes) < 1:
+        raise KvmoveError(f"--tp needs one size >= 1 or {workers} of them (one per worker), got {text!r}")
+    return sizes
 
 
 def _link_gbps(transport: str, run: Any) -> float:

@@ -62,6 +62,15 @@ class WorkerClient:
         body = m.AbortTransferReq(migration_id=migration_id)
         return self._call("POST", "/abort_transfer_request_kvcache", body, m.AbortTransferResp)
 
+    def abort_request(self, rid: str) -> None:
+        """SGLang's ``/abort_request``: the request's own ``/generate`` call then answers with what it has."""
+        try:
+            resp = self._http.post("/abort_request", json=m.AbortRequestReq(rid=rid).model_dump())
+        except httpx.HTTPError as exc:
+            raise PeerUnreachableError(f"{self.url}/abort_request: {exc!r}") from exc
+        if resp.status_code != 200:
+            raise error_for_status(resp.status_code, f"{self.url}/abort_request: {resp.text[:500]}")
+
     def hold(self, rid: str) -> m.HoldRequestResp:
         return self._call("POST", "/kvmove/hold_request", m.HoldRequestReq(rid=rid), m.HoldRequestResp)
 

@@ -3,12 +3,19 @@ with the request hand-over around it (hold on the source, release after the targ
 
 ``migrate_request`` is the three-line loop of the protocol; every failure after an allocation aborts it on the
 target and gives the request back to the source, so each request has exactly one owner and nothing leaks.
+
+``migrate_request_sglang`` drives workers that speak only the SGLang fork's routes (its five migration routes,
+``/abort_request`` and ``/generate``): the request is aborted on the source (its client receives what it generated
+so far, its K/V stays cached there), the K/V the source caches for its tokens moves, and the request is re-submitted
+to the target, whose prefix cache now holds it. There is no migration abort among those routes: a failed move is
+left to the target's watchdog, and the request is re-submitted anyway (the target computes what did not move).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmove.migration import messages as m
@@ -26,6 +33,8 @@ class Migration:
     rid: str
     source: str
     target: str
+    routes: str = "kvmove"
+    tokens: list[int] = field(default_factory=list)  # whose K/V was to move (the request's tokens so far)
     migration_id: str = ""
     matched_tokens: int = 0
     extra_tokens: int = 0
@@ -66,9 +75,10 @@ def migrate_request(src: WorkerClient, dst: WorkerClient, rid: str) -> Migration
     rec = Migration(rid, src.url, dst.url)
     clock = _Clock(rec.phases)
     rec.held = held = src.hold(rid)
+    rec.tokens = held.request.prompt_ids + held.request.output_ids
     clock.lap("hold")
     try:
-        mid = _transfer(src, dst, held, rec, clock)
+        mid = _transfer(src, dst, held.input_ids, held.request.extra_key, rec, clock)
     except MigrationError as exc:
         src.release(rid, migrated=False)
         rec.error = str(exc)
@@ -79,10 +89,49 @@ def migrate_request(src: WorkerClient, dst: WorkerClient, rid: str) -> Migration
     return rec
 
 
-def _transfer(src: WorkerClient, dst: WorkerClient, held: m.HoldRequestResp, rec: Migration, clock: _Clock) -> str:
-    ids, key = held.input_ids, held.request.extra_key
+def migrate_request_sglang(
+    src: WorkerClient, dst: WorkerClient, submitted: m.GenerateReq, answer: Callable[[], m.GenerateResp]
+) -> tuple[Migration, m.GenerateReq | None]:
+    """Move request ``submitted`` (sent to ``src`` by this client; ``answer()`` waits for its ``/generate`` answer)
+    with the fork's routes only. Returns the record and the body re-submitting it to ``dst`` (None if it had
+    finished before the abort); its output is the aborted answer's tokens followed by the re-submitted request's.
+    Greedy continuation is exact; a sampled one restarts its generator there (the fork's routes carry no sampler)."""
+    rid, key, prompt = submitted.rid or "", submitted.extra_key, submitted.input_ids
+    if prompt is None or not rid:
+        raise MigrationError("a request moved over the fork's routes needs its rid and input_ids")
+    rec = Migration(rid, src.url, dst.url, routes="sglang")
+    clock = _Clock(rec.phases)
+    src.abort_request(rid)
+    partial = answer()
+    clock.lap("hold")
+    if (partial.meta_info.get("finish_reason") or {}).get("type") != "abort":
+        rec.error = "the request finished before it was aborted: nothing to move"
+        return rec, None
+    rec.tokens = tokens = list(prompt) + list(partial.output_ids)
+    try:
+        cached = src.extra_token_size(m.GetRequestExtraTokenSizeReq(input_ids=tokens, extra_key=key))
+        if cached.matched_token_size:  # NOTE: what the source still caches of them (it may have evicted some)
+            ids = tokens[: cached.matched_token_size]
+            rec.migration_id = _transfer(src, dst, ids, key, rec, clock, abort_route=False)
+    except MigrationError as exc:
+        rec.error = str(exc)
+    params = submitted.sampling_params
+    left = params.model_copy(update={"max_new_tokens": params.max_new_tokens - len(partial.output_ids)})
+    return rec, submitted.model_copy(update={"input_ids": tokens, "text": None, "sampling_params": left})
+
+
+def _transfer(
+    src: WorkerClient,
+    dst: WorkerClient,
+    ids: list[int],
+    key: str | None,
+    rec: Migration,
+    clock: _Clock,
+    abort_route: bool = True,
+) -> str:
     theirs, mine = dst.session_ids(), src.session_ids()
-    check_peers(mine.ranks, theirs.ranks)
+    if abort_route or all(r.geometry is not None for r in (*mine.ranks, *theirs.ranks)):
+        check_peers(mine.ranks, theirs.ranks)  # NOTE: an SGLang fork's session info has no geometry to check
     size = dst.extra_token_size(m.GetRequestExtraTokenSizeReq(input_ids=ids, extra_key=key))
     clock.lap("handshake")
     alloc = dst.allocate(
@@ -97,7 +146,8 @@ def _transfer(src: WorkerClient, dst: WorkerClient, held: m.HoldRequestResp, rec
         clock.lap("commit")
         rec.phases.update(source_stage=done.stage_seconds, target_load=committed.load_seconds)
     except MigrationError:
-        _abort_quietly(dst, alloc.migration_id)
+        if abort_route:
+            _abort_quietly(dst, alloc.migration_id)
         raise
     rec.bytes, rec.transport, rec.transport_seconds = done.bytes, done.transport, done.seconds
     return alloc.migration_id

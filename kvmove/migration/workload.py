@@ -6,6 +6,10 @@ are idle. With migration on, the controller moves each starving sample and its c
 the most room (policy ``starving-high-priority``) and resumes it there; the first move to a worker carries the
 prompt's pages, later ones to the same worker only what it lacks (prefix dedup).
 Every high-priority output is checked token for token against a solo greedy run on an in-process reference worker.
+
+``routes="sglang"`` moves requests with the SGLang fork's routes only (``migrate_request_sglang``: abort on the
+source, move the K/V, re-submit to the target); the workload still watches queues through ``/metrics``, and the
+workers' integrity (a kvmove route) is not checked then.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, Wor
 from kvmove.errors import KvmoveError
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
-from kvmove.migration.controller import Migration, migrate_request, resume_body
+from kvmove.migration.controller import Migration, migrate_request, migrate_request_sglang, resume_body
 from kvmove.migration.errors import UnknownMigrationError
 from kvmove.migration.policy import WorkerView, get_policy
 from kvmove.models import resolve_model
@@ -42,6 +46,7 @@ class WorkloadConfig:
     seed: int = 1
     policy: str = "starving-high-priority"
     deadline_s: float = 120.0
+    routes: str = "kvmove"  # or "sglang": the fork's routes only
 
 
 @dataclass
@@ -54,6 +59,7 @@ class RunResult:
     reprefill_seconds: dict[str, float] = field(default_factory=dict)
     verified: dict[str, bool] = field(default_factory=dict)
     integrity: dict[str, str] = field(default_factory=dict)
+    integrity_checked: bool = True
 
     @property
     def integrity_ok(self) -> bool:
@@ -90,9 +96,10 @@ def run_workload(
     lows = _fill(busy, cfg, key, pool)
     highs = {f"{key}-high{i}": shared + _tokens(cfg.suffix_len, 1000 + i) for i in range(cfg.requests)}
     submitted = {rid: time.perf_counter() for rid in highs}
-    futures = {rid: _submit(pool, busy, rid, ids, cfg, key) for rid, ids in highs.items()}
+    bodies = {rid: _body(rid, ids, cfg, key) for rid, ids in highs.items()}
+    futures = {rid: pool.submit(busy.generate, body, cfg.deadline_s) for rid, body in bodies.items()}
     if migrate:
-        futures.update(_migrate_starving(clients, cfg, set(highs), pool, run))
+        futures.update(_migrate_starving(clients, cfg, bodies, futures, pool, run))
     for rid, fut in futures.items():
         resp = fut.result(timeout=cfg.deadline_s)
         run.latency[rid] = time.perf_counter() - submitted[rid]
@@ -103,17 +110,15 @@ def run_workload(
         f.result(timeout=cfg.deadline_s)
     _verify(run, highs, cfg)
     _reprefill(run, clients, key)
-    run.integrity = {c.url: c.integrity().message for c in clients}
+    run.integrity_checked = cfg.routes == "kvmove"
+    run.integrity = {c.url: c.integrity().message for c in clients} if run.integrity_checked else {}
     return run
 
 
-def _submit(
-    pool: ThreadPoolExecutor, c: WorkerClient, rid: str, ids: list[int], cfg: WorkloadConfig, key: str
-) -> Future[m.GenerateResp]:
-    body = m.GenerateReq(
+def _body(rid: str, ids: list[int], cfg: WorkloadConfig, key: str) -> m.GenerateReq:
+    return m.GenerateReq(
         input_ids=ids, rid=rid, sampling_params=_greedy(cfg.high_new_tokens), priority=HIGH, extra_key=key
     )
-    return pool.submit(c.generate, body, cfg.deadline_s)
 
 
 def _fill(busy: WorkerClient, cfg: WorkloadConfig, key: str, pool: ThreadPoolExecutor) -> list[Future[m.GenerateResp]]:
@@ -138,9 +143,15 @@ def _fill(busy: WorkerClient, cfg: WorkloadConfig, key: str, pool: ThreadPoolExe
 
 
 def _migrate_starving(
-    clients: list[WorkerClient], cfg: WorkloadConfig, highs: set[str], pool: ThreadPoolExecutor, run: RunResult
+    clients: list[WorkerClient],
+    cfg: WorkloadConfig,
+    bodies: dict[str, m.GenerateReq],
+    futures: dict[str, Future[m.GenerateResp]],
+    pool: ThreadPoolExecutor,
+    run: RunResult,
 ) -> dict[str, Future[m.GenerateResp]]:
     """Poll /metrics and migrate every starving high-priority request the policy picks, until none is left."""
+    highs = set(bodies)
     by_url, policy = {c.url: c for c in clients}, get_policy(cfg.policy)
     need = -(-(cfg.prompt_len + cfg.suffix_len + cfg.high_new_tokens) // cfg.page_size)
     resumed: dict[str, Future[m.GenerateResp]] = {}
@@ -153,17 +164,49 @@ def _migrate_starving(
         for d in policy(views, HIGH, need):
             if d.rid not in highs or d.rid in resumed:
                 continue
+            src, dst = by_url[d.source], by_url[d.target]
+            if cfg.routes == "sglang":
+                moved = _move_over_fork_routes(src, dst, bodies[d.rid], futures[d.rid], cfg, pool, run)
+                if moved is not None:
+                    resumed[d.rid] = moved
+                continue
             try:
-                rec = migrate_request(by_url[d.source], by_url[d.target], d.rid)
+                rec = migrate_request(src, dst, d.rid)
             except UnknownMigrationError:  # NOTE: it got admitted and finished since the metrics were read
                 continue
             run.migrations.append(rec)
             if rec.ok and rec.held is not None:
                 start = time.perf_counter()
-                resumed[d.rid] = pool.submit(by_url[d.target].generate, resume_body(rec.held), cfg.deadline_s)
+                resumed[d.rid] = pool.submit(dst.generate, resume_body(rec.held), cfg.deadline_s)
                 rec.phases["resume_submit"] = time.perf_counter() - start
         time.sleep(0.005)
     return resumed
+
+
+def _move_over_fork_routes(
+    src: WorkerClient,
+    dst: WorkerClient,
+    body: m.GenerateReq,
+    answer: Future[m.GenerateResp],
+    cfg: WorkloadConfig,
+    pool: ThreadPoolExecutor,
+    run: RunResult,
+) -> Future[m.GenerateResp] | None:
+    """Abort, move, re-submit (``migrate_request_sglang``); the future answers the whole output."""
+    try:
+        rec, resume = migrate_request_sglang(src, dst, body, lambda: answer.result(timeout=cfg.deadline_s))
+    except UnknownMigrationError:  # NOTE: it finished since the metrics were read
+        return None
+    run.migrations.append(rec)
+    if resume is None:
+        return None
+    partial = answer.result().output_ids
+    return pool.submit(_continued, dst, resume, partial, cfg.deadline_s)
+
+
+def _continued(dst: WorkerClient, body: m.GenerateReq, partial: list[int], timeout: float) -> m.GenerateResp:
+    resp = dst.generate(body, timeout)
+    return resp.model_copy(update={"output_ids": partial + resp.output_ids})
 
 
 def _verify(run: RunResult, highs: dict[str, list[int]], cfg: WorkloadConfig) -> None:
@@ -180,11 +223,10 @@ def _reprefill(run: RunResult, clients: list[WorkerClient], key: str) -> None:
     """Time to first token of each migrated request's tokens on its target without the migrated K/V."""
     by_url = {c.url: c for c in clients}
     for rec in run.migrations:
-        if not rec.ok or rec.held is None:
+        if not rec.ok or not rec.tokens:
             continue
-        r = rec.held.request
         body = m.GenerateReq(
-            input_ids=r.prompt_ids + r.output_ids,
+            input_ids=rec.tokens,
             sampling_params=_greedy(1),
             extra_key=f"{key}-reprefill",
             rid=f"{rec.rid}-reprefill",

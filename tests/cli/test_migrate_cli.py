@@ -94,3 +94,47 @@ def test_serve_warns_when_auto_falls_back_to_http(monkeypatch, capsys) -> None:
 def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys) -> None:
     code, _, err = _main(monkeypatch, capsys, "migrate", "--requests", "50", "--num-pages", "8", "--no-record")
     assert code == 2 and err.startswith("kvmove: error:") and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_migrate_over_the_fork_routes_between_workers_of_different_tp(tmp_path) -> None:
+    args = ["migrate", "--routes", "sglang", "--tp", "2,1", "--workers", "2", "--requests", "2", "--prompt-len", "16"]
+    args += ["--new-tokens", "8", "--num-pages", "32", "--page-size", "4", "--json", "--no-baseline"]
+    args += ["--no-measure-link", "--results", str(tmp_path)]
+    for _ in range(3):  # NOTE: as above, a run that happened to need no migration is retried
+        out = _kvmove(*args)
+        lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+        if out.returncode == 0 and lines and lines[-1].get("migrations", 0) >= 1:
+            break
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = lines[-1]
+    assert summary["migrations"] >= 1 and summary["verified"] and summary["routes"] == "sglang"
+    assert summary["integrity_checked"] is False, "integrity is a kvmove route: not served by these workers"
+    assert all(x["routes"] == "sglang" for x in lines[:-1])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--routes", "grpc"], "--routes must be kvmove or sglang"),
+        (["--tp", "2,x"], "--tp takes integers"),
+        (["--tp", "1,1,1"], "one per worker"),
+        (["--tp", "0"], "one size >= 1"),
+    ],
+)
+def test_bad_routes_and_tp_are_one_line(monkeypatch, capsys, args: list[str], message: str) -> None:
+    code, _, err = _main(monkeypatch, capsys, "migrate", *args, "--no-record")
+    assert code == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_serve_tp_and_routes_options_reach_the_config(monkeypatch, capsys) -> None:
+    from kvmove.server import launch
+    from kvmove.server.config import ServerConfig
+
+    started: list = []
+    monkeypatch.setattr(launch, "serve", started.append)
+    code, _, _ = _main(monkeypatch, capsys, "serve", "--tp", "2", "--no-kvmove-routes", "--port", "0")
+    assert code == 0 and (started[0].tp_size, started[0].kvmove_routes) == (2, False)
+    args = launch.serve_args(ServerConfig(tp_size=2, kvmove_routes=False))
+    assert "--no-kvmove-routes" in args and args[args.index("--tp-size") + 1] == "2"
+    assert "--kvmove-routes" not in launch.serve_args(ServerConfig()), "defaults are not repeated"
