@@ -57,7 +57,8 @@ def slots_to_pages(slots: PageIds, page_size: int) -> torch.Tensor:
 class PageAllocator:
     """Free/allocated bookkeeping for page ids ``0 .. num_pages - 1``.
 
-    Contract: ``alloc(n)`` returns ``n`` distinct ids that were free (lowest first on a fresh allocator) and raises
+    Contract: ``alloc(n)`` returns the ``n`` lowest free ids (freed ids rejoin in order, so free space that is
+    contiguous is handed out as one run: one copy per run for write-back, load-back and transports) and raises
     if ``not can_alloc(n)``; ``free(ids)`` accepts only ids that are allocated now and changes nothing if any is
     not (all or nothing). ``check_integrity()`` holds after every call.
     """
@@ -91,7 +92,7 @@ class PageAllocator:
         t = as_page_ids(ids, self.num_pages)
         self.check_allocated(t)
         self._allocated[t] = False
-        self._free = torch.cat([self._free, t])
+        self._free = torch.sort(torch.cat([self._free, t])).values
 
     def is_allocated(self, ids: PageIds) -> bool:
         t = as_page_ids(ids, self.num_pages)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvmove.engines.reference.model import DecoderLayer, DenseMLP, GQAAttention, MoEMLP, ReferenceModel
 from kvmove.errors import ModelError
@@ -160,11 +161,26 @@ def attention(
         keys = k_buf[s.context_slots].transpose(0, 1).unsqueeze(0)  # [1, H_kv, L, d]
         values = v_buf[s.context_slots].transpose(0, 1).unsqueeze(0)
         mask = _causal_mask(s.num_new, s.context_len, q.device)
-        attended = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=mask, is_causal=mask is None and s.num_new > 1, enable_gqa=True
-        )
+        attended = _sdpa(queries, keys, values, mask, mask is None and s.num_new > 1)
         out[s.offset : s.offset + s.num_new] = attended[0].transpose(0, 1)
     return attn.o_proj(out.reshape(out.shape[0], -1).to(attn.o_proj.weight.dtype)).float()
+
+
+FAST_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+"""On cuda attention never falls back to the math kernel, which materializes every score (32k tokens: 275 GB)."""
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """GQA attention: K/V heads shared by their query groups natively, or repeated where no fast kernel takes them."""
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+    with sdpa_kernel(FAST_SDPA):
+        try:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        except RuntimeError:  # NOTE: e.g. a mask (a prefix-cached extend): flash takes none, efficient no GQA
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
 
 
 def _causal_mask(num_new: int, context_len: int, device: torch.device) -> torch.Tensor | None:
