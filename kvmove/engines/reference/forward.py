@@ -97,7 +97,7 @@ def forward_ranks(models: Sequence[ReferenceModel], pools: Sequence[KVPool], bat
         h = layers[0][i].post_attention_layernorm(x)
         x = x + _all_reduce([mlp(cfg, ls[i], h) for ls in layers])
     x = models[0].model.norm(x)[batch.last_token_index.to(device)]
-    return torch.cat([m.lm_head(x).float() for m in models], dim=-1)
+    return torch.cat([m.lm_head(x.to(m.lm_head.weight.dtype)).float() for m in models], dim=-1)
 
 
 def _all_reduce(parts: list[torch.Tensor]) -> torch.Tensor:

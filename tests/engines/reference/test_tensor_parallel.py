@@ -51,3 +51,11 @@ def test_tp_sizes_that_do_not_split_the_model_are_refused(make_worker) -> None:
         make_worker(tp_size=3)
     with pytest.raises(KvmoveError, match="tp_size must be >= 1"):
         make_worker(tp_size=0)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bfloat16_workers_generate(make_worker, tp: int) -> None:
+    w = make_worker("qwen3-moe-tiny", tp_size=tp, dtype=torch.bfloat16)
+    w.submit(Request("r", prompt(9, seed=6), SamplingParams(max_new_tokens=5)))
+    (done,) = w.run_until_idle()
+    assert len(done.output_ids) == 5 and w.pool.geometry.dtype == torch.bfloat16
