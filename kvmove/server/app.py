@@ -60,7 +60,14 @@ def create_app(rt: Runtime) -> FastAPI:
         rt.abort_request(body)
         return Response(status_code=200)
 
-    # -- KV migration (SGLang fork routes) --------------------------------------------------------------------
+    _add_migration_routes(app, rt)
+    if rt.config.kvmove_routes:
+        _add_kvmove_routes(app, rt)
+    return app
+
+
+def _add_migration_routes(app: FastAPI, rt: Runtime) -> None:
+    """The SGLang fork's five migration routes and kvmove's server-to-server data plane."""
 
     @app.get("/get_transfer_session_ids")
     def get_transfer_session_ids() -> m.TransferSessionIds:
@@ -91,10 +98,6 @@ def create_app(rt: Runtime) -> FastAPI:
     @app.post(READ_PATH, response_class=Response)
     async def read_pages(request: Request) -> Response:
         return await answer_read(request, rt.read_pages)
-
-    if rt.config.kvmove_routes:
-        _add_kvmove_routes(app, rt)
-    return app
 
 
 def _add_kvmove_routes(app: FastAPI, rt: Runtime) -> None:
