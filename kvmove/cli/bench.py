@@ -55,7 +55,11 @@ def run(
         render.bench_rows(rows, append_rows(results, "sync", [r for r in rows if r.suite == "sync"]))
         render.summary(summarize(rows))
     if suite == "migration-gpu":
-        from kvmove.bench.resume import main as resume_main  # NOTE: one GPU, plain torch: see kvmove/bench/resume.py
+        import torch
+
+        if not torch.cuda.is_available():
+            raise KvmoveError("the migration-gpu suite needs a CUDA GPU (see kvmove/bench/resume.py for the command)")
+        from kvmove.bench.resume import main as resume_main  # NOTE: one GPU, plain torch
 
         resume_main(["--out", str(results)])
         return

@@ -65,3 +65,16 @@ def test_gpu_resume_of_qwen3_235b_attention_shape() -> None:
     lens = (512, 2048)
     rows = run(ResumeConfig(layers=2, prompt_lens=lens, repeats=1))
     _check(rows, lens)
+
+
+def test_gpu_suite_without_a_gpu_is_one_line(monkeypatch, capsys) -> None:
+    import sys
+
+    from kvmove.cli.main import main as cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["kvmove", "bench", "run", "--suite", "migration-gpu"])
+    with pytest.raises(SystemExit) as exit_:
+        cli()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "needs a CUDA GPU" in err and len(err.splitlines()) == 1
