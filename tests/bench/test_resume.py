@@ -78,3 +78,17 @@ def test_gpu_suite_without_a_gpu_is_one_line(monkeypatch, capsys) -> None:
         cli()
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "needs a CUDA GPU" in err and len(err.splitlines()) == 1
+
+
+def test_the_gpu_suite_imports_without_the_server_stack() -> None:
+    """The GPU machine has plain torch: no pydantic, FastAPI, uvicorn, Ray or NIXL."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "for m in ('pydantic', 'fastapi', 'uvicorn', 'starlette', 'ray', 'nixl'): sys.modules[m] = None\n"
+        "import kvmove.bench.resume\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
