@@ -7,8 +7,10 @@ engine's actor) -> ``transfer`` (the ``kvmove`` backend of vLLM's weight-transfe
 
 The plan comes from a recording-tensor dry run of vLLM's own ``load_weights`` on a fresh, unprocessed vLLM
 model: its parameters, zeroed, are the *staging* tensors kvmove writes into. ``finish_weight_update`` re-runs
-vLLM's post-load processing (on CPU: MoE weight prepacking and intermediate padding, oneDNN linear packing) on
-the live modules and copies the results into the live parameters' storage, as a fresh load would.
+vLLM's post-load processing (on CPU: MoE weight prepacking and intermediate padding, oneDNN linear packing) for
+the modules the update filled and copies the results into the live parameters' storage, as a fresh load would,
+all or nothing (``update``); the engine core then resets its prefix cache (``prefix_cache``). ``verify`` reads
+back what the live model computes with, packed CPU linears included.
 """
 
 from __future__ import annotations
@@ -34,8 +36,12 @@ def import_vllm() -> Any:
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: make the ``kvmove`` weight-transfer backend known to vLLM."""
+    """``vllm.general_plugins`` entry point: make the ``kvmove`` weight-transfer backend known to vLLM, and have
+    the engine core reset its prefix cache after a kvmove update (kvmove.engines.vllm.prefix_cache)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from kvmove.engines.vllm.prefix_cache import install
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, "kvmove.engines.vllm.transfer", "KvmoveTransferEngine")
+    install()

@@ -19,18 +19,18 @@ from typing import Any
 import ray
 import torch
 
-from kvmove.engines import EngineAdapter
 from kvmove.engines.vllm import BACKEND, import_vllm
 from kvmove.engines.vllm.checkpoint import write_model_dir
-from kvmove.engines.vllm.session import open_session
+from kvmove.engines.vllm.session import Received, open_session, staging_plan
+from kvmove.engines.vllm.verify import computed_state, mismatches
 from kvmove.errors import KvmoveError
 from kvmove.layout import EngineLayout
 from kvmove.models.config import ModelConfig
 from kvmove.sync.actors import ActorClient
 from kvmove.sync.engine import EngineRank, EngineStats, TrainerEndpoint, open_engine_rank
-from kvmove.sync.plan import ShardingPlan, plan_rank
+from kvmove.sync.plan import ShardingPlan
 from kvmove.sync.schedule import PullPlan
-from kvmove.sync.verify import bits_equal, seeded_checkpoint
+from kvmove.sync.verify import seeded_checkpoint
 from kvmove.transport import ACTOR_OPTIONS, BufferDesc, EndpointInfo, ServesSlots, get_transport
 
 ENV = {
@@ -107,7 +107,7 @@ class VllmEngineActor(ServesSlots):
         self.session = open_session()
         self.llm = start_llm(cfg, model_dir, load_format="auto" if weights is not None else "dummy", transfer=True)
         self.llm.init_weight_transfer_engine({"init_info": {"session": self.session.key}})
-        self.session.puller = self._pull
+        self.session.puller, self.session.release = self._pull, self._release
         self.transport = get_transport(transport)(**options)
         self.plan: ShardingPlan | None = None
         self.impl: EngineRank | None = None
@@ -128,9 +128,8 @@ class VllmEngineActor(ServesSlots):
     def build_plan(self) -> tuple[ShardingPlan, float]:
         """Init step 3: dry-run vLLM's own ``load_weights`` on the (unprocessed) staging model."""
         _, staging = self.session.require()
-        adapter = EngineAdapter("vllm", lambda *_a, **_k: staging, lambda m, ws: m.load_weights(ws))  # type: ignore[operator]
         t0 = time.perf_counter()
-        self.plan = plan_rank(self.cfg, self.layout, self.coord, reuse=False, engine=adapter)
+        self.plan = self.session.plan = staging_plan(self.cfg, staging, self.layout, self.rank)
         return self.plan, time.perf_counter() - t0
 
     def setup(
@@ -166,18 +165,20 @@ class VllmEngineActor(ServesSlots):
         raise KvmoveError("the broadcast baseline is not built for --engine-kind vllm (use v1, v2 or v3)")
 
     def verify(self, version: int, seed: int) -> tuple[bool, list[str]]:
-        """Bit-exact check: the live parameters against vLLM's own loader (and post-processing) fed the full
+        """Bit-exact check of what the live model computes with (parameters and the read-back weights of its
+        linear kernels, kvmove.engines.vllm.verify) against vLLM's own loader and post-processing fed the full
         checkpoint of ``version`` on a fresh model."""
         live, _ = self.session.require()
         assert self.session.reference is not None
-        want = dict(self.session.reference(seeded_checkpoint(self.cfg, seed, version).items()).named_parameters())
-        bad = [n for n, p in live.named_parameters() if n not in want or not bits_equal(p.data, want[n].data)]
+        want = computed_state(self.session.reference(seeded_checkpoint(self.cfg, seed, version).items()))
+        bad = mismatches(computed_state(live), want)
         return not bad, bad
 
     # -- for tests and reports -----------------------------------------------------------------------------
     def live_params(self) -> dict[str, torch.Tensor]:
+        """What the live model computes with (kvmove.engines.vllm.verify.computed_state)."""
         live, _ = self.session.require()
-        return {n: p.detach().clone() for n, p in live.named_parameters()}
+        return computed_state(live)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16) -> list[list[int]]:
         """Greedy continuations of token-id prompts."""
@@ -187,11 +188,13 @@ class VllmEngineActor(ServesSlots):
         return [list(o.outputs[0].token_ids) for o in outs]
 
     # -- the session's puller (called by the kvmove backend inside update_weights) --------------------------
-    def _pull(self, info: dict[str, Any]) -> EngineStats:
-        assert self.impl is not None, "setup first"
+    def _pull(self, info: dict[str, Any]) -> Received:
+        """One sync into the staging tensors. A sync moves the whole checkpoint: every tensor of the plan."""
+        if self.impl is None or self.plan is None:
+            raise KvmoveError("vLLM engine actor: setup has not run (or the session was shut down)")
         client = ActorClient(self, info["strategy"], self._timeout_s)  # type: ignore[arg-type]
         with torch.no_grad():
-            return self.impl.run_sync(
+            stats = self.impl.run_sync(
                 info["sync_id"],
                 info["strategy"],
                 self._pulls[info["strategy"]],
@@ -199,3 +202,9 @@ class VllmEngineActor(ServesSlots):
                 pipelined=bool(info["pipelined"]),
                 delay_s=float(info["delay_s"]),
             )
+        return Received(stats, frozenset(r.hf_name for r in self.plan.regions))
+
+    def _release(self) -> None:
+        """The session's release hook: deregister what setup registered and drop the receiving side."""
+        self.impl, self._recv, self._params = None, {}, {}
+        self.transport.close()

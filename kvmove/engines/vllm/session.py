@@ -3,7 +3,9 @@
 The actor runs vLLM in-process (one EngineCore, the ``uni`` executor), so the weight-transfer engine vLLM
 creates lives in the actor's own process. The actor opens a :class:`Session` under a key and passes the key in
 ``init_info``; the engine attaches the live model, the staging model and vLLM's own loader to it; every
-``update_weights`` then calls back into the actor's puller, which moves bytes into the staging tensors.
+``update_weights`` then calls back into the actor's puller, which moves bytes into the staging tensors and
+says which checkpoint tensors it delivered (:class:`Received`). ``shutdown_weight_transfer_engine`` closes the
+session: the actor's transfer resources are released and the session leaves the table.
 """
 
 from __future__ import annotations
@@ -11,12 +13,28 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from kvmove.errors import KvmoveError
+from kvmove.layout import EngineLayout
+from kvmove.models.config import ModelConfig
+from kvmove.sync.plan import ShardingPlan
+
+
+class BackendError(KvmoveError, RuntimeError):
+    """Misuse of the ``kvmove`` backend (a RuntimeError, as vLLM raises for misuse of its weight-update calls)."""
+
+
+class Received(NamedTuple):
+    """What one ``update_weights`` delivered into the staging model."""
+
+    stats: Any
+    """The puller's own report (kvmove's engine stats for a sync)."""
+    tensors: frozenset[str]
+    """The checkpoint (HF) tensors whose bytes now sit in the staging model."""
 
 
 @dataclass
@@ -28,16 +46,33 @@ class Session:
     staging: nn.Module | None = None
     reference: Callable[[Iterable[tuple[str, torch.Tensor]]], nn.Module] | None = None
     """Build a fresh vLLM model, run vLLM's loader over the given weights and its post-load processing."""
-    puller: Callable[[dict[str, Any]], Any] | None = None
-    """Set by the actor: runs one sync's pulls into the staging tensors (update info -> engine stats)."""
+    plan: ShardingPlan | None = None
+    """The dry run of vLLM's loader on the staging model: which staging bytes each checkpoint tensor fills."""
+    puller: Callable[[dict[str, Any]], Received] | None = None
+    """Set by the actor: runs one sync's pulls into the staging tensors."""
+    release: Callable[[], None] | None = None
+    """Set by the actor: frees what its pulls hold (registrations of the staging tensors, connections)."""
     last_stats: Any = None
     finish_seconds: float = 0.0
     log: list[str] = field(default_factory=list)
 
     def require(self) -> tuple[nn.Module, nn.Module]:
         if self.live is None or self.staging is None:
-            raise KvmoveError(f"vLLM session {self.key}: init_weight_transfer_engine has not run")
+            raise BackendError(f"vLLM session {self.key}: init_weight_transfer_engine has not run")
         return self.live, self.staging
+
+    def require_plan(self) -> ShardingPlan:
+        if self.plan is None:
+            raise BackendError(f"vLLM session {self.key}: no plan of the staging model yet (build it after init)")
+        return self.plan
+
+    def close(self) -> None:
+        """Release the actor's transfer resources and drop every model reference; the session is unusable."""
+        release, self.release = self.release, None
+        self.live = self.staging = self.reference = self.plan = self.puller = None
+        self.last_stats = None
+        if release is not None:
+            release()
 
 
 SESSIONS: dict[str, Session] = {}
@@ -55,8 +90,28 @@ def open_session() -> Session:
 def session(key: str) -> Session:
     found = SESSIONS.get(key)
     if found is None:
-        raise KvmoveError(
+        raise BackendError(
             f"no kvmove session {key!r} in this process: the kvmove backend must run inside the engine actor's "
-            "process (vLLM in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0, distributed_executor_backend='uni')"
+            "process (vLLM in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0, distributed_executor_backend='uni'), "
+            "and a session ends at shutdown_weight_transfer_engine"
         )
     return found
+
+
+def close_session(key: str) -> None:
+    """Remove session ``key`` from this process's table and release it (nothing if it is gone already)."""
+    found = SESSIONS.pop(key, None)
+    if found is not None:
+        found.close()
+
+
+def staging_plan(
+    cfg: ModelConfig, staging: nn.Module, layout: EngineLayout | None = None, rank: int = 0
+) -> ShardingPlan:
+    """Dry-run vLLM's own ``load_weights`` over recording tensors on the (unprocessed) staging model."""
+    from kvmove.engines import EngineAdapter
+    from kvmove.sync.plan import plan_rank
+
+    adapter = EngineAdapter("vllm", lambda *_a, **_k: staging, lambda m, ws: m.load_weights(ws))  # type: ignore[operator]
+    layout = layout or EngineLayout()
+    return plan_rank(cfg, layout, layout.coord(rank), reuse=False, engine=adapter)

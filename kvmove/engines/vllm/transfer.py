@@ -2,17 +2,26 @@
 
 vLLM's four-step update, as kvmove implements it:
 - ``init_weight_transfer_engine``: build a fresh, unprocessed vLLM model of the served config (the *staging*
-  model, zeroed; checkpoint layout) and attach it, the live model and vLLM's loader to the actor's session;
-  the actor then dry-runs vLLM's own ``load_weights`` over recording tensors on it (the plan).
+  model), load into it what the live model was loaded from (vLLM's own loader, unprocessed), and attach it,
+  the live model and vLLM's loader to the actor's session; the actor then dry-runs vLLM's own
+  ``load_weights`` over recording tensors on it (the plan).
 - ``start_weight_update``: check the session.
-- ``update_weights``: the actor's puller moves this sync's bytes from trainer ranks into the staging tensors.
-- ``finish_weight_update``: for every live module, run vLLM's post-load processing on the staging values and
-  copy the result into the live parameters' storage (what a fresh load would have left there).
+- ``update_weights``: the actor's puller moves checkpoint tensors from trainer ranks into the staging model
+  and names them.
+- ``finish_weight_update``: only the modules owning a staging parameter those tensors fill are re-processed
+  (vLLM's post-load processing) and copied into the live parameters' storage, all or nothing
+  (:mod:`kvmove.engines.vllm.update`); an update that received nothing changes nothing. A failed finish
+  leaves the live model as it was and can be called again.
+- ``shutdown_weight_transfer_engine``: the session is closed (staging model and the actor's transfer resources
+  released) and leaves the process's session table.
+
+After a finish, the engine core resets vLLM's prefix cache (:mod:`kvmove.engines.vllm.prefix_cache`).
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +33,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from kvmove.engines.vllm.session import session
+from kvmove.engines.vllm.session import BackendError, Session, close_session, session
+from kvmove.engines.vllm.update import commit, owners, prepare
+
+UPDATED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Live models a kvmove update changed: their checkpoint on disk no longer describes them."""
 
 
 @dataclass
@@ -42,7 +55,7 @@ class KvmoveUpdateInfo(WeightTransferUpdateInfo):
 
 
 class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo]):
-    """kvmove pulls into a staging copy of the model; finish re-processes it into the live parameters."""
+    """kvmove pulls into a staging copy of the model; finish re-processes what changed into the live one."""
 
     init_info_cls = KvmoveInitInfo
     update_info_cls = KvmoveUpdateInfo
@@ -51,6 +64,10 @@ class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.key: str | None = None
+        self.pending: set[str] = set()
+        """Checkpoint tensors received since the last finish that committed."""
+        self.known: set[str] | None = None
+        """Checkpoint tensors whose values the staging model holds (None: all of them)."""
 
     def fresh_model(self) -> nn.Module:
         """A new, unprocessed vLLM model of the served config (attention layers register under new names)."""
@@ -84,74 +101,82 @@ class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo
 
     def init_transfer_engine(self, init_info: KvmoveInitInfo) -> None:
         s = session(init_info.session)
+        if self.key is not None:
+            self.shutdown()
         staging = self.fresh_model()
         with torch.no_grad():
             for p in staging.parameters():
                 p.zero_()  # regions no loader write covers (padding) stay zero, as after a load
+        self.known = None if self._load_baseline(staging) else set()
+        self.pending = set()
         s.live, s.staging, s.reference = self.model, staging, self.reference
         self.key = init_info.session
 
+    def _load_baseline(self, staging: nn.Module) -> bool:
+        """Load what the live model was loaded from into ``staging`` (unprocessed), so that an update carrying
+        part of a fused parameter keeps the rest; False where that is not known (then staging starts blank)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader import get_model_loader
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+        from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+
+        if self.model in UPDATED:
+            return False
+        loader = get_model_loader(self.vllm_config.load_config)
+        if not isinstance(loader, (DefaultModelLoader, DummyModelLoader)):
+            return False
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            loader.load_weights(staging, self.model_config)
+        return True
+
     def start_weight_update(self) -> None:
-        assert self.key is not None, "init_weight_transfer_engine first"
-        session(self.key).require()
+        self._session().require()
 
     def receive_weights(self, update_info: KvmoveUpdateInfo) -> None:
-        assert self.key is not None, "init_weight_transfer_engine first"
-        s = session(self.key)
+        s = self._session()
         if s.puller is None:
-            raise RuntimeError(f"kvmove session {self.key} has no puller")
-        s.last_stats = s.puller(update_info.__dict__)
+            raise BackendError(f"kvmove session {s.key} has no puller (the actor sets it after init)")
+        received = s.puller(update_info.__dict__)
+        s.last_stats = received.stats
+        self.pending |= received.tensors
+        if self.known is not None:
+            self.known |= received.tensors
 
     def finish_weight_update(self) -> None:
-        assert self.key is not None, "init_weight_transfer_engine first"
-        s = session(self.key)
+        s = self._session()
         live, staging = s.require()
         start = time.perf_counter()
-        process_into(live, staging, self.vllm_config)
+        if self.pending:
+            params = self._updated_params(s)
+            commit(prepare(live, staging, owners(staging, params), self.vllm_config))
+            UPDATED.add(live)
+            self.pending = set()
         s.finish_seconds = time.perf_counter() - start
 
+    def _updated_params(self, s: Session) -> set[str]:
+        """Staging parameters the pending tensors fill; each must be fully known (no blank part left)."""
+        regions = s.require_plan().regions
+        params = {r.param for r in regions if r.hf_name in self.pending}
+        if self.known is not None:
+            blank = sorted({r.hf_name for r in regions if r.param in params and r.hf_name not in self.known})
+            if blank:
+                raise BackendError(
+                    f"kvmove: the staging model has no values yet for {blank[:4]}{' ...' if len(blank) > 4 else ''} "
+                    "(it started blank: this engine's checkpoint on disk is stale or its load format unknown); "
+                    "the first update after init_weight_transfer_engine must carry whole parameters: send "
+                    "those too (update_weights again), then finish_weight_update"
+                )
+        return params
+
     def shutdown(self) -> None:
-        self.key = None
+        if self.key is not None:
+            close_session(self.key)
+        self.key, self.pending, self.known = None, set(), None
 
-
-def process_into(live: nn.Module, staging: nn.Module, vllm_config: Any) -> None:
-    """Give every live module the staging values after vLLM's post-load processing, in the live storage.
-
-    Modules with a quantization method get copies of their staging parameters, run the method's
-    ``process_weights_after_loading`` (the CPU MoE prepack needs ``moe_kernel`` reset, else vLLM treats the
-    call as an update and skips it), and the processed tensors are copied into the original parameters,
-    which are then put back (storage addresses never change). Other parameters (norms) are copied as they are.
-    """
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-    staged = dict(staging.named_modules())
-    with set_current_vllm_config(vllm_config), torch.no_grad():
-        for name, module in live.named_modules():
-            source = staged.get(name)
-            kernel = {k: v for k, v in module._parameters.items() if v is not None}
-            if not kernel or source is None:
-                continue
-            method = getattr(module, "quant_method", None)
-            if not isinstance(method, QuantizeMethodBase):
-                for pname, p in kernel.items():
-                    p.data.copy_(getattr(source, pname).data)
-                continue
-            for pname in kernel:
-                sp = getattr(source, pname)
-                fresh = nn.Parameter(sp.data.clone(), requires_grad=False)
-                fresh.__dict__.update(sp.__dict__)
-                module._parameters[pname] = fresh
-            if hasattr(method, "moe_kernel"):
-                method.moe_kernel = None
-            if hasattr(module, "_already_called_process_weights_after_loading"):
-                delattr(module, "_already_called_process_weights_after_loading")
-            method.process_weights_after_loading(module)
-            for pname, kp in kernel.items():
-                new = getattr(module, pname)
-                if new.shape != kp.shape or new.dtype != kp.dtype:
-                    raise RuntimeError(
-                        f"{name}.{pname}: processed {tuple(new.shape)} {new.dtype} vs live {tuple(kp.shape)} {kp.dtype}"
-                    )
-                kp.data.copy_(new.data)
-                module._parameters[pname] = kp
+    def _session(self) -> Session:
+        if self.key is None:
+            raise BackendError(
+                "kvmove backend: init_weight_transfer_engine has not run (or shutdown_weight_transfer_engine "
+                "released it): call init_weight_transfer_engine first"
+            )
+        return session(self.key)
