@@ -5,12 +5,12 @@ optionally weights) -> ``actor`` (one vLLM engine replica in a Ray actor, the sa
 engine's actor) -> ``transfer`` (the ``kvmove`` backend of vLLM's weight-transfer API, registered through the
 ``vllm.general_plugins`` entry point by :func:`register`) -> ``session`` (the in-process bridge between the two).
 
-The plan comes from a recording-tensor dry run of vLLM's own ``load_weights`` on a fresh, unprocessed vLLM
-model: its parameters, zeroed, are the *staging* tensors kvmove writes into. ``finish_weight_update`` re-runs
-vLLM's post-load processing (on CPU: MoE weight prepacking and intermediate padding, oneDNN linear packing) for
-the modules the update filled and copies the results into the live parameters' storage, as a fresh load would,
-all or nothing (``update``); the engine core then resets its prefix cache (``prefix_cache``). ``verify`` reads
-back what the live model computes with, packed CPU linears included.
+The plan comes from a recording-tensor dry run of vLLM's own ``load_weights`` on a fresh, unprocessed vLLM model,
+loaded by vLLM's loader with what the live model was loaded from: its parameters are the *staging* tensors kvmove
+writes into. ``finish_weight_update`` re-runs vLLM's post-load processing (on CPU: MoE weight prepacking and
+intermediate padding, oneDNN linear packing) for the modules the update filled and copies the results into the live
+parameters' storage, as a fresh load would, all or nothing (``update``); the engine core then resets its prefix
+cache (``prefix_cache``). ``verify`` reads back what the live model computes with, packed CPU linears included.
 """
 
 from __future__ import annotations
