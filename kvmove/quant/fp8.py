@@ -73,7 +73,9 @@ def quantize_torch(x: torch.Tensor, block: int = BLOCK) -> BlockQuantized:
         xf = F.pad(xf, (0, bcols * block - cols, 0, brows * block - rows))  # zeros leave every |max| unchanged
     tiles = xf.reshape(*lead, brows, block, bcols, block)
     amax = tiles.abs().amax(dim=(-3, -1))
-    scale_inv = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+    # NOTE: divide by a tensor, not a Python scalar: CUDA turns `t / scalar` into `t * (1 / scalar)`, which is
+    # not the IEEE division (1/448 is inexact) and changes the last bit of some scales against the CPU.
+    scale_inv = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, FP8_MAX))
     q = (tiles / scale_inv[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.reshape(*lead, brows * block, bcols * block)[..., :rows, :cols]
     return BlockQuantized(q.contiguous(), scale_inv)
