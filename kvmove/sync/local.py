@@ -349,12 +349,17 @@ class LocalCluster:
             done_at[e] = time.perf_counter() - start
         trainer_stats = [self._answer(t, f"trainer rank {i}") for i, t in enumerate(self.trainers)]
         seconds = time.perf_counter() - start
-        verified = None
+        verified: bool | None = None
+        mismatched: tuple[int, ...] = ()
         if c.verify:
-            verified = all(ok for ok, _ in self.call(self.engines, "verify", version))
+            checks = self.call(self.engines, "verify", version)
+            mismatched = tuple(e for e, (ok, _) in enumerate(checks) if not ok)
+            verified = not mismatched
         backend = "nccl" if c.engine_device(0).startswith("cuda") else "gloo"
         ctx = SyncContext(c.engine, c.trainer.world, c.transport, broadcast_backend=backend)
-        return build_result(ctx, strategy, index, seconds, verified, engine_stats, trainer_stats, done_at, [])
+        return build_result(
+            ctx, strategy, index, seconds, verified, engine_stats, trainer_stats, done_at, [], mismatched
+        )
 
     def _answer(self, conn: Any, who: str) -> Any:
         if not conn.poll(self.config.deadline_s + 30):

@@ -93,6 +93,9 @@ class SyncResult(NamedTuple):
     bytes_per_trainer_rank: tuple[int, ...]
     replica_seconds: dict[int, float]
     notes: tuple[str, ...]
+    mismatched_ranks: tuple[int, ...] = ()
+    """Engine ranks whose parameters differ from the loader's (``verified`` is False); ``verified`` is None when
+    not checked, or when no engine rank was live to check."""
 
     def as_json(self) -> dict[str, Any]:
         out = self._asdict()
@@ -101,7 +104,8 @@ class SyncResult(NamedTuple):
         out["transfer_gbps"] = round(self.transfer_gbps, 5)
         out["phases"] = {k: round(v, 5) for k, v in self.phases.items()}
         out["replica_seconds"] = {str(k): round(v, 5) for k, v in self.replica_seconds.items()}
-        for key in ("dead_replicas", "rejoined_replicas", "bytes_per_engine_rank", "bytes_per_trainer_rank", "notes"):
+        lists = ("dead_replicas", "rejoined_replicas", "bytes_per_engine_rank", "bytes_per_trainer_rank", "notes")
+        for key in (*lists, "mismatched_ranks"):
             out[key] = list(out[key])
         return out
 

@@ -52,7 +52,7 @@ def run_one(cluster: Cluster, strategy: Strategy, index: int, sync_id: int, vers
             done_at.pop(e, None)
     trainer_stats = _collect_trainers(cluster, t_refs, notes)
     seconds = time.perf_counter() - start
-    verified = _verify(cluster, version) if c.verify else None
+    verified, mismatched = _verify(cluster, version) if c.verify else (None, ())
     return build_result(
         SyncContext(
             c.engine, c.trainer.world, cluster.transport, tuple(sorted(cluster.dead_replicas())), tuple(rejoined)
@@ -65,6 +65,7 @@ def run_one(cluster: Cluster, strategy: Strategy, index: int, sync_id: int, vers
         trainer_stats,
         done_at,
         notes,
+        mismatched,
     )
 
 
@@ -148,10 +149,12 @@ def _collect_trainers(cluster: Cluster, t_refs: list[Any], notes: list[str]) -> 
         raise KvmoveError(f"trainer ranks failed this sync: {type(cause).__name__}: {cause}".splitlines()[0]) from None
 
 
-def _verify(cluster: Cluster, version: int) -> bool:
+def _verify(cluster: Cluster, version: int) -> tuple[bool | None, tuple[int, ...]]:
+    """(verified, engine ranks that differ); verified is None when no engine rank is live to check."""
     live = [e for e in range(cluster.config.engine.world) if e not in cluster.dead]
     results = cluster.ray.get([cluster.engines[e].verify.remote(version, cluster.config.seed) for e in live])
-    return bool(live) and all(ok for ok, _ in results)
+    bad = tuple(e for e, (ok, _) in zip(live, results, strict=True) if not ok)
+    return (not bad if live else None), bad
 
 
 def _mean(values: list[float]) -> float:
@@ -179,6 +182,7 @@ def build_result(
     trainers: list[TrainerStats],
     done_at: dict[int, float],
     notes: list[str],
+    mismatched: tuple[int, ...] = (),
 ) -> SyncResult:
     """One sync's result from the stats its trainer and engine ranks returned."""
     total = sum(s.bytes_received for s in engines.values())
@@ -219,4 +223,5 @@ def build_result(
         bytes_per_trainer_rank=tuple(t.bytes_served for t in trainers),
         replica_seconds=replica_seconds,
         notes=tuple(notes),
+        mismatched_ranks=mismatched,
     )
