@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,7 @@ _NOT_FROM_HF = ("name", "architecture", "extra", "engine_dtype")
 def config_from_dict(raw: dict[str, Any], name: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
     """Build a config from an HF-style dict plus ``overrides``; raise ModelError naming the problem."""
     data = {k: v for k, v in raw.items() if not k.startswith("_")}
+    _check_override_keys(overrides or {}, set(data), name)
     data.update(overrides or {})
     archs = data.get("architectures")
     if not isinstance(archs, list) or not archs:
@@ -144,6 +146,17 @@ def config_from_dict(raw: dict[str, Any], name: str, overrides: dict[str, Any] |
         raise ModelError(f"config of {name!r} is malformed: {exc}") from None
     _check(cfg)
     return cfg
+
+
+def _check_override_keys(overrides: dict[str, Any], present: set[str], name: str) -> None:
+    """An override must name a field kvmove reads or one the config already has; a typo is refused, naming the
+    closest known key (a silently ignored ``num_expert=64`` would change nothing)."""
+    known = present | set(_RENAMES) | {k for k in _FIELDS if k not in ("name", "architecture", "extra")}
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ModelError(f"override key {key!r} is not a field of the config of {name!r}{hint}")
 
 
 def load_config_file(path: Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
