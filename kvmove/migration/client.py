@@ -31,7 +31,7 @@ class WorkerClient:
             return False
 
     def metrics(self) -> m.Metrics:
-        return self._call("GET", "/metrics", None, m.Metrics)
+        return self._call("GET", "/metrics.json", None, m.Metrics)
 
     def integrity(self) -> m.Integrity:
         return self._call("GET", "/kvmove/integrity", None, m.Integrity)

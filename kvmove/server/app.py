@@ -30,14 +30,11 @@ from kvmove.transport.http_route import READ_PATH, answer_read
 def create_app(rt: Runtime) -> FastAPI:
     app = FastAPI(title="kvmove rollout worker")
     _install_error_handlers(app, rt.config.max_body_bytes)
+    _install_metrics(app, rt)
 
     @app.get("/health")
     def health() -> m.Health:
         return m.Health()
-
-    @app.get("/metrics")
-    def metrics() -> m.Metrics:
-        return rt.metrics()
 
     @app.post("/generate")
     async def generate(body: m.GenerateReq) -> m.GenerateResp:
@@ -118,6 +115,23 @@ def _add_kvmove_routes(app: FastAPI, rt: Runtime) -> None:
     @app.get("/kvmove/integrity")
     def integrity() -> m.Integrity:
         return rt.integrity()
+
+
+def _install_metrics(app: FastAPI, rt: Runtime) -> None:
+    """``/metrics``: Prometheus text (``?format=json``: JSON); ``/metrics.json``: JSON, as scripts read it."""
+    from kvmove.server.prometheus import CONTENT_TYPE, exposition, registry_for
+
+    registry = registry_for(rt)
+
+    @app.get("/metrics", response_model=None)
+    def metrics(format: str = "prometheus") -> m.Metrics | Response:
+        if format == "json":
+            return rt.metrics()
+        return Response(exposition(registry), media_type=CONTENT_TYPE)
+
+    @app.get("/metrics.json")
+    def metrics_json() -> m.Metrics:
+        return rt.metrics()
 
 
 def _tokenize(rt: Runtime, body: m.TokenizeReq) -> m.TokenizeResp:

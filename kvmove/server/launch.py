@@ -8,7 +8,8 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import fields
+from collections.abc import Callable
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import IO
 
@@ -21,14 +22,45 @@ from kvmove.server.config import ServerConfig
 from kvmove.server.runtime import Runtime
 
 
-def serve(config: ServerConfig) -> None:
-    """Run one server until interrupted."""
-    rt = Runtime(config)
-    rt.start()
+def serve(config: ServerConfig, ready: Callable[[str], None] | None = None) -> None:
+    """Run one server until interrupted. The port is taken before the model is built (a port in use is a
+    KvmoveError, nothing built); ``ready(url)`` is called once the server accepts requests (port 0: the OS's)."""
+    sock = listen(config.host, config.port)
+    config = replace(config, port=int(sock.getsockname()[1]))
     try:
-        uvicorn.run(create_app(rt), host=config.host, port=config.port, log_level="warning")
+        rt = Runtime(config)
+        rt.start()
+        try:
+            server = uvicorn.Server(uvicorn.Config(create_app(rt), log_level="warning"))
+            if ready is not None:
+                threading.Thread(target=_announce, args=(server, config.url, ready), daemon=True).start()
+            server.run(sockets=[sock])
+        finally:
+            rt.stop()
     finally:
-        rt.stop()
+        sock.close()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (SO_REUSEADDR, as uvicorn binds), or a KvmoveError naming the taken port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise KvmoveError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another server there?)") from None
+    return sock
+
+
+def _announce(server: uvicorn.Server, url: str, ready: Callable[[str], None]) -> None:
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.02)
+    ready(url)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -38,7 +38,7 @@ def _read(server, **fields: object) -> httpx.Response:
 def test_auto_falls_back_to_http_and_says_so(monkeypatch, start_server) -> None:
     monkeypatch.setattr(NixlTransport, "is_available", classmethod(lambda cls: False))
     s = start_server(transport="auto")
-    metrics = httpx.get(f"{s.url}/metrics").json()
+    metrics = httpx.get(f"{s.url}/metrics.json").json()
     assert metrics["transport"] == "http" and metrics["transport_note"] == FALLBACK_NOTE
     assert "slower fallback" in FALLBACK_NOTE and "pip install 'kvmove[nixl]'" in FALLBACK_NOTE
     (rank,) = httpx.get(f"{s.url}/get_transfer_session_ids").json()["ranks"]
@@ -49,7 +49,7 @@ def test_auto_falls_back_to_http_and_says_so(monkeypatch, start_server) -> None:
 @pytest.mark.parametrize("transport", ["nixl", "http"])
 def test_a_named_transport_is_used_without_a_note(pair_over, transport: str) -> None:
     a, _ = pair_over(transport)
-    metrics = httpx.get(f"{a.url}/metrics").json()
+    metrics = httpx.get(f"{a.url}/metrics.json").json()
     assert (metrics["transport"], metrics["transport_note"]) == (transport, "")
 
 

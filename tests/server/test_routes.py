@@ -112,6 +112,6 @@ def test_generate_tokenize_health_metrics(pair) -> None:
     assert len(out["output_ids"]) == 5 and out["meta_info"]["id"] == "g1"
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
     assert out["meta_info"]["prompt_tokens"] == 12
-    met = httpx.get(f"{url}/metrics").json()
+    met = httpx.get(f"{url}/metrics.json").json()
     assert {"waiting_per_priority", "running", "free_pages", "used_pages", "migrations_pending"} <= set(met)
     assert met["free_pages"] + met["used_pages"] == met["total_pages"]
