@@ -1,6 +1,7 @@
-"""The benchmark report: every row under results/ turned into tables (DataFrames), markdown and CSV.
+"""The benchmark report: every row under results/ turned into tables (DataFrames).
 
-Library only: it returns data and file paths; the CLI (kvmove.cli.report) renders to the terminal.
+Library only: it returns data; the CLI (kvmove.cli.report) renders it as a table, markdown, CSV or JSON lines.
+Weight syncs are grouped into runs (kvmove.bench.runs): one row per (commit, setup), faulty syncs apart.
 Unreadable or empty files are skipped with a note (the report says which); unknown columns are kept.
 Published figures come from the simulated rows that carry them (``extra.published``): the validation table
 shows each next to its prediction with the error, good or bad, and whether it set any cost (it never does).
@@ -15,10 +16,35 @@ from typing import Any
 
 import pandas as pd
 
+from kvmove.bench import runs
 from kvmove.bench.results import COLUMNS, read_file
 from kvmove.errors import KvmoveError
 
-SYNC_SUITES_EXCLUDED = ("plan", "migration")
+
+@dataclass(frozen=True)
+class Filters:
+    """Which rows a report covers: results-file suites, a hardware substring, a commit prefix, a kind."""
+
+    suites: tuple[str, ...] = ()
+    hardware: str = ""
+    commit: str = ""
+    kind: str = ""
+
+    def apply(self, rows: pd.DataFrame) -> pd.DataFrame:
+        keep = pd.Series(True, index=rows.index)
+        if self.suites:
+            keep &= rows["suite"].isin(self.suites) | rows["source_file"].str.removesuffix(".parquet").isin(self.suites)
+        if self.hardware:
+            keep &= rows["hardware"].fillna("").str.contains(self.hardware, case=False, regex=False)
+        if self.commit:
+            keep &= rows["git_commit"].fillna("").str.startswith(self.commit)
+        if self.kind:
+            keep &= rows["kind"] == self.kind
+        return rows[keep]
+
+    def describe(self) -> str:
+        given = {"suite": ",".join(self.suites), "hardware": self.hardware, "commit": self.commit, "kind": self.kind}
+        return " ".join(f"--{k} {v}" for k, v in given.items() if v)
 
 
 @dataclass(frozen=True)
@@ -31,14 +57,25 @@ class Report:
     migrations: pd.DataFrame
     costs: pd.DataFrame
     notes: tuple[str, ...] = field(default=())
+    faults: pd.DataFrame = field(default_factory=pd.DataFrame)
+    links: pd.DataFrame = field(default_factory=pd.DataFrame)
+    plans: pd.DataFrame = field(default_factory=pd.DataFrame)
+    migration_runs: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     def tables(self) -> dict[str, pd.DataFrame]:
+        """The report's tables by name, in the order they are shown."""
         return {
             "sync": self.sync,
-            "validation": self.validation,
+            "faults": self.faults,
+            "links": self.links,
+            "plans": self.plans,
+            "published": self.published,
             "migrations": self.migrations,
             "costs": self.costs,
         }
+
+
+TABLES = ("sync", "faults", "links", "plans", "published", "migrations", "calibration")
 
 
 def load_rows(results_dir: Path) -> tuple[pd.DataFrame, list[str]]:
@@ -85,68 +122,41 @@ def _json_dict(value: Any) -> dict[str, Any]:
     return out if isinstance(out, dict) else {}
 
 
-def build_report(results_dir: Path) -> Report:
+def build_report(results_dir: Path, filters: Filters | None = None) -> Report:
     rows, notes = load_rows(results_dir)
+    if filters is not None:
+        rows = filters.apply(rows)
+        if rows.empty:
+            raise KvmoveError(f"no rows under {results_dir} match {filters.describe()}")
     return report_from_rows(rows, notes)
 
 
 def report_from_rows(rows: pd.DataFrame, notes: list[str] | None = None) -> Report:
     """The report of rows already loaded (and decorated) by :func:`load_rows`."""
     notes = list(notes or [])
-    sync = sync_table(rows)
+    syncs = runs.sync_rows(rows)
+    clean = syncs[syncs["fault"] == ""] if not syncs.empty else syncs
+    sync = runs.sync_table(runs.series(clean))
+    faults = runs.faults_table(syncs)
     if sync.empty:
         notes.append("no weight-sync rows (measured or simulated)")
+    if not faults.empty:
+        notes.append(f"{len(faults)} faulty syncs (dead replica, missing ranks, failed verify) kept out of the medians")
     migrations = migration_table(rows)
     if migrations.empty:
-        notes.append("no migration rows (results/migration.parquet)")
-    validation = validation_table(rows)
-    costs = costs_table(rows)
-    if not costs.empty and (costs["kind"] == "default").any():
-        names = ", ".join(costs.loc[costs["kind"] == "default", "cost"])
-        notes.append(f"simulator costs without a measurement of ours yet (named defaults): {names}")
-    return Report(rows, sync, validation, migrations, costs, tuple(notes))
-
-
-def sync_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """Per (kind, setup, constraints, strategy, transport): median time, GB/s, % of link limit, speedups."""
-    df = rows[(rows["strategy"].fillna("") != "") & ~rows["suite"].isin(SYNC_SUITES_EXCLUDED)].copy()
-    if df.empty:
-        return pd.DataFrame()
-    df["constraints"] = df["extra_d"].map(lambda e: e.get("constraints", ""))
-    df["hardware"] = df["hardware"].fillna("")
-    df["pulls"] = [_pulls(k, s, e) for k, s, e in zip(df["kind"], df["strategy"], df["extra_d"], strict=True)]
-    # NOTE: measured rows are grouped per commit, so speedups compare syncs of one run, never across code versions
-    commits = zip(df["kind"], df["git_commit"].fillna(""), strict=True)
-    df["commit"] = [str(c)[:8] if k == "measured" else "" for k, c in commits]
-    df["engine_kind"] = df["extra_d"].map(lambda e: e.get("engine_kind", ""))
-    keys = ["kind", "model", "trainer", "engine", "engine_kind", "constraints", "hardware", "commit"]
-    keys += ["strategy", "pulls", "transport"]
-    for k in keys:
-        df[k] = df[k].fillna("").astype(str)
-    out = df.groupby(keys, sort=False).agg(
-        runs=("seconds", "size"),
-        seconds=("seconds", "median"),
-        bytes=("bytes", "median"),
-        gbps=("gbps", "median"),
-        link_limit_gbps=("link_limit_gbps", "median"),
+        notes.append("no migration rows (kvmove migrate --results DIR)")
+    return Report(
+        rows,
+        sync,
+        published_table(rows),
+        migrations,
+        calibration_table(rows),
+        tuple(notes),
+        faults=faults,
+        links=links_table(rows),
+        plans=plans_table(rows),
+        migration_runs=migration_rows(rows),
     )
-    out = out.reset_index()
-    out["pct_of_link_limit"] = (100 * out["gbps"] / out["link_limit_gbps"]).where(out["link_limit_gbps"] > 0)
-    setup = ["kind", "model", "trainer", "engine", "engine_kind", "constraints", "hardware", "commit"]
-    for base in ("v1", "broadcast"):
-        ref = out[out["strategy"] == base].groupby(setup)["seconds"].min().rename(f"ref_{base}")
-        out = out.join(ref, on=setup)
-        out[f"speedup_vs_{base}"] = out[f"ref_{base}"] / out["seconds"]
-        out = out.drop(columns=f"ref_{base}")
-    return out
-
-
-def _pulls(kind: str, strategy: str, extra: dict[str, Any]) -> str:
-    """How a measured v2/v3 sync moved its regions: "direct" (from trainer arenas where possible) or "packed"
-    (every region packed; rows written before direct pulls existed carry no flag and were packed)."""
-    if kind != "measured" or strategy not in ("v2", "v3"):
-        return ""
-    return "direct" if extra.get("direct") else "packed"
 
 
 VALIDATION_COLUMNS = (
@@ -185,76 +195,105 @@ def validation_table(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(list(recs.values()), columns=list(VALIDATION_COLUMNS))
 
 
+def migration_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """Measured migration and summary rows, decorated: commit, prompt_len, and the fields plots read."""
+    df = rows[rows["suite"] == "migration"].copy()
+    if df.empty:
+        return df
+    e = df["extra_d"]
+    df["commit"] = df["git_commit"].map(runs.short_commit)
+    df["prompt_len"] = pd.to_numeric(e.map(lambda x: x.get("prompt_len")), errors="coerce")
+    df["ok"] = e.map(lambda x: bool(x.get("migrations", 1)) and not x.get("error"))
+    for key in ("resume_seconds", "reprefill_seconds"):
+        df[key] = pd.to_numeric(e.map(lambda x, k=key: x.get(k)), errors="coerce")
+    df["hardware"] = df["hardware"].fillna("")
+    return df
+
+
 def migration_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """Migration rows: latency split (phases), GB/s, and resume vs re-prefill where the row records them."""
-    df = rows[rows["suite"] == "migration"]
+    """One row per (commit, hardware, model, transport, prompt length): migrations, their latency (median, min,
+    max), GB/s, resume vs re-prefill, and high-priority p50 with and without migration."""
+    df = migration_rows(rows)
     if df.empty:
         return pd.DataFrame()
+    keys = ["commit", "hardware", "model", "transport", "prompt_len"]
     recs = []
-    for _, r in df.iterrows():
-        e = r["extra_d"]
-        rec = {"kind": r["kind"], "name": r["name"], "seconds": r["seconds"], "bytes": r["bytes"], "gbps": r["gbps"]}
-        rec.update({f"phase_{k}": v for k, v in r["phases_d"].items()})
-        for key in ("prompt_len", "resume_seconds", "reprefill_seconds", "verified"):
-            if key in e:
-                rec[key] = e[key]
-        if "resume_seconds" in e and "reprefill_seconds" in e and e["resume_seconds"]:
-            rec["resume_speedup"] = e["reprefill_seconds"] / e["resume_seconds"]
-        recs.append(rec)
-    return pd.DataFrame(recs)
-
-
-def costs_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """The simulator's costs as the newest simulated row records them: value, kind (measured, derived, fitted,
-    default = no measurement of ours yet, user) and the commits of the rows each came from."""
-    sim = rows[(rows["kind"] == "simulated") & rows["extra_d"].map(lambda e: isinstance(e.get("costs"), dict))]
-    if sim.empty:
-        return pd.DataFrame()
-    costs = sim.iloc[-1]["extra_d"]["costs"]
-    recs = []
-    for name, c in costs.items():
-        if not isinstance(c, dict):  # rows of an older simulator
-            return pd.DataFrame()
+    for key, g in df.groupby(keys, sort=False, dropna=False):
+        moves = g[(g["name"] == "migration") & g["ok"]]
+        summary = g[g["name"] == "summary"]["extra_d"]
         recs.append(
-            {"cost": name, "value": c.get("value"), "kind": c.get("kind"), "commits": ", ".join(c.get("commits", []))}
+            {
+                **dict(zip(keys, key, strict=True)),
+                "migrations": len(moves),
+                "seconds": moves["seconds"].median(),
+                "seconds_min": moves["seconds"].min(),
+                "seconds_max": moves["seconds"].max(),
+                "bytes": moves["bytes"].median(),
+                "gbps": moves["gbps"].median(),
+                "resume_seconds": moves["resume_seconds"].median(),
+                "reprefill_seconds": moves["reprefill_seconds"].median(),
+                "high_p50_seconds": _median_of(summary, "high_p50_seconds"),
+                "baseline_high_p50_seconds": _median_of(summary, "baseline_high_p50_seconds"),
+                "link_gbps": _median_of(summary, "link_gbps"),
+                "verified": bool(g["extra_d"].map(lambda x: x.get("verified", True)).all()),
+            }
         )
     return pd.DataFrame(recs)
 
 
-def to_markdown(report: Report) -> str:
-    parts = ["# kvmove benchmark report", ""]
-    titles = {
-        "sync": "Weight sync (per strategy and transport)",
-        "validation": "Simulator validation: published figures vs predictions (no figure sets a cost)",
-        "migrations": "KV-cache migrations",
-        "costs": "Simulator costs (from our measured rows; default = no measurement of ours yet)",
-    }
-    for key, df in report.tables().items():
-        parts += [f"## {titles[key]}", ""]
-        parts += [_markdown(df) if not df.empty else "_no rows_", ""]
-    if report.notes:
-        parts += ["## Notes", "", *[f"- {n}" for n in report.notes], ""]
-    return "\n".join(parts)
+def _median_of(extras: pd.Series, key: str) -> float:
+    values = pd.to_numeric(extras.map(lambda x: x.get(key)), errors="coerce")
+    return float(values.median()) if values.notna().any() else float("nan")
 
 
-def _markdown(df: pd.DataFrame) -> str:
-    cols = list(df.columns)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for _, r in df.iterrows():
-        lines.append("| " + " | ".join(_cell(r[c]) for c in cols) + " |")
-    return "\n".join(lines)
+def links_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Raw link measurements (the ceilings every sync is held to): per (commit, hardware, link, size)."""
+    names = rows["name"].fillna("")
+    raw = (rows["suite"] == "transport") | names.str.startswith("ceiling") | names.str.startswith("kv migration copy")
+    df = rows[raw].copy()
+    if df.empty:
+        return pd.DataFrame()
+    df["commit"] = df["git_commit"].map(runs.short_commit)
+    df["hardware"] = df["hardware"].fillna("")
+    out = df.groupby(["commit", "hardware", "name", "bytes"], sort=False).agg(
+        runs=("gbps", "size"),
+        gbps=("gbps", "median"),
+        gbps_min=("gbps", "min"),
+        gbps_max=("gbps", "max"),
+        timestamp=("timestamp", "max"),
+    )
+    return out.reset_index().rename(columns={"name": "link"})
 
 
-def _cell(v: Any) -> str:
-    if isinstance(v, float):
-        return "" if pd.isna(v) else f"{v:.4g}"
-    return str(v).replace("|", "/")
+def plans_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Full-size sharding plans: time to plan and the planner's extra memory, per (commit, setup, strategy)."""
+    df = rows[rows["suite"] == "plan"].copy()
+    if df.empty:
+        return pd.DataFrame()
+    e = df["extra_d"]
+    return pd.DataFrame(
+        {
+            "commit": df["git_commit"].map(runs.short_commit),
+            "hardware": df["hardware"].fillna(""),
+            "model": df["model"],
+            "trainer": df["trainer"],
+            "engine": df["engine"],
+            "strategy": df["strategy"],
+            "plan_seconds": df["seconds"],
+            "bytes": df["bytes"],
+            "plan_peak_extra_bytes": pd.to_numeric(e.map(lambda x: x.get("plan_peak_extra_bytes")), errors="coerce"),
+            "regions_per_replica": pd.to_numeric(e.map(lambda x: x.get("regions_per_replica")), errors="coerce"),
+            "load_balance": pd.to_numeric(e.map(lambda x: x.get("load_balance")), errors="coerce"),
+        }
+    ).reset_index(drop=True)
 
 
-def to_csv(report: Report) -> str:
-    """All tables stacked, with a ``table`` column naming each."""
-    frames = [df.assign(table=name) for name, df in report.tables().items() if not df.empty]
-    if not frames:
-        return ""
-    out = pd.concat(frames, ignore_index=True)
-    return str(out[["table", *[c for c in out.columns if c != "table"]]].to_csv(index=False))
+def calibration_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """The simulator's costs (value and source) as recorded in the newest simulated row, else the defaults."""
+    sim = rows[rows["kind"] == "simulated"]
+    costs: dict[str, Any] = {}
+    sources: dict[str, str] = dict(COST_SOURCES)
+    if not sim.empty:
+        extra = sim.iloc[-1]["extra_d"]
+        costs, sources = extra.get("costs", {}), extra.get("cost_sources", sources)
+    return pd.DataFrame([{"parameter": k, "value": costs.get(k, ""), "source": v} for k, v in sources.items()])

@@ -1,40 +1,53 @@
-"""The report: tolerant loading, tables, markdown/CSV, and real PNG plots."""
+"""The report: tolerant loading, runs per (commit, setup), faults apart, filters, and real PNG plots."""
 
 from __future__ import annotations
 
-import io
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from kvmove.bench.report import build_report, to_csv, to_markdown
+from kvmove.bench import simulator as S
+from kvmove.bench.report import Filters, build_report
 from kvmove.bench.results import Labels, Row, append_rows
+from kvmove.bench.runs import latest_complete, short_commit
 from kvmove.errors import KvmoveError
 
 LABELS = Labels("cpu:test x2", {"kvmove": "0"}, "abc")
 
 
-def _sync_rows() -> list[Row]:
-    rows = []
-    for strategy, seconds in (("v1", 4.0), ("v3", 1.0), ("broadcast", 8.0)):
-        rows.append(
-            Row(
-                kind="measured",
-                suite="sync",
-                name=f"sync {strategy}",
-                model="qwen3-moe-tiny",
-                trainer="tp=2,pp=2,ep=2",
-                engine="tp=2,ep=2 x2",
-                strategy=strategy,
-                transport="nixl",
-                bytes=10**9,
-                seconds=seconds,
-                gbps=1.0 / seconds,
-                phases={"gather": 0.1, "pack": 0.2, "transfer": seconds / 2, "load": 0.1},
-                link_limit_gbps=3.0,
-            )
+def sync_rows(
+    seconds: dict[str, float] | None = None, extra: dict[str, object] | None = None, engine: str = "tp=2,ep=2 x2"
+) -> list[Row]:
+    seconds = seconds or {"v1": 4.0, "v3": 1.0, "broadcast": 8.0}
+    return [
+        Row(
+            kind="measured",
+            suite="sync",
+            name=f"sync {strategy}",
+            model="qwen3-moe-tiny",
+            trainer="tp=2,pp=2,ep=2",
+            engine=engine,
+            strategy=strategy,
+            transport="gloo-broadcast" if strategy == "broadcast" else "nixl",
+            bytes=10**9,
+            seconds=t,
+            gbps=1.0 / t,
+            phases={"gather": 0.1, "pack": 0.2, "transfer": t / 2, "load": 0.1},
+            link_limit_gbps=3.0,
+            extra={"direct": True, "live_engines": 4, "dead_replicas": [], "verified": True, **(extra or {})},
         )
-    return rows
+        for strategy, t in seconds.items()
+    ]
+
+
+def write(path: Path, suite: str, rows: list[Row], commit: str = "abc", when: str = "") -> None:
+    """Append rows as of commit ``commit`` at time ``when`` (ISO; runs are ordered by it)."""
+    append_rows(path, suite, rows, Labels("cpu:test x2", {"kvmove": "0"}, commit))
+    if when:
+        df = pd.read_parquet(path / f"{suite}.parquet")
+        df.loc[df.index[-len(rows) :], "timestamp"] = when
+        df.to_parquet(path / f"{suite}.parquet", index=False)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +78,7 @@ def test_only_corrupt_or_empty_files_is_a_clear_error(tmp_path) -> None:
 
 
 def test_corrupt_file_skipped_with_note_and_unknown_columns_kept(tmp_path) -> None:
-    append_rows(tmp_path, "sync", _sync_rows(), LABELS)
+    write(tmp_path, "sync", sync_rows())
     (tmp_path / "bad.parquet").write_bytes(b"\x00garbage")
     pd.DataFrame(
         [{"kind": "measured", "suite": "sync", "strategy": "v2", "seconds": 2.0, "from_future": 1}]
@@ -73,25 +86,101 @@ def test_corrupt_file_skipped_with_note_and_unknown_columns_kept(tmp_path) -> No
     rep = build_report(tmp_path)
     assert any("bad.parquet is unreadable" in n for n in rep.notes)
     assert any("from_future" in n for n in rep.notes) and "from_future" in rep.rows.columns
-    v3 = rep.sync[rep.sync["strategy"] == "v3"].iloc[0]
-    assert v3["speedup_vs_v1"] == pytest.approx(4.0) and v3["speedup_vs_broadcast"] == pytest.approx(8.0)
-    assert v3["pct_of_link_limit"] == pytest.approx(100 / 3)
+    row = rep.sync[rep.sync["model"] == "qwen3-moe-tiny"].iloc[0]
+    assert row["v3_speedup_vs_v1"] == pytest.approx(4.0) and row["v3_speedup_vs_broadcast"] == pytest.approx(8.0)
+    assert row["v3_pct_of_link"] == pytest.approx(100 / 3)
 
 
-def test_validation_and_costs_tables_markdown_and_csv(tmp_path, simulated_rows) -> None:
-    append_rows(tmp_path, "simulated", simulated_rows, LABELS)
+def test_one_row_per_commit_and_setup_with_strategies_side_by_side(tmp_path) -> None:
+    write(tmp_path, "sync", sync_rows() + sync_rows({"v1": 6.0, "v3": 3.0, "broadcast": 8.0}), "c0ffee001234")
     rep = build_report(tmp_path)
-    val = rep.validation.set_index("figure")
-    assert list(val.index) == ["vllm-qwen3-v2", "vllm-qwen3-v3"]
-    v3 = val.loc["vllm-qwen3-v3"]
-    assert v3["published"] == 3.49 and v3["used_for_costs"] == "no" and v3["source"].startswith("https://")
-    assert v3["error_pct"] == pytest.approx(100 * (v3["predicted"] / 3.49 - 1))
-    md = to_markdown(rep)
-    assert "Simulator validation" in md and "| vllm-qwen3-v3 | Qwen3-235B-A22B V3 | v3 | seconds | 3.49 |" in md
-    csv = pd.read_csv(io.StringIO(to_csv(rep)))
-    assert {"sync", "validation", "costs"} <= set(csv["table"])
-    assert (rep.costs["kind"] == "default").all()  # no measured rows here: every cost is flagged
-    assert any("without a measurement of ours" in n for n in rep.notes)
+    assert len(rep.sync) == 1
+    row = rep.sync.iloc[0]
+    assert (row["commit"], row["transport"], row["pulls"], row["syncs"]) == ("c0ffee00", "nixl", "direct", 2)
+    assert row["v3_seconds"] == 2.0 and (row["v3_seconds_min"], row["v3_seconds_max"]) == (1.0, 3.0)
+    assert row["broadcast_transport"] == "gloo-broadcast" and row["strategies"] == "v1,v3,broadcast"
+
+
+def test_faulty_syncs_are_reported_apart_never_in_medians(tmp_path) -> None:
+    clean = sync_rows()
+    dead = sync_rows({"v3": 0.5}, {"dead_replicas": [1], "live_engines": 2})
+    missing = sync_rows({"v3": 0.4}, {"live_engines": 2})
+    wrong = sync_rows({"v3": 0.3}, {"verified": False})
+    write(tmp_path, "sync", clean + dead + missing + wrong)
+    rep = build_report(tmp_path)
+    assert rep.sync.iloc[0]["v3_seconds"] == 1.0 and rep.sync.iloc[0]["syncs"] == 1
+    assert list(rep.faults["fault"]) == ["replica 1 dead", "2/4 engine ranks live", "did not verify"]
+    assert list(rep.faults["seconds"]) == [0.5, 0.4, 0.3]
+
+
+def test_dirty_commits_stay_apart_from_clean_ones(tmp_path) -> None:
+    write(tmp_path, "sync", sync_rows(), "0123456789ab")
+    write(tmp_path, "sync", sync_rows({"v1": 9.0, "v3": 9.0}), "0123456789ab-dirty")
+    rep = build_report(tmp_path)
+    assert sorted(rep.sync["commit"]) == ["01234567", "01234567-dirty"]
+    assert short_commit("unknown") == "unknown" and short_commit(None) == ""
+
+
+def test_latest_complete_run_per_setup(tmp_path) -> None:
+    write(tmp_path, "sync", sync_rows({"v1": 4.0, "v3": 1.0}), "aaaaaaaa", "2026-01-01T00:00:00Z")
+    write(tmp_path, "sync", sync_rows({"v1": 4.0, "v3": 0.5}), "bbbbbbbb", "2026-01-02T00:00:00Z")
+    write(tmp_path, "sync", sync_rows({"v3": 0.1}), "cccccccc", "2026-01-03T00:00:00Z")  # partial: v3 only
+    write(tmp_path, "sync", sync_rows({"v3": 7.0}, engine="tp=1"), "dddddddd", "2026-01-04T00:00:00Z")
+    latest = latest_complete(build_report(tmp_path).sync).set_index("engine")
+    assert latest.loc["tp=2,ep=2 x2", "commit"] == "bbbbbbbb" and latest.loc["tp=2,ep=2 x2", "v3_seconds"] == 0.5
+    assert latest.loc["tp=1", "commit"] == "dddddddd"  # a setup with one partial run: that run
+
+
+def test_filters(tmp_path, simulated_rows) -> None:
+    write(tmp_path, "sync", sync_rows(), "aaaaaaaa")
+    write(tmp_path, "simulated", simulated_rows, "bbbbbbbb")
+    assert set(build_report(tmp_path, Filters(suites=("sync",))).sync["kind"]) == {"measured"}
+    assert set(build_report(tmp_path, Filters(kind="simulated")).sync["kind"]) == {"simulated"}
+    assert set(build_report(tmp_path, Filters(commit="aaa")).sync["commit"]) == {"aaaaaaaa"}
+    assert not build_report(tmp_path, Filters(hardware="CPU:TEST")).sync.empty
+    with pytest.raises(KvmoveError, match="no rows .* match --hardware h100"):
+        build_report(tmp_path, Filters(hardware="h100"))
+
+
+def test_published_side_by_side(tmp_path, simulated_rows) -> None:
+    write(tmp_path, "simulated", simulated_rows)
+    rep = build_report(tmp_path)
+    pub = rep.published.set_index("strategy")
+    assert pub.loc["v3", "published"] == 3.49 and abs(pub.loc["v3", "error_pct"]) < 25
+    assert pub["source"].str.startswith("published").all()
+    assert set(rep.calibration["parameter"]) == set(S.COST_SOURCES)
+    sim = rep.sync.set_index("constraints")
+    assert sim.loc["published", "hardware"].startswith("sim ") and sim.loc["published", "kind"] == "simulated"
+
+
+def migration_rows() -> list[Row]:
+    rows = []
+    for n in (64, 256, 1024):
+        for i in range(2):
+            extra = {"prompt_len": n, "migrations": 1, "verified": True, "reprefill_seconds": n / 5e3}
+            rows.append(
+                Row(
+                    kind="measured",
+                    suite="migration",
+                    name="migration",
+                    transport="nixl",
+                    seconds=n / 1e4 + i / 1e3,
+                    bytes=n * 1000,
+                    extra=extra,
+                )
+            )
+        summary = {"prompt_len": n, "high_latencies": [0.1, 0.2, 0.4], "baseline_high_latencies": [0.5, 0.9, 1.2]}
+        rows.append(Row(kind="measured", suite="migration", name="summary", transport="nixl", extra=summary))
+    return rows
+
+
+def test_migration_table_per_prompt_length(tmp_path) -> None:
+    write(tmp_path, "migration", migration_rows())
+    table = build_report(tmp_path).migrations.set_index("prompt_len")
+    assert list(table.index) == [64, 256, 1024] and list(table["migrations"]) == [2, 2, 2]
+    assert table.loc[256, "seconds_min"] == pytest.approx(0.0256) and table.loc[256, "seconds_max"] == pytest.approx(
+        0.0266
+    )
 
 
 def test_plots_are_real_pngs(tmp_path, simulated_rows) -> None:
@@ -100,17 +189,17 @@ def test_plots_are_real_pngs(tmp_path, simulated_rows) -> None:
 
     from kvmove.bench.plots import render_plots
 
-    append_rows(tmp_path / "r", "sync", _sync_rows(), LABELS)
-    append_rows(tmp_path / "r", "simulated", simulated_rows, LABELS)
-    migration = [
-        Row(kind="measured", suite="migration", name=f"m{n}", seconds=n / 1e4, bytes=n * 1000, extra={"prompt_len": n})
-        for n in (128, 512, 2048)
-    ]
-    append_rows(tmp_path / "r", "migration", migration, LABELS)
+    write(tmp_path / "r", "sync", sync_rows())
+    write(tmp_path / "r", "simulated", simulated_rows)
+    write(tmp_path / "r", "migration", migration_rows())
     plots = render_plots(build_report(tmp_path / "r"), tmp_path / "plots")
-    names = {p.name for p in plots.paths}
-    assert {"sync_time.png", "validation.png", "bandwidth_vs_limit.png", "phases.png", "migration_latency.png"} <= names
-    assert any("priority_latency_cdf.png skipped" in n for n in plots.notes)
+    assert {p.name for p in plots.paths} == {
+        "sync_time.png",
+        "bandwidth_vs_limit.png",
+        "phases.png",
+        "migration_latency.png",
+        "priority_latency_cdf.png",
+    }
     for path in plots.paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         img = mpimg.imread(path)
@@ -118,11 +207,19 @@ def test_plots_are_real_pngs(tmp_path, simulated_rows) -> None:
         assert img[..., :3].std() > 0.01  # not blank
 
 
+def test_plot_labels_wrap_at_words_never_inside_one() -> None:
+    from kvmove.bench.plots import wrap
+
+    text = "qwen3-235b-a22b v3 · tp=4,pp=2,ep=8 → dp=16,ep=16 rdma-pull (published constraints) @349ca0e7-dirty"
+    lines = wrap(text, 20).split("\n")
+    assert " ".join(lines) == text and len(lines) > 1
+
+
 def test_plots_without_rows_are_skipped_not_failed(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     from kvmove.bench.plots import render_plots
 
-    append_rows(tmp_path / "r", "plan", [Row(kind="measured", suite="plan", name="p", seconds=1.0)], LABELS)
+    write(tmp_path / "r", "plan", [Row(kind="measured", suite="plan", name="p", seconds=1.0)])
     plots = render_plots(build_report(tmp_path / "r"), tmp_path / "plots")
     assert not plots.paths and len(plots.notes) == 6
 
@@ -131,18 +228,6 @@ def test_plots_without_matplotlib_name_the_extra(tmp_path, monkeypatch) -> None:
     import kvmove.bench.plots as plots_mod
 
     monkeypatch.setattr(plots_mod, "plt", None)
-    append_rows(tmp_path, "sync", _sync_rows(), LABELS)
+    write(tmp_path, "sync", sync_rows())
     with pytest.raises(KvmoveError, match=r"kvmove\[plots\]"):
         plots_mod.render_plots(build_report(tmp_path), tmp_path / "plots")
-
-
-def test_cli_report_formats(tmp_path, capsys) -> None:
-    from kvmove.cli.report import report
-
-    append_rows(tmp_path, "sync", _sync_rows(), LABELS)
-    report(tmp_path, None, "csv")
-    assert capsys.readouterr().out.startswith("table,")
-    report(tmp_path, None, "table")
-    assert "weight sync" in capsys.readouterr().out
-    with pytest.raises(KvmoveError, match="unknown --format"):
-        report(tmp_path, None, "xml")
