@@ -37,10 +37,12 @@ def summarize(runs: list[RunResult], link_gbps: float | None, transport: Transpo
         "reprefill_seconds_median": _median(on.reprefill_seconds.values()),
         "high_p50_seconds": on.p50(),
         "high_p99_seconds": on.latency_quantile(0.99),
+        "high_latencies": sorted(on.latency.values()),
     }
     if len(runs) > 1:
         summary["baseline_high_p50_seconds"] = runs[1].p50()
         summary["baseline_high_p99_seconds"] = runs[1].latency_quantile(0.99)
+        summary["baseline_high_latencies"] = sorted(runs[1].latency.values())
     return [*lines, summary]
 
 
@@ -70,7 +72,9 @@ def _migration_line(run: RunResult, i: int) -> dict[str, Any]:
     }
 
 
-def rows_for(lines: list[dict[str, Any]], model: str, transport: str) -> list[Row]:
+def rows_for(lines: list[dict[str, Any]], model: str, transport: str, prompt_len: int) -> list[Row]:
+    """Result rows of the lines; each carries ``prompt_len`` (the x of migration_latency.png), the summary the
+    high-priority latencies with and without migration (priority_latency_cdf.png)."""
     return [
         Row(
             kind="measured",
@@ -83,7 +87,7 @@ def rows_for(lines: list[dict[str, Any]], model: str, transport: str) -> list[Ro
             gbps=float(line["gbps"]),
             phases={k: float(v) for k, v in line.get("phases", {}).items()},
             link_limit_gbps=float(line.get("link_gbps") or 0.0),
-            extra={k: v for k, v in line.items() if k != "phases"},
+            extra={**{k: v for k, v in line.items() if k != "phases"}, "prompt_len": prompt_len},
         )
         for line in lines
     ]
