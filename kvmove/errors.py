@@ -1,4 +1,8 @@
-"""Errors that carry a user-facing message; the CLI turns each into one line on stderr and exit code 2."""
+"""Errors that carry a user-facing message; the CLI turns each into one line on stderr.
+
+KvmoveError (bad usage or bad input, nothing ran): exit code 2. JobFailed (the job ran and its result is wrong: a
+sync that did not verify, no live engine, a migration that did not continue identically): exit code 1.
+"""
 
 
 class KvmoveError(Exception):
@@ -27,3 +31,7 @@ class MissingDependencyError(KvmoveError):
 
 class KVCacheError(KvmoveError):
     """Misuse of a KV pool or radix tree: double free, foreign page ids, geometry/dtype/shape mismatch."""
+
+
+class JobFailed(Exception):
+    """The job ran and failed (exit code 1); the message names what failed (ranks, syncs, requests)."""

@@ -1,79 +1,105 @@
-"""`kvmove bench`: run benchmark suites into results/ (reports come from `kvmove bench report`)."""
+"""`kvmove bench`: run benchmark suites (`run`) and render every recorded row (`report`, in kvmove.cli.report).
+
+Rows are recorded only where asked (``--results DIR``): the rows in the repository's results/ are written on
+purpose (``kvmove bench run --suite sync --results results/``), so trying a suite leaves the work tree clean.
+"""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvmove.bench.results import append_rows
-from kvmove.cli import render
+from kvmove.cli import render, streams
 from kvmove.cli import report as report_cli
-from kvmove.cli import simulate as simulate_cli
+from kvmove.cli.options import JsonOpt, ResultsOpt, SyncTransport
 from kvmove.errors import KvmoveError
+
+if TYPE_CHECKING:
+    from kvmove.bench.results import Row
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks: measured and simulated rows in results/.")
 
-ResultsOpt = Annotated[Path, typer.Option("--results", help="Directory of result parquet files.")]
 
-SUITES = ("plan", "sync", "quick", "full", "gpu", "vllm", "decode-latency", "migration-gpu")
+class Suite(StrEnum):
+    """plan: full-size plans; sync: raw link + every strategy; quick: sync; full: plan + sync; gpu: two GPUs;
+    vllm: reference engine and vLLM side by side."""
+
+    plan = "plan"
+    sync = "sync"
+    quick = "quick"
+    full = "full"
+    gpu = "gpu"
+    vllm = "vllm"
 
 
 @app.command("run")
+@streams.owns_stdout
 def run(
-    suite: Annotated[str, typer.Option("--suite", help=f"One of {', '.join(SUITES)}.")] = "quick",
-    results: ResultsOpt = Path("results"),
-    transport: Annotated[str, typer.Option("--transport", help="Transport of the sync suite.")] = "auto",
+    suite: Annotated[Suite, typer.Option("--suite", help="Which benchmark to run.")] = Suite.quick,
+    results: ResultsOpt = None,
+    transport: Annotated[
+        SyncTransport, typer.Option("--transport", help="Transport of the sync and vllm suites.")
+    ] = SyncTransport.auto,
     syncs: Annotated[int, typer.Option("--syncs", min=1, help="Syncs per strategy in the sync suite.")] = 3,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Run a benchmark suite and append its rows to results/.
+    """Run a benchmark suite; print its rows and, with --results DIR, append them to DIR/<suite>.parquet.
 
     Example: kvmove bench run --suite plan
+
+    Example: kvmove bench run --suite sync --syncs 3 --results results/   # the rows the README quotes
     """
-    if suite not in SUITES:
-        raise KvmoveError(f"unknown suite {suite!r} (known: {', '.join(SUITES)})")
-    if suite == "gpu":
-        import torch
-
-        if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-            raise KvmoveError("the gpu suite needs two CUDA GPUs (see kvmove/bench/gpu.py for the exact command)")
-        from kvmove.bench.gpu import main as gpu_main
-
-        gpu_main(["--out", str(results)])
+    if suite is Suite.gpu:
+        _gpu(results)
         return
-    if suite in ("plan", "full"):
-        from kvmove.bench.plans import plan_rows
+    with streams.progress() as say:
+        if suite in (Suite.plan, Suite.full):
+            from kvmove.bench.plans import plan_rows
 
-        rows = plan_rows()
-        render.bench_rows(rows, append_rows(results, "plan", rows))
-    if suite in ("sync", "quick", "full"):
-        from kvmove.bench.syncs import summarize, sync_suite
+            say("full-size plans of the published setups")
+            _show("plan", plan_rows(), results, as_json)
+        if suite in (Suite.sync, Suite.quick, Suite.full):
+            from kvmove.bench.syncs import summarize, sync_suite
 
-        rows = sync_suite(transport=transport, syncs=syncs)
-        append_rows(results, "transport", [r for r in rows if r.suite == "transport"])
-        render.bench_rows(rows, append_rows(results, "sync", [r for r in rows if r.suite == "sync"]))
-        render.summary(summarize(rows))
-    if suite == "migration-gpu":
-        import torch
+            rows = sync_suite(transport=transport.value, syncs=syncs, progress=say)
+            _show("transport", [r for r in rows if r.suite == "transport"], results, as_json)
+            _show("sync", [r for r in rows if r.suite == "sync"], results, as_json)
+            if not as_json:
+                render.summary(summarize(rows))
+        if suite is Suite.vllm:
+            from kvmove.bench.syncs import vllm_suite
 
-        if not torch.cuda.is_available():
-            raise KvmoveError("the migration-gpu suite needs a CUDA GPU (see kvmove/bench/resume.py for the command)")
-        from kvmove.bench.resume import main as resume_main  # NOTE: one GPU, plain torch
-
-        resume_main(["--out", str(results)])
-        return
-    if suite == "decode-latency":
-        from kvmove.bench.decode_latency import DecodeLatencyConfig, decode_latency
-
-        rows = [decode_latency(DecodeLatencyConfig(transport=transport), say=typer.echo)]
-        render.bench_rows(rows, append_rows(results, "decode_latency", rows))
-    if suite == "vllm":
-        from kvmove.bench.syncs import vllm_suite
-
-        rows = vllm_suite(transport=transport, syncs=syncs)
-        render.bench_rows(rows, append_rows(results, "vllm", rows))
+            _show("vllm", vllm_suite(transport=transport.value, syncs=syncs, progress=say), results, as_json)
 
 
-app.command("report")(report_cli.report)
-app.command("simulate")(simulate_cli.simulate)
+def _show(suite: str, rows: list[Row], results: Path | None, as_json: bool) -> None:
+    """Print ``rows`` (a table, or JSON lines) and append them to ``results/<suite>.parquet`` when asked."""
+    where = None
+    if results is not None and rows:
+        from kvmove.bench.results import append_rows
+
+        where = append_rows(results, suite, rows)
+        streams.note(f"{len(rows)} {suite} rows appended to {where}")
+    if as_json:
+        render.json_lines(asdict(r) for r in rows)
+    else:
+        render.bench_rows(rows, where)
+
+
+def _gpu(results: Path | None) -> None:
+    if results is None:
+        raise KvmoveError("the gpu suite records its rows as it goes: give --results DIR (e.g. --results results/)")
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        raise KvmoveError("the gpu suite needs two CUDA GPUs (see kvmove/bench/gpu.py for the exact command)")
+    from kvmove.bench.gpu import main as gpu_main
+
+    gpu_main(["--out", str(results)])
+
+
+app.command("report")(streams.owns_stdout(report_cli.report))

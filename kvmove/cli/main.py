@@ -1,46 +1,104 @@
-"""The kvmove command line: a table of contents; each command lives in its own module."""
+"""The kvmove command line: a table of contents; each command lives in its own module.
+
+Exit codes (every command): 0 success; 1 the job ran and failed (JobFailed); 2 bad usage or bad input, one line on
+stderr (KvmoveError, or whatever usage error the CLI library raises); 130 interrupted, after cleanup.
+"""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from typing import Annotated
 
 import typer
 
-from kvmove.cli import bench, migrate, models, serve, sync
-from kvmove.errors import KvmoveError
+from kvmove import __version__
+from kvmove.cli import bench, migrate, models, serve, streams, sync
+from kvmove.errors import JobFailed, KvmoveError
+
+OK, FAILED, USAGE, INTERRUPTED = 0, 1, 2, 130
 
 app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     help="Move model state in RL post-training (weight sync, KV-cache migration) and measure it.",
 )
 app.add_typer(models.app, name="models")
-app.command("sync-weights")(sync.sync_weights)
+app.command("sync-weights")(streams.owns_stdout(sync.sync_weights))
 app.add_typer(bench.app, name="bench")
-app.command("serve")(serve.serve)
-app.command("migrate")(migrate.migrate)
+app.command("serve")(streams.owns_stdout(serve.serve))
+app.command("migrate")(streams.owns_stdout(migrate.migrate))
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"kvmove {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="Print kvmove's version and exit."),
+    ] = False,
+) -> None:
+    """Move model state in RL post-training (weight sync, KV-cache migration) and measure it.
+
+    Exit codes: 0 success, 1 the job ran and failed, 2 bad usage or input, 130 interrupted.
+    """
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """Run one command line; return its exit code. Known errors become one line on stderr, never a traceback."""
+    usage_error, abort = _cli_errors()
+    try:
+        code = app(args=list(argv) if argv is not None else None, prog_name="kvmove", standalone_mode=False)
+    except JobFailed as exc:
+        return _fail(FAILED, f"failed: {exc}")
+    except KvmoveError as exc:
+        return _fail(USAGE, f"error: {exc}")
+    except usage_error as exc:
+        return _fail(USAGE, f"error: {_usage_message(exc)}")
+    except typer.Exit as exc:
+        code = exc.exit_code
+    except abort as exc:
+        interrupted = isinstance(exc.__cause__, KeyboardInterrupt)
+        return _fail(INTERRUPTED if interrupted else FAILED, "interrupted" if interrupted else "aborted")
+    except KeyboardInterrupt:
+        return _fail(INTERRUPTED, "interrupted")
+    except BrokenPipeError:
+        return FAILED
+    # NOTE: typer returns, not raises, exit codes in non-standalone mode (typer.Exit(1), 130 on Ctrl-C)
+    code = code if isinstance(code, int) else OK
+    if code == INTERRUPTED:
+        streams.note("interrupted")
+    return code
 
 
 def main() -> None:
-    """Entry point: user mistakes become one line on stderr and exit code 2, never a traceback."""
-    try:
-        app(standalone_mode=False)
-    except KvmoveError as exc:
-        print(f"kvmove: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        print("kvmove: aborted", file=sys.stderr)
-        sys.exit(1)
-    except Exception as exc:  # click usage errors arrive here in non-standalone mode
-        import click
+    """Console-script entry point."""
+    sys.exit(run())
 
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise
+
+def _fail(code: int, message: str) -> int:
+    streams.note(" ".join(message.split()))
+    return code
+
+
+def _cli_errors() -> tuple[type[Exception], type[Exception]]:
+    """The usage-error and abort classes of the click that this typer uses (typer >= 0.24 vendors its own)."""
+    click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+    return click_error, typer.Abort
+
+
+def _usage_message(exc: Exception) -> str:
+    message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+    ctx = getattr(exc, "ctx", None)
+    where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+    return f"{message}{where}"
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -11,9 +10,10 @@ from typing import Annotated, Any
 
 import typer
 
-from kvmove.cli.options import JsonOpt, ModelOpt
+from kvmove.cli import render, streams
+from kvmove.cli.options import JsonOpt, KVTransport, ModelOpt, NoRecordOpt, ResultsOpt
 from kvmove.cli.serve import TransportOpt, warn_fallback
-from kvmove.errors import KvmoveError
+from kvmove.errors import JobFailed, KvmoveError
 
 
 def migrate(
@@ -24,7 +24,7 @@ def migrate(
     model: ModelOpt = "qwen3-tiny",
     num_pages: Annotated[int, typer.Option("--num-pages", min=8, help="KV pages per worker.")] = 128,
     page_size: Annotated[int, typer.Option("--page-size", min=1, help="Tokens per KV page.")] = 16,
-    transport: TransportOpt = "auto",
+    transport: TransportOpt = KVTransport.auto,
     seed: Annotated[int, typer.Option("--seed", help="Seed of weights and prompts.")] = 1,
     baseline: Annotated[
         bool, typer.Option("--baseline/--no-baseline", help="Also run the workload without migration (p50/p99).")
@@ -44,13 +44,18 @@ def migrate(
         str, typer.Option("--tp", help="Tensor-parallel ranks per worker, one value or one per worker: 2 or 2,1.")
     ] = "1",
     as_json: JsonOpt = False,
-    results: Annotated[Path, typer.Option("--results", help="Append rows to DIR/migration.parquet.")] = Path("results"),
-    no_record: Annotated[bool, typer.Option("--no-record", help="Do not append rows to --results.")] = False,
+    results: ResultsOpt = None,
+    no_record: NoRecordOpt = False,
 ) -> None:
     """Start N workers (`kvmove serve` subprocesses on 127.0.0.1), queue high-priority requests behind KV pressure
     on one, migrate them with their K/V to the others, and check every output against an unmigrated greedy run.
 
-    Example: kvmove migrate --workers 2 --requests 4 --prompt-len 64 --json --no-record
+    Exit codes: 0 every request continued identically; 1 one diverged or a worker failed its integrity check;
+    2 bad usage or input; 130 interrupted (workers stopped).
+
+    Example: kvmove migrate --workers 2 --requests 4 --prompt-len 64 --json
+
+    Example: kvmove migrate --prompt-len 256 --results results/   # rows for migration_latency.png
     """
     from kvmove.migration.client import WorkerClient
     from kvmove.migration.report import rows_for, summarize  # NOTE: needs the optional `serve` extra
@@ -73,7 +78,7 @@ def migrate(
     need = -(-(prompt_len + cfg.suffix_len + new_tokens) // page_size)
     if need * requests > num_pages - 1:
         raise KvmoveError(f"{requests} requests of {need} pages do not fit in --num-pages {num_pages}")
-    choice = warn_fallback(transport)
+    choice = warn_fallback(transport.value)
     base = ServerConfig(
         model=model,
         seed=seed,
@@ -84,25 +89,36 @@ def migrate(
         max_prefill_tokens=4096,
         kvmove_routes=routes == "kvmove",
     )
-    configs = [replace(base, port=free_port(), tp_size=n) for n in tps]
-    with tempfile.TemporaryDirectory(prefix="kvmove-migrate-") as logs, LocalCluster(configs, Path(logs)) as cluster:
-        clients = [WorkerClient(u, timeout=cfg.deadline_s) for u in cluster.urls]
-        with ThreadPoolExecutor(max_workers=2 * requests + 8) as pool:
-            runs = [run_workload(clients, cfg, True, pool)]
-            if baseline:
-                runs.append(run_workload(clients, cfg, False, pool))
-        for c in clients:
-            c.close()
-    link = _link_gbps(choice.name, runs[0]) if measure_link else None
+    configs = [replace(base, port=free_port()) for _ in range(workers)]
+    with streams.progress() as say, tempfile.TemporaryDirectory(prefix="kvmove-migrate-") as logs:
+        say(f"starting {workers} workers ({model}, KV over {choice.name})")
+        with LocalCluster(configs, Path(logs)) as cluster:
+            clients = [WorkerClient(u, timeout=cfg.deadline_s) for u in cluster.urls]
+            with ThreadPoolExecutor(max_workers=2 * requests + 8) as pool:
+                say(f"workload with migration: {requests} high-priority requests, prompt {prompt_len} tokens")
+                runs = [run_workload(clients, cfg, True, pool)]
+                if baseline:
+                    say("the same workload without migration (baseline)")
+                    runs.append(run_workload(clients, cfg, False, pool))
+            for c in clients:
+                c.close()
+        if measure_link:
+            say(f"raw {choice.name} bandwidth")
+        link = _link_gbps(choice.name, runs[0]) if measure_link else None
     lines = summarize(runs, link, choice)
-    for line in lines:
-        typer.echo(json.dumps(line) if as_json else _text(line))
-    if not no_record:
+    if as_json:
+        render.json_lines(lines)
+    else:
+        for line in lines:
+            print(_text(line), file=streams.out())
+    if results is not None and not no_record:
         from kvmove.bench.results import append_rows
 
-        append_rows(results, "migration", rows_for(lines, model, choice.name))
-    if not all(line["verified"] and line["integrity_ok"] for line in lines):
-        raise KvmoveError("a migrated request diverged from its unmigrated run or a worker failed its integrity check")
+        path = append_rows(results, "migration", rows_for(lines, model, choice.name, prompt_len))
+        streams.note(f"{len(lines)} measured rows appended to {path}")
+    bad = [line.get("rid", "summary") for line in lines if not (line["verified"] and line["integrity_ok"])]
+    if bad:
+        raise JobFailed(f"not continued identically or integrity check failed: {', '.join(map(str, bad))}")
 
 
 def _tp_sizes(text: str, workers: int) -> list[int]:

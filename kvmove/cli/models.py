@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from kvmove.cli import render
+from kvmove.cli import render, streams
 from kvmove.cli.options import JsonOpt, ModelArg, OverrideOpt
-from kvmove.models import model_totals, parse_overrides, preset_names, resolve_model
 
 app = typer.Typer(no_args_is_help=True, help="Model presets and checkpoint totals.")
 
@@ -22,11 +21,14 @@ _SHOW_KEYS = (
 
 
 @app.command("list")
+@streams.owns_stdout
 def list_models(as_json: JsonOpt = False) -> None:
     """List the presets.
 
     Example: kvmove models list --json
     """
+    from kvmove.models import model_totals, preset_names, resolve_model
+
     rows = [model_totals(resolve_model(n)) for n in preset_names()]
     if as_json:
         render.json_lines({k: getattr(t, k) for k in _SHOW_KEYS} for t in rows)
@@ -35,11 +37,14 @@ def list_models(as_json: JsonOpt = False) -> None:
 
 
 @app.command("show")
+@streams.owns_stdout
 def show(model: ModelArg, override: OverrideOpt = None, as_json: JsonOpt = False) -> None:
     """Totals of a model's HF checkpoint as a BF16 trainer holds it.
 
     Example: kvmove models show qwen3-235b-a22b --json
     """
+    from kvmove.models import model_totals, parse_overrides, resolve_model
+
     totals = model_totals(resolve_model(model, parse_overrides(override or [])))
     if as_json:
         render.json_lines([{**{k: getattr(totals, k) for k in _SHOW_KEYS}, "num_layers": totals.num_layers}])

@@ -1,33 +1,131 @@
-"""Option aliases shared by commands (one spelling, one help text)."""
+"""Option aliases shared by commands (one spelling, one help text), the choices they accept (enums, shown in
+``--help``) and the help panels that group them.
+
+Nothing here imports torch, pandas or Ray: ``kvmove --help`` must stay fast. The enums mirror registries that do
+import them (transports, engines); tests/cli keep the two equal.
+"""
 
 from __future__ import annotations
 
+from enum import StrEnum
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from kvmove.models import DEFAULT_MODEL
+from kvmove.sync.strategies import STRATEGIES
+
+DEFAULT_MODEL = "qwen3-moe-tiny"  # == kvmove.models.DEFAULT_MODEL (a test keeps them equal)
+DEFAULT_TRAINER = "tp=2,pp=2,ep=2"
+DEFAULT_ENGINE = "tp=2,ep=2"
+DEFAULT_REPLICAS = 2
+
+PANEL_MODEL = "Model and layout"
+PANEL_RUN = "Run: real syncs (the default mode)"
+PANEL_DRY = "Dry run (--dry-run)"
+PANEL_SIM = "Simulate (--simulate)"
+PANEL_FAULTS = "Faults (run mode)"
+PANEL_TUNING = "Transport tuning (run mode)"
+PANEL_OUTPUT = "Output"
+
+
+class SyncTransport(StrEnum):
+    """Byte movers of a weight sync (``auto``: the first available of nixl, rdt-nixl, rdt-gloo, gloo)."""
+
+    auto = "auto"
+    nixl = "nixl"
+    rdt_nixl = "rdt-nixl"
+    rdt_gloo = "rdt-gloo"
+    gloo = "gloo"
+    nccl = "nccl"
+    cuda_ipc = "cuda-ipc"
+    object_store = "object-store"
+
+
+class KVTransport(StrEnum):
+    """KV data plane between servers (``auto``: nixl where installed, else http with a warning)."""
+
+    auto = "auto"
+    nixl = "nixl"
+    http = "http"
+
+
+class EngineKind(StrEnum):
+    reference = "reference"
+    vllm = "vllm"
+
+
+def _strategies(value: str) -> str:
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown or not names:
+        bad = ", ".join(map(repr, unknown)) or repr(value)
+        raise typer.BadParameter(f"unknown strategy {bad} (known: {', '.join(STRATEGIES)})")
+    return value
+
 
 ModelOpt = Annotated[
     str,
-    typer.Option("--model", "-m", help="Preset name (see `kvmove models list`) or path to an HF config.json."),
+    typer.Option(
+        "--model",
+        "-m",
+        help="Preset name (see `kvmove models list`) or path to an HF config.json.",
+        rich_help_panel=PANEL_MODEL,
+    ),
 ]
 ModelArg = Annotated[str, typer.Argument(help="Preset name or path to an HF-style config.json.")]
 OverrideOpt = Annotated[
     list[str] | None,
-    typer.Option("--override", "-o", help="Change a config field, key=value (repeatable)."),
+    typer.Option(
+        "--override",
+        "-o",
+        help="Change a config field, key=value (repeatable); unknown keys are refused.",
+        rich_help_panel=PANEL_MODEL,
+    ),
 ]
 TrainerOpt = Annotated[
     str,
-    typer.Option("--trainer", help="Trainer layout: tp=..,pp=..,ep=..[,etp=..][,dp=..] (Megatron-style)."),
+    typer.Option(
+        "--trainer",
+        help="Trainer layout: tp=..,pp=..,ep=..[,etp=..][,dp=..] (Megatron-style).",
+        rich_help_panel=PANEL_MODEL,
+    ),
 ]
-EngineOpt = Annotated[str, typer.Option("--engine", help="One engine's layout: tp=..,dp=..,ep=..[,pp=..].")]
-ReplicasOpt = Annotated[int | None, typer.Option("--replicas", help="Number of engine replicas.", min=1)]
-JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON object per line instead of a table.")]
-StrategyOpt = Annotated[str, typer.Option("--strategy", help="Comma-separated: v1,v2,v3,broadcast.")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the random weights used by --verify.")]
-
-DEFAULT_TRAINER = "tp=2,pp=2,ep=2"
-DEFAULT_ENGINE = "tp=2,ep=2"
-DEFAULT_REPLICAS = 2
-__all__ = ["DEFAULT_MODEL"]
+EngineOpt = Annotated[
+    str,
+    typer.Option("--engine", help="One engine's layout: tp=..,dp=..,ep=..[,pp=..].", rich_help_panel=PANEL_MODEL),
+]
+ReplicasOpt = Annotated[
+    int | None,
+    typer.Option("--replicas", help="Number of engine replicas.", min=1, rich_help_panel=PANEL_MODEL),
+]
+StrategyOpt = Annotated[
+    str,
+    typer.Option(
+        "--strategy",
+        metavar="[" + "|".join(STRATEGIES) + "],...",
+        help="Comma-separated strategies, run in this order.",
+        callback=_strategies,
+        rich_help_panel=PANEL_MODEL,
+    ),
+]
+JsonOpt = Annotated[
+    bool,
+    typer.Option(
+        "--json", help="One JSON object per line on stdout (logs stay on stderr).", rich_help_panel=PANEL_OUTPUT
+    ),
+]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the random weights.")]
+ResultsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--results",
+        metavar="DIR",
+        help="Append measured rows to DIR/<suite>.parquet (nothing is recorded without it).",
+        rich_help_panel=PANEL_OUTPUT,
+    ),
+]
+NoRecordOpt = Annotated[
+    bool,
+    typer.Option("--no-record", hidden=True, help="Kept for old scripts: rows are recorded only with --results."),
+]

@@ -1,26 +1,50 @@
-"""All terminal output: rich tables for people, JSON lines for scripts."""
+"""All output of the commands: rich tables for people, JSON lines for scripts, both on the command's stdout
+(:func:`kvmove.cli.streams.out`). Without a terminal, tables are 120 columns wide (``COLUMNS`` overrides)."""
 
 from __future__ import annotations
 
 import json
-import sys
+import math
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
-from kvmove.bench.results import Row
-from kvmove.models.tensors import ModelTotals
-from kvmove.sync.dryrun import DryRunReport
+from kvmove.cli import streams
 
-console = Console(width=None if sys.stdout.isatty() else 140)
+if TYPE_CHECKING:
+    from kvmove.bench.results import Row
+    from kvmove.models.tensors import ModelTotals
+    from kvmove.sync.dryrun import DryRunReport
+
+WIDTH = 120
+
+
+def console() -> Console:
+    """A console on the command's stdout: the terminal's width, else ``COLUMNS`` or 120."""
+    out = streams.out()
+    width = None if streams.is_terminal(out) else int(os.environ.get("COLUMNS") or WIDTH)
+    return Console(file=out, width=width)
 
 
 def json_lines(rows: Iterable[dict[str, Any]]) -> None:
+    """One JSON object per line (NaN and infinities as null, so every line parses as strict JSON)."""
+    out = streams.out()
     for row in rows:
-        print(json.dumps(row, sort_keys=False, default=str), flush=True)
+        print(json.dumps(_finite(row), default=str, allow_nan=False), file=out, flush=True)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def human_bytes(n: float) -> str:
@@ -37,7 +61,7 @@ def model_list(rows: Sequence[ModelTotals]) -> None:
         table.add_column(col, justify="right" if col in ("layers", "params", "BF16 bytes") else "left")
     for t in rows:
         table.add_row(t.name, t.architecture, str(t.num_layers), f"{t.total_params:,}", human_bytes(t.total_bytes))
-    console.print(table)
+    console().print(table)
 
 
 def model_show(t: ModelTotals) -> None:
@@ -50,7 +74,7 @@ def model_show(t: ModelTotals) -> None:
     table.add_row("expert parameters", f"{t.expert_params:,}")
     table.add_row("non-expert parameters", f"{t.non_expert_params:,}")
     table.add_row("layers (MoE)", f"{t.num_layers} ({t.moe_layers})")
-    console.print(table)
+    console().print(table)
 
 
 def dry_run(reports: Sequence[DryRunReport]) -> None:
@@ -81,15 +105,18 @@ def dry_run(reports: Sequence[DryRunReport]) -> None:
             f"{r.regions:,}",
             verified[r.verified],
         )
-    console.print(table)
-    console.print(f"{r0.engine_ranks} engine ranks, {r0.trainer_ranks} trainer ranks; balance = busiest trainer / mean")
+    console().print(table)
+    console().print(
+        f"{r0.engine_ranks} engine ranks, {r0.trainer_ranks} trainer ranks; balance = busiest trainer / mean"
+    )
     for r in reports:
         for m in r.mismatches[:10]:
-            console.print(f"[red]mismatch[/] ({r.strategy}) {m}")
+            console().print(f"[red]mismatch[/] ({r.strategy}) {m}")
 
 
-def bench_rows(rows: Sequence[Row], path: Path) -> None:
-    table = Table(title=f"benchmark rows appended to {path}")
+def bench_rows(rows: Sequence[Row], path: Path | None) -> None:
+    where = f"appended to {path}" if path is not None else "not recorded (--results DIR records them)"
+    table = Table(title=f"benchmark rows, {where}")
     for col in ("kind", "name", "strategy", "seconds", "bytes", "peak memory", "extra"):
         table.add_column(col, justify="right" if col in ("seconds", "bytes", "peak memory") else "left")
     for r in rows:
@@ -103,24 +130,28 @@ def bench_rows(rows: Sequence[Row], path: Path) -> None:
             human_bytes(r.peak_memory_bytes),
             extra,
         )
-    console.print(table)
+    console().print(table)
 
 
 def run_syncs(run: Callable[..., Iterator[Any]], config: Any, *, as_json: bool) -> list[Any]:
-    """Drive a run of syncs with a progress spinner; print each result as it lands."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
+    """Drive a run of syncs with progress on stderr; with ``as_json`` print each result as it lands."""
     rows: list[Any] = []
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True, disable=as_json) as progress:
-        task = progress.add_task("starting", total=None)
-        for r in run(config, progress=lambda m: progress.update(task, description=m)):
+    with streams.progress() as say:
+        say(f"{config.model.name}: checking layouts, starting Ray")
+        for r in run(config, progress=say):
             rows.append(r)
+            say(f"{r.strategy} sync {r.sync}: {r.seconds:.3f} s, {_verified_text(r)}")
             if as_json:
                 json_lines([r.as_json()])
     if not as_json:
         sync_table(rows)
     return rows
+
+
+def _verified_text(r: Any) -> str:
+    if r.live_engines == 0:
+        return "no live engine"
+    return {None: "not verified", True: "bit-exact", False: "MISMATCH"}[r.verified]
 
 
 def sync_table(rows: Sequence[Any]) -> None:
@@ -132,6 +163,10 @@ def sync_table(rows: Sequence[Any]) -> None:
         table.add_column(col, justify="left" if col in ("strategy", "transport", "verified") else "right")
     for r in rows:
         verified = {None: "-", True: "[green]bit-exact[/]", False: "[red]MISMATCH[/]"}[r.verified]
+        if r.live_engines == 0:
+            verified = "[red]no live engine[/]"
+        elif r.verified is False:
+            verified = f"[red]MISMATCH (ranks {', '.join(map(str, r.mismatched_ranks))})[/]"
         p = r.phases
         table.add_row(
             r.strategy,
@@ -148,18 +183,19 @@ def sync_table(rows: Sequence[Any]) -> None:
             f"{r.live_engines}/{r.engine_ranks}",
             verified,
         )
-    console.print(table)
+    console().print(table)
     for r in rows:
         for note in r.notes:
-            console.print(f"[yellow]{r.strategy} sync {r.sync}[/]: {note}")
+            console().print(f"[yellow]{r.strategy} sync {r.sync}[/]: {note}")
     by: dict[str, list[float]] = {}
     for r in rows:
-        by.setdefault(r.strategy, []).append(r.seconds)
+        if r.live_engines == r.engine_ranks and r.verified is not False:  # fault-free syncs only
+            by.setdefault(r.strategy, []).append(r.seconds)
     means = {s: sum(v) / len(v) for s, v in by.items()}
     if "v1" in means and "v3" in means and means["v3"] > 0:
-        console.print(f"v3 vs v1: {means['v1'] / means['v3']:.2f}x faster (mean over syncs, same run)")
+        console().print(f"v3 vs v1: {means['v1'] / means['v3']:.2f}x faster (mean over syncs, same run)")
     if "broadcast" in means and "v3" in means and means["v3"] > 0:
-        console.print(f"v3 vs broadcast: {means['broadcast'] / means['v3']:.2f}x faster")
+        console().print(f"v3 vs broadcast: {means['broadcast'] / means['v3']:.2f}x faster")
 
 
 def frame(df: Any, title: str) -> None:
@@ -187,4 +223,4 @@ def line(text: str) -> None:
 
 def summary(values: dict[str, float]) -> None:
     for key, value in values.items():
-        console.print(f"{key}: {value:.3f}")
+        console().print(f"{key}: {value:.3f}")

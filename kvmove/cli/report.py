@@ -2,81 +2,130 @@
 
 from __future__ import annotations
 
-import math
-import sys
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import pandas as pd
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from kvmove.bench.report import Report, build_report, to_csv, to_markdown
-from kvmove.errors import KvmoveError
+from kvmove.cli import streams
 
-FORMATS = ("table", "markdown", "csv")
-console = Console(width=None if sys.stdout.isatty() else 220)
+if TYPE_CHECKING:
+    from kvmove.layout import EngineLayout, TrainerLayout
+    from kvmove.models.config import ModelConfig
+
+
+class Format(StrEnum):
+    table = "table"
+    markdown = "markdown"
+    csv = "csv"
+    json = "json"
+
+
+class TableName(StrEnum):
+    sync = "sync"
+    faults = "faults"
+    links = "links"
+    plans = "plans"
+    published = "published"
+    migrations = "migrations"
+    calibration = "calibration"
+
+
+class Kind(StrEnum):
+    measured = "measured"
+    simulated = "simulated"
 
 
 def report(
-    results: Annotated[Path, typer.Option("--results", help="Directory of result parquet files.")] = Path("results"),
-    plots: Annotated[Path | None, typer.Option("--plots", help="Write PNG plots into this directory.")] = None,
-    format: Annotated[str, typer.Option("--format", help="table | markdown | csv.")] = "table",
+    results: Annotated[
+        Path, typer.Option("--results", metavar="DIR", help="Directory of result parquet files.")
+    ] = Path("results"),
+    plots: Annotated[Path | None, typer.Option("--plots", metavar="DIR", help="Write the five PNG plots here.")] = None,
+    format: Annotated[Format, typer.Option("--format", help="How to print the tables.")] = Format.table,
+    table: Annotated[
+        TableName | None, typer.Option("--table", help="Only this table (csv: default sync; one table per file).")
+    ] = None,
+    suite: Annotated[
+        list[str] | None, typer.Option("--suite", help="Only rows of this suite (sync, gpu, vllm, simulated, ...).")
+    ] = None,
+    hardware: Annotated[str, typer.Option("--hardware", help="Only rows whose hardware contains this text.")] = "",
+    commit: Annotated[str, typer.Option("--commit", help="Only rows of commits starting with this.")] = "",
+    kind: Annotated[Kind | None, typer.Option("--kind", help="Only measured or only simulated rows.")] = None,
 ) -> None:
-    """Render every measured and simulated row, side by side with the published figures.
+    """Render every measured and simulated row, side by side with the published figures and the links' limits.
+
+    Weight syncs: one row per (commit, setup) from fault-free syncs; faulty ones in their own table.
 
     Example: kvmove bench report --plots results/plots --format markdown
+
+    Example: kvmove bench report --format json --suite gpu | jq 'select(.table == "sync")'
     """
-    if format not in FORMATS:
-        raise KvmoveError(f"unknown --format {format!r} (known: {', '.join(FORMATS)})")
-    rep = build_report(results)
+    from kvmove.bench.report import Filters, build_report
+    from kvmove.cli import report_view
+
+    filters = Filters(tuple(suite or ()), hardware, commit, kind.value if kind else "")
+    rep = build_report(results, filters)
     notes = list(rep.notes)
     if plots is not None:
         from kvmove.bench.plots import render_plots
 
         made = render_plots(rep, plots)
         notes += [f"plot written: {p}" for p in made.paths] + list(made.notes)
-    if format == "markdown":
-        print(to_markdown(rep))
-    elif format == "csv":
-        print(to_csv(rep), end="")
+    tables = rep.tables()
+    if format is Format.csv or table is not None:
+        name = (table or TableName.sync).value
+        tables = {name: tables[name]}
+    if format is Format.markdown:
+        print(report_view.markdown(tables, notes), file=streams.out())
+    elif format is Format.csv:
+        report_view.csv(*next(iter(tables.items())))
+    elif format is Format.json:
+        report_view.json_lines(tables)
     else:
-        _tables(rep)
+        report_view.rich_tables(tables)
     for n in notes:
-        print(f"note: {n}", file=sys.stderr)
+        streams.note(f"note: {n}")
 
 
-def _tables(rep: Report) -> None:
-    titles = {
-        "sync": "weight sync per strategy and transport (median over runs)",
-        "validation": "simulator validation: published figures vs predictions (no figure sets a cost)",
-        "migrations": "KV-cache migrations",
-        "costs": "simulator costs (default = no measurement of ours yet)",
-    }
-    for key, df in rep.tables().items():
-        if df.empty:
-            console.print(f"[dim]{titles[key]}: no rows[/dim]")
-            continue
-        table = Table(title=titles[key])
-        for c in df.columns:
-            numeric = pd.api.types.is_numeric_dtype(df[c])
-            table.add_column(
-                str(c),
-                overflow="ellipsis",
-                no_wrap=True,
-                justify="right" if numeric else "left",
-                min_width=9 if numeric else None,
-                max_width=None if numeric else 18,
-            )
-        for _, r in df.iterrows():
-            table.add_row(*(_cell(v) for v in r))
-        console.print(table)
+def simulate(
+    cfg: ModelConfig,
+    trainer: TrainerLayout,
+    engine: EngineLayout,
+    strategies: list[str],
+    cluster: str,
+    trainer_nodes: int,
+    engine_nodes: int,
+    published_constraints: bool = False,
+    results: Path | None = None,
+) -> list[dict[str, Any]]:
+    """JSON rows of ``sync-weights --simulate``; costs are calibrated from ``results`` rows when given."""
+    from kvmove.bench.simulator import KVMOVE, PUBLISHED, Topology, calibrate
+    from kvmove.bench.simulator import simulate as simulate_setup
 
+    topology = Topology.parse(cluster)
+    rows_df = None
+    if results is not None and results.is_dir() and any(results.glob("*.parquet")):
+        from kvmove.bench.report import load_rows
 
-def _cell(v: Any) -> str:
-    if isinstance(v, float):
-        return "" if math.isnan(v) else f"{v:,.4g}"
-    if v is None or v is pd.NA:
-        return ""
-    return str(v)
+        rows_df, _ = load_rows(results)
+    costs = calibrate(rows_df).costs
+    constraints = PUBLISHED if published_constraints else KVMOVE
+    preds = simulate_setup(cfg, trainer, engine, strategies, topology, trainer_nodes, engine_nodes, constraints, costs)
+    return [
+        {
+            "strategy": p.strategy,
+            "seconds": round(p.seconds, 5),
+            "bytes_total": p.bytes_total,
+            "bytes_kept": p.bytes_kept,
+            "gbps": round(p.gbps, 3),
+            "speed_of_light_seconds": round(p.speed_of_light_seconds, 5),
+            "serial_pp_speed_of_light_seconds": round(p.serial_pp_speed_of_light_seconds, 5),
+            "sol_ratio": round(p.sol_ratio, 4),
+            "binding_link": p.binding_link,
+            "phases": {k: round(v, 5) for k, v in p.phases.items()},
+            "constraints": constraints.label,
+            "simulated": True,
+        }
+        for p in preds
+    ]

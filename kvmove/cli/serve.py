@@ -2,26 +2,35 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvmove.cli.options import ModelOpt
+from kvmove.cli import streams
+from kvmove.cli.options import KVTransport, ModelOpt
 from kvmove.server.config import LOOPBACK, ServerConfig
 
 if TYPE_CHECKING:
     from kvmove.migration.endpoint import TransportChoice
 
 TransportOpt = Annotated[
-    str,
+    KVTransport,
     typer.Option(
         "--transport", help="KV data plane between servers: auto (nixl if installed, else http), nixl or http."
     ),
 ]
 
 
+class Dtype(StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
 def serve(
-    port: Annotated[int, typer.Option("--port", help="TCP port to listen on.")] = 30000,
+    port: Annotated[
+        int, typer.Option("--port", min=0, max=65535, help="TCP port to listen on (0: any free one).")
+    ] = 30000,
     host: Annotated[str, typer.Option("--host", help="Address to bind (loopback by default).")] = LOOPBACK,
     enable_kv_migration: Annotated[
         bool, typer.Option("--enable-kv-migration", help="Serve the KV-migration routes.")
@@ -42,9 +51,9 @@ def serve(
     max_prefill_tokens: Annotated[
         int, typer.Option("--max-prefill-tokens", min=1, help="Prefill budget per step.")
     ] = 2048,
-    dtype: Annotated[str, typer.Option("--dtype", help="KV and compute dtype: float32 or bfloat16.")] = "float32",
+    dtype: Annotated[Dtype, typer.Option("--dtype", help="KV and compute dtype.")] = Dtype.float32,
     weight_version: Annotated[str, typer.Option("--weight-version", help="Namespace of cached K/V.")] = "0",
-    transport: TransportOpt = "auto",
+    transport: TransportOpt = KVTransport.auto,
     max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help="Larger request bodies get 413.")] = 8 << 20,
     peer_timeout: Annotated[float, typer.Option("--peer-timeout", help="Seconds to wait for a peer server.")] = 60.0,
     tp_size: Annotated[
@@ -64,12 +73,16 @@ def serve(
 ) -> None:
     """Serve one rollout worker over HTTP (/generate, /tokenize, /health, /metrics and the migration routes).
 
+    Prints one line with its URL on stdout once it accepts requests; logs go to stderr. /metrics is Prometheus
+    text, /metrics.json the same as JSON. A port in use is refused (exit 2) before the model is built.
+
     Example: kvmove serve --port 30001 --enable-kv-migration --kv-migration-watchdog-timeout 30
     """
     from kvmove.server.launch import serve as run  # NOTE: fastapi/uvicorn are the optional `serve` extra
 
+    migration = "KV migration off"
     if enable_kv_migration:
-        warn_fallback(transport)
+        migration = f"KV migration over {warn_fallback(transport.value).name}"
     run(
         ServerConfig(
             host=host,
@@ -80,18 +93,17 @@ def serve(
             page_size=page_size,
             max_running=max_running,
             max_prefill_tokens=max_prefill_tokens,
-            dtype=dtype,
+            dtype=dtype.value,
             weight_version=weight_version,
             enable_kv_migration=enable_kv_migration,
             kv_migration_watchdog_timeout=kv_migration_watchdog_timeout,
             watchdog_interval=watchdog_interval,
             host_pages=host_pages,
-            transport=transport,
+            transport=transport.value,
             max_body_bytes=max_body_bytes,
             peer_timeout=peer_timeout,
-            tp_size=tp_size,
-            kvmove_routes=kvmove_routes,
-        )
+        ),
+        ready=lambda url: print(f"kvmove serve: ready on {url} ({model}, {migration})", file=streams.out(), flush=True),
     )
 
 

@@ -1,169 +1,338 @@
-"""`kvmove sync-weights`: plan, run and verify weight syncs from trainer ranks to engine ranks."""
+"""`kvmove sync-weights`: plan, run and verify weight syncs from trainer ranks to engine ranks.
+
+Parse -> config -> library call -> render. Three modes: real syncs (the default), ``--dry-run`` (plans only) and
+``--simulate`` (predicted full-scale times); an option of one mode given in another is refused (``APPLIES``).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvmove.bench.results import append_rows
-from kvmove.bench.syncs import sync_row
-from kvmove.cli import render
+from kvmove.cli import render, streams
+from kvmove.cli.modes import check_options
 from kvmove.cli.options import (
     DEFAULT_ENGINE,
     DEFAULT_MODEL,
     DEFAULT_REPLICAS,
     DEFAULT_TRAINER,
+    PANEL_DRY,
+    PANEL_FAULTS,
+    PANEL_RUN,
+    PANEL_SIM,
+    PANEL_TUNING,
+    EngineKind,
     EngineOpt,
     JsonOpt,
     ModelOpt,
+    NoRecordOpt,
     OverrideOpt,
     ReplicasOpt,
-    SeedOpt,
+    ResultsOpt,
     StrategyOpt,
+    SyncTransport,
     TrainerOpt,
 )
-from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout, TrainerLayout
-from kvmove.models import parse_overrides, resolve_model
-from kvmove.sync.dryrun import DryRunConfig, dry_run_sync
-from kvmove.sync.runner import Fault, SyncConfig, run_syncs
-from kvmove.sync.schedule import SyncOptions
-from kvmove.sync.strategies import parse_strategies
+from kvmove.errors import JobFailed, KvmoveError
+
+if TYPE_CHECKING:
+    from kvmove.sync.dryrun import DryRunConfig
+    from kvmove.sync.runner import SyncConfig, SyncResult
+
+RUN, DRY_RUN, SIMULATE = "real syncs", "--dry-run", "--simulate"
+APPLIES: dict[str, tuple[str, ...]] = {
+    "verify": (RUN, DRY_RUN),
+    "seed": (RUN, DRY_RUN),
+    "engine_kind": (RUN, DRY_RUN),
+    "no_reuse": (DRY_RUN,),
+    "transport": (RUN,),
+    "syncs": (RUN,),
+    "ray_address": (RUN,),
+    "deadline": (RUN,),
+    "group_size": (RUN,),
+    "lookahead": (RUN,),
+    "direct": (RUN,),
+    "fail_engine": (RUN,),
+    "slow_engine": (RUN,),
+    "results": (RUN, SIMULATE),
+    "no_record": (RUN, SIMULATE),
+    "cluster": (SIMULATE,),
+    "trainer_nodes": (SIMULATE,),
+    "engine_nodes": (SIMULATE,),
+    "published_constraints": (SIMULATE,),
+}
 
 
 def sync_weights(
+    ctx: typer.Context,
     model: ModelOpt = DEFAULT_MODEL,
     override: OverrideOpt = None,
     trainer: TrainerOpt = DEFAULT_TRAINER,
     engine: EngineOpt = DEFAULT_ENGINE,
     replicas: ReplicasOpt = None,
     strategy: StrategyOpt = "v1,v2,v3,broadcast",
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Build and summarize plans; move no bytes.")] = False,
-    verify: Annotated[bool, typer.Option("--verify", help="Check engine weights bit-exact.")] = False,
-    as_json: JsonOpt = False,
-    seed: SeedOpt = 0,
-    no_reuse: Annotated[
-        bool, typer.Option("--no-reuse", help="Dry-run the loader over every layer (no template reuse).")
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify", help="Check every engine rank bit-exact (real syncs, --dry-run).", rich_help_panel=PANEL_RUN
+        ),
     ] = False,
-    transport: Annotated[
-        str, typer.Option("--transport", help="auto|nixl|rdt-nixl|rdt-gloo|gloo|object-store.")
-    ] = "auto",
-    syncs: Annotated[int, typer.Option("--syncs", min=1, help="Syncs per strategy.")] = 1,
+    seed: Annotated[
+        int,
+        typer.Option("--seed", help="Seed of the random weights (real syncs, --dry-run).", rich_help_panel=PANEL_RUN),
+    ] = 0,
+    engine_kind: Annotated[
+        EngineKind,
+        typer.Option(
+            "--engine-kind", help="kvmove's reference engine, or a live vLLM per replica.", rich_help_panel=PANEL_RUN
+        ),
+    ] = EngineKind.reference,
+    syncs: Annotated[int, typer.Option("--syncs", min=1, help="Syncs per strategy.", rich_help_panel=PANEL_RUN)] = 1,
     ray_address: Annotated[
-        str | None, typer.Option("--ray-address", help="Join an existing Ray cluster (default: local).")
+        str | None,
+        typer.Option("--ray-address", help="Join an existing Ray cluster (default: local).", rich_help_panel=PANEL_RUN),
     ] = None,
-    results: Annotated[Path, typer.Option("--results", help="Append measured rows to DIR/sync.parquet.")] = Path(
-        "results"
-    ),
-    no_record: Annotated[bool, typer.Option("--no-record", help="Do not append rows to --results.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Build and summarize plans; move no bytes.", rich_help_panel=PANEL_DRY)
+    ] = False,
+    no_reuse: Annotated[
+        bool,
+        typer.Option(
+            "--no-reuse", help="Record the loader over every layer (no template reuse).", rich_help_panel=PANEL_DRY
+        ),
+    ] = False,
+    simulate: Annotated[
+        bool, typer.Option("--simulate", help="Predict full-scale times (no bytes move).", rich_help_panel=PANEL_SIM)
+    ] = False,
+    cluster: Annotated[
+        str,
+        typer.Option(
+            "--cluster",
+            help="gpus_per_node=8,nic_gbps=400 (Gb/s per NIC),nvlink_gbps=450 (GB/s)",
+            rich_help_panel=PANEL_SIM,
+        ),
+    ] = "gpus_per_node=8,nic_gbps=400,nvlink_gbps=450",
+    trainer_nodes: Annotated[
+        int, typer.Option("--trainer-nodes", min=1, help="Nodes of trainer ranks.", rich_help_panel=PANEL_SIM)
+    ] = 1,
+    engine_nodes: Annotated[
+        int, typer.Option("--engine-nodes", min=1, help="Nodes of engine ranks.", rich_help_panel=PANEL_SIM)
+    ] = 1,
+    published_constraints: Annotated[
+        bool,
+        typer.Option(
+            "--published-constraints",
+            help="Serial PP groups, layer-wise reload, synchronized replicas.",
+            rich_help_panel=PANEL_SIM,
+        ),
+    ] = False,
     fail_engine: Annotated[
         list[str] | None,
-        typer.Option("--fail-engine", help="Kill replica R before sync S (R@S) or during it (R@S:mid); repeatable."),
+        typer.Option(
+            "--fail-engine",
+            metavar="R@S[:mid]",
+            help="Kill replica R before sync S (R@S) or during it (R@S:mid); repeatable.",
+            rich_help_panel=PANEL_FAULTS,
+        ),
     ] = None,
     slow_engine: Annotated[
-        list[str] | None, typer.Option("--slow-engine", help="Delay replica R by SECONDS per group (R=SECONDS).")
+        list[str] | None,
+        typer.Option(
+            "--slow-engine",
+            metavar="R=SECONDS",
+            help="Delay replica R by SECONDS per group; repeatable.",
+            rich_help_panel=PANEL_FAULTS,
+        ),
     ] = None,
-    group_size: Annotated[int, typer.Option("--group-size", min=1, help="v3: decoder blocks per group.")] = 1,
-    lookahead: Annotated[int, typer.Option("--lookahead", min=0, help="v3: groups gathered ahead.")] = 1,
-    engine_kind: Annotated[
-        str, typer.Option("--engine-kind", help="reference (kvmove's engine) or vllm (a live vLLM per replica).")
-    ] = "reference",
+    deadline: Annotated[
+        float,
+        typer.Option(
+            "--deadline", help="Seconds without progress before a peer is dropped.", rich_help_panel=PANEL_FAULTS
+        ),
+    ] = 60.0,
+    transport: Annotated[
+        SyncTransport,
+        typer.Option(
+            "--transport",
+            metavar="NAME",
+            help=f"Byte mover of the pulls: {', '.join(t.value for t in SyncTransport)}.",
+            rich_help_panel=PANEL_TUNING,
+        ),
+    ] = SyncTransport.auto,
+    group_size: Annotated[
+        int, typer.Option("--group-size", min=1, help="v3: decoder blocks per group.", rich_help_panel=PANEL_TUNING)
+    ] = 1,
+    lookahead: Annotated[
+        int, typer.Option("--lookahead", min=0, help="v3: groups gathered ahead.", rich_help_panel=PANEL_TUNING)
+    ] = 1,
     direct: Annotated[
         bool,
         typer.Option(
             "--direct/--no-direct",
             help="v2/v3: read regions lying in a trainer shard straight from its arena into the parameters.",
+            rich_help_panel=PANEL_TUNING,
         ),
     ] = True,
-    deadline: Annotated[
-        float, typer.Option("--deadline", help="Seconds without progress before a peer is dropped.")
-    ] = 60.0,
-    simulate: Annotated[bool, typer.Option("--simulate", help="Predict full-scale times (no bytes move).")] = False,
-    cluster: Annotated[
-        str,
-        typer.Option("--cluster", help="gpu=h100,nic=cx7-400[,gpus_per_node=8,nic_gbps=400 (Gb/s),nvlink_gbps=450]"),
-    ] = "gpu=h100,nic=cx7-400",
-    trainer_nodes: Annotated[int, typer.Option("--trainer-nodes", min=1, help="Nodes of trainer ranks.")] = 1,
-    engine_nodes: Annotated[int, typer.Option("--engine-nodes", min=1, help="Nodes of engine ranks.")] = 1,
-    published_constraints: Annotated[
-        bool,
-        typer.Option("--published-constraints", help="Serial PP groups, layer-wise reload, synchronized replicas."),
-    ] = False,
+    as_json: JsonOpt = False,
+    results: ResultsOpt = None,
+    no_record: NoRecordOpt = False,
 ) -> None:
-    """Sync weights from trainer ranks (Ray actors) to engine ranks, or plan it (--dry-run).
+    """Sync weights from trainer ranks (Ray actors) to engine ranks, or plan it (--dry-run), or predict it (--simulate).
+
+    Exit codes: 0 every sync done (and bit-exact with --verify); 1 a sync did not verify or had no live engine;
+    2 bad usage or input; 130 interrupted.
 
     Example: kvmove sync-weights --strategy v1,v2,v3,broadcast --syncs 3 --verify --json
 
-    Example: kvmove sync-weights --model kimi-k2 --trainer tp=8,pp=8,ep=32 --engine tp=32,ep=32 --replicas 4 --dry-run
+    Example: kvmove sync-weights --dry-run --model kimi-k2 --trainer tp=8,pp=8,ep=32 --engine tp=32,ep=32 --replicas 4
 
     Example: kvmove sync-weights --simulate --model kimi-k2 --trainer tp=8,pp=8,ep=32 --engine tp=32,ep=32
     --replicas 4 --trainer-nodes 32 --engine-nodes 16 --published-constraints
     """
-    cfg = resolve_model(model, parse_overrides(override or []))
-    engine_layout = EngineLayout.parse(engine, replicas if replicas is not None else _default_replicas(engine))
-    config = DryRunConfig(
-        model=cfg,
-        trainer=TrainerLayout.parse(trainer),
-        engine=engine_layout,
+    if dry_run and simulate:
+        raise KvmoveError("--dry-run and --simulate are two modes: give one")
+    check_options(ctx, SIMULATE if simulate else DRY_RUN if dry_run else RUN, APPLIES)
+    layout = {"trainer": trainer, "engine": engine, "replicas": replicas}
+    config = _dry_run_config(model, override or [], layout, strategy, verify, seed, no_reuse, engine_kind.value)
+    if simulate:
+        _simulate(config, cluster, trainer_nodes, engine_nodes, published_constraints, results, no_record)
+    elif dry_run:
+        _dry_run(config, as_json)
+    else:
+        options = {"group_size": group_size, "lookahead": lookahead, "direct": direct}
+        faults = {"fail_engine": fail_engine or [], "slow_engine": slow_engine or [], "deadline": deadline}
+        run_config = _sync_config(config, transport.value, syncs, ray_address, options, faults)
+        _run(run_config, as_json, None if no_record else results)
+
+
+def _dry_run_config(
+    model: str,
+    override: list[str],
+    layout: dict[str, Any],
+    strategy: str,
+    verify: bool,
+    seed: int,
+    no_reuse: bool,
+    engine_kind: str,
+) -> DryRunConfig:
+    from kvmove.layout import EngineLayout, TrainerLayout
+    from kvmove.models import parse_overrides, resolve_model
+    from kvmove.sync.dryrun import DryRunConfig
+    from kvmove.sync.strategies import parse_strategies
+
+    engine, replicas = layout["engine"], layout["replicas"]
+    default_replicas = DEFAULT_REPLICAS if engine == DEFAULT_ENGINE else 1
+    return DryRunConfig(
+        model=resolve_model(model, parse_overrides(override)),
+        trainer=TrainerLayout.parse(layout["trainer"]),
+        engine=EngineLayout.parse(engine, replicas if replicas is not None else default_replicas),
         strategies=tuple(parse_strategies(strategy)),
         verify=verify,
         seed=seed,
         reuse=not no_reuse,
         engine_kind=engine_kind,
     )
-    if simulate:
-        from kvmove.bench.sim.setup import Spec
-        from kvmove.cli.simulate import simulate_json
 
-        spec = Spec(
-            model=model,
-            overrides=tuple(override or []),
-            trainer=trainer,
-            engine=engine,
-            replicas=engine_layout.replicas,
-            trainer_nodes=trainer_nodes,
-            engine_nodes=engine_nodes,
-            cluster=cluster,
-            transport={"nccl": "nccl", "cuda-ipc": "cuda-ipc"}.get(transport, "pull"),
-            direct=direct and not published_constraints,
-            constraints="published" if published_constraints else "kvmove",
-            group_size=group_size,
-            lookahead=lookahead,
-        )
-        render.json_lines(simulate_json(spec, ",".join(s.name for s in config.strategies), results))
-        return
-    if not dry_run:
-        sync_config = SyncConfig(
-            model=cfg,
-            trainer=config.trainer,
-            engine=engine_layout,
-            strategies=config.strategies,
-            transport=transport,
-            syncs=syncs,
-            verify=verify,
-            seed=seed,
-            options=SyncOptions(group_size=group_size, lookahead=lookahead, direct=direct),
-            ray_address=ray_address,
-            engine_kind=engine_kind,
-            faults=tuple(Fault.parse(f) for f in fail_engine or []),
-            slow_replicas=tuple(_slow(s) for s in slow_engine or []),
-            deadline_s=deadline,
-        )
-        rows = render.run_syncs(run_syncs, sync_config, as_json=as_json)
-        if not no_record and rows:
-            append_rows(results, "sync", [sync_row(sync_config, r) for r in rows])
-        if verify and not all(r.verified for r in rows):
-            raise typer.Exit(1)
-        return
+
+def _sync_config(
+    config: DryRunConfig,
+    transport: str,
+    syncs: int,
+    ray_address: str | None,
+    options: dict[str, Any],
+    faults: dict[str, Any],
+) -> SyncConfig:
+    from kvmove.sync.runner import Fault, SyncConfig
+    from kvmove.sync.schedule import SyncOptions
+
+    return SyncConfig(
+        model=config.model,
+        trainer=config.trainer,
+        engine=config.engine,
+        strategies=config.strategies,
+        transport=transport,
+        syncs=syncs,
+        verify=config.verify,
+        seed=config.seed,
+        options=SyncOptions(**options),
+        ray_address=ray_address,
+        engine_kind=config.engine_kind,
+        faults=tuple(Fault.parse(f) for f in faults["fail_engine"]),
+        slow_replicas=tuple(_slow(s) for s in faults["slow_engine"]),
+        deadline_s=faults["deadline"],
+    )
+
+
+def _run(config: SyncConfig, as_json: bool, results: Path | None) -> None:
+    from kvmove.sync.runner import run_syncs
+
+    rows = render.run_syncs(run_syncs, config, as_json=as_json)
+    if results is not None and rows:
+        from kvmove.bench.results import append_rows
+        from kvmove.bench.syncs import sync_row
+
+        path = append_rows(results, "sync", [sync_row(config, r) for r in rows])
+        streams.note(f"{len(rows)} measured rows appended to {path}")
+    failed = sync_failures(rows)
+    if failed:
+        raise JobFailed(failed)
+
+
+def sync_failures(rows: list[SyncResult]) -> str:
+    """One line naming every sync that had no live engine or did not verify (with the differing ranks); "" if none."""
+    bad = []
+    for r in rows:
+        if r.live_engines == 0:
+            dead = ", ".join(map(str, r.dead_replicas)) or "all"
+            bad.append(f"{r.strategy} sync {r.sync}: no live engine (dead replicas: {dead})")
+        elif r.verified is False:
+            ranks = ", ".join(map(str, r.mismatched_ranks)) or "unknown"
+            bad.append(f"{r.strategy} sync {r.sync}: engine ranks {ranks} differ from the loader's weights")
+    if len(bad) > 4:
+        bad = [*bad[:4], f"and {len(bad) - 4} more"]
+    return "; ".join(bad)
+
+
+def _dry_run(config: DryRunConfig, as_json: bool) -> None:
+    from kvmove.sync.dryrun import dry_run_sync
+
     reports = dry_run_sync(config)
     if as_json:
         render.json_lines(r.as_json() for r in reports)
     else:
         render.dry_run(reports)
-    if verify and not all(r.verified for r in reports):
-        raise typer.Exit(1)
+    bad = [
+        f"{r.strategy}: {len(r.mismatches)} regions differ ({r.mismatches[0]})" for r in reports if r.verified is False
+    ]
+    if bad:
+        raise JobFailed("dry-run verification failed: " + "; ".join(bad))
+
+
+def _simulate(
+    config: DryRunConfig,
+    cluster: str,
+    trainer_nodes: int,
+    engine_nodes: int,
+    published_constraints: bool,
+    results: Path | None,
+    no_record: bool,
+) -> None:
+    from kvmove.cli.report import simulate as simulate_rows
+
+    predictions = simulate_rows(
+        config.model,
+        config.trainer,
+        config.engine,
+        [s.name for s in config.strategies],
+        cluster,
+        trainer_nodes,
+        engine_nodes,
+        published_constraints,
+        None if no_record else (results or Path("results")),
+    )
+    render.json_lines(predictions)
 
 
 def _slow(text: str) -> tuple[int, float]:
@@ -174,7 +343,3 @@ def _slow(text: str) -> tuple[int, float]:
         return int(replica), float(seconds)
     except ValueError:
         raise KvmoveError(f"--slow-engine {text!r} is not REPLICA=SECONDS") from None
-
-
-def _default_replicas(engine: str) -> int:
-    return DEFAULT_REPLICAS if engine == DEFAULT_ENGINE else 1

@@ -79,7 +79,7 @@ def test_serve_warns_when_auto_falls_back_to_http(monkeypatch, capsys) -> None:
     from kvmove.transport import NixlTransport
 
     started: list = []
-    monkeypatch.setattr(launch, "serve", started.append)
+    monkeypatch.setattr(launch, "serve", lambda config, ready=None: started.append(config))
     monkeypatch.setattr(NixlTransport, "is_available", classmethod(lambda cls: False))
     code, _, err = _main(monkeypatch, capsys, "serve", "--enable-kv-migration", "--port", "0")
     assert code == 0 and started[0].transport == "auto"
@@ -88,7 +88,7 @@ def test_serve_warns_when_auto_falls_back_to_http(monkeypatch, capsys) -> None:
     code, _, err = _main(monkeypatch, capsys, "serve", "--enable-kv-migration", "--transport", "nixl")
     assert code == 2 and "--transport http" in err and len(err.splitlines()) == 1
     code, _, err = _main(monkeypatch, capsys, "serve", "--enable-kv-migration", "--transport", "gloo")
-    assert code == 2 and "cannot move KV between servers" in err and len(started) == 1
+    assert code == 2 and "'gloo' is not one of 'auto', 'nixl', 'http'" in err and len(started) == 1
 
 
 def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys) -> None:

@@ -1,0 +1,254 @@
+"""How `kvmove bench report` shows its tables: rich tables (readable at 120 columns), markdown, CSV, JSON lines.
+
+Table and markdown show a compact selection of columns with human units; CSV and JSON carry every column of the
+library's DataFrames under their machine names (seconds, bytes, GB/s as numbers), one table per CSV.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+from rich import box
+from rich.table import Table
+
+from kvmove.cli import render, streams
+
+TITLES = {
+    "sync": "Weight sync: median seconds per strategy, one row per (commit, setup), fault-free syncs",
+    "faults": "Faulty syncs (dead replica, missing ranks, failed verify): kept out of the medians",
+    "links": "Raw links: the ceilings syncs are held to",
+    "plans": "Full-size sharding plans",
+    "published": "Simulated vs published (published engine's constraints on)",
+    "migrations": "KV-cache migrations, per prompt length",
+    "calibration": "Simulator calibration",
+}
+
+
+def compact_layout(label: Any) -> str:
+    """``tp=2,pp=2,ep=2,etp=1,dp=1`` -> ``tp=2,pp=2,ep=2``; ``tp=2,dp=1,ep=2,pp=1 x2`` -> ``tp=2,ep=2 x2``."""
+    body, _, replicas = str(label or "").partition(" x")
+    parts = [p for p in body.split(",") if p and not p.endswith("=1")] or [p for p in body.split(",")[:1] if p]
+    return ",".join(parts) + (f" x{replicas}" if replicas and replicas != "1" else "")
+
+
+def _layout(r: pd.Series) -> str:
+    kind = str(r.get("engine_kind") or "")
+    engine = f"{kind} {compact_layout(r['engine'])}" if kind and kind != "reference" else compact_layout(r["engine"])
+    return f"{compact_layout(r['trainer'])} → {engine}"
+
+
+def _transport(r: pd.Series) -> str:
+    extra = [str(r.get("pulls") or "")]
+    if r.get("constraints"):
+        extra.append(f"[{r['constraints']}]")
+    return " ".join([str(r["transport"]), *filter(None, extra)])
+
+
+def num(v: Any) -> str:
+    """A number in at most 4 significant digits (thousands separated), "" for missing."""
+    if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
+        return ""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    a = abs(v)
+    if a >= 1000:
+        return f"{v:,.0f}"
+    if a >= 10:
+        return f"{v:.1f}"
+    return f"{v:.2f}" if a >= 1 else f"{v:.3g}"
+
+
+def _times(v: Any) -> str:
+    return "" if pd.isna(v) else f"{v:.1f}x"
+
+
+def _pct(v: Any) -> str:
+    return "" if pd.isna(v) else f"{v:.0f}%"
+
+
+def _bytes(v: Any) -> str:
+    return "" if pd.isna(v) else render.human_bytes(float(v))
+
+
+def _metric(r: pd.Series, col: str) -> str:
+    return _bytes(r[col]) if r["metric"] == "bytes" else num(r[col])
+
+
+def _range(lo: Any, hi: Any) -> str:
+    return "" if pd.isna(lo) else f"{num(lo)}–{num(hi)}"
+
+
+Column = tuple[str, Callable[[pd.Series], str], bool]  # header, cell, numeric
+VIEWS: dict[str, list[Column]] = {
+    "sync": [
+        ("commit", lambda r: str(r["commit"]), False),
+        ("trainer → engine", _layout, False),
+        ("transport", _transport, False),
+        ("n", lambda r: str(r["syncs"]), True),
+        ("v1 s", lambda r: num(r["v1_seconds"]), True),
+        ("v2 s", lambda r: num(r["v2_seconds"]), True),
+        ("v3 s", lambda r: num(r["v3_seconds"]), True),
+        ("bcast\ns", lambda r: num(r["broadcast_seconds"]), True),
+        ("v3\nGB/s", lambda r: num(r["v3_gbps"]), True),
+        ("v3 %\nlink", lambda r: _pct(r["v3_pct_of_link"]), True),
+        ("v3 vs\nv1", lambda r: _times(r["v3_speedup_vs_v1"]), True),
+        ("v3 vs\nbcast", lambda r: _times(r["v3_speedup_vs_broadcast"]), True),
+    ],
+    "faults": [
+        ("commit", lambda r: str(r["commit"]), False),
+        ("model", lambda r: str(r["model"]), False),
+        ("trainer → engine", _layout, False),
+        ("transport", lambda r: str(r["transport"]), False),
+        ("strategy", lambda r: str(r["strategy"]), False),
+        ("sync", lambda r: num(r["sync"]), True),
+        ("seconds", lambda r: num(r["seconds"]), True),
+        ("bytes", lambda r: _bytes(r["bytes"]), True),
+        ("fault", lambda r: str(r["fault"]), False),
+    ],
+    "links": [
+        ("commit", lambda r: str(r["commit"]), False),
+        ("hardware", lambda r: str(r["hardware"]), False),
+        ("link", lambda r: str(r["link"]), False),
+        ("size", lambda r: _bytes(r["bytes"]), True),
+        ("n", lambda r: str(r["runs"]), True),
+        ("GB/s", lambda r: num(r["gbps"]), True),
+        ("min–max", lambda r: _range(r["gbps_min"], r["gbps_max"]), True),
+    ],
+    "plans": [
+        ("commit", lambda r: str(r["commit"]), False),
+        ("model", lambda r: str(r["model"]), False),
+        ("trainer → engine", _layout, False),
+        ("strategy", lambda r: str(r["strategy"]), False),
+        ("plan s", lambda r: num(r["plan_seconds"]), True),
+        ("bytes", lambda r: _bytes(r["bytes"]), True),
+        ("planner\nmemory", lambda r: _bytes(r["plan_peak_extra_bytes"]), True),
+        ("regions", lambda r: num(r["regions_per_replica"]), True),
+        ("balance", lambda r: num(r["load_balance"]), True),
+    ],
+    "published": [
+        ("setup", lambda r: str(r["setup"]), False),
+        ("strategy", lambda r: str(r["strategy"]), False),
+        ("metric", lambda r: str(r["metric"]), False),
+        ("published", lambda r: _metric(r, "published"), True),
+        ("simulated", lambda r: _metric(r, "simulated"), True),
+        ("error", lambda r: _pct(r["error_pct"]), True),
+        ("vs speed\nof light", lambda r: _times(r.get("sol_ratio")), True),
+        ("vs serial-PP\nspeed of light", lambda r: _times(r.get("serial_pp_sol_ratio")), True),
+        ("source", lambda r: str(r["source"]), False),
+    ],
+    "migrations": [
+        ("commit", lambda r: str(r["commit"]), False),
+        ("hardware", lambda r: str(r["hardware"]), False),
+        ("transport", lambda r: str(r["transport"]), False),
+        ("prompt", lambda r: num(r["prompt_len"]), True),
+        ("n", lambda r: str(r["migrations"]), True),
+        ("latency\ns", lambda r: num(r["seconds"]), True),
+        ("min–max", lambda r: _range(r["seconds_min"], r["seconds_max"]), True),
+        ("bytes", lambda r: _bytes(r["bytes"]), True),
+        ("resume\ns", lambda r: num(r["resume_seconds"]), True),
+        ("re-prefill\ns", lambda r: num(r["reprefill_seconds"]), True),
+        ("high\np50 s", lambda r: num(r["high_p50_seconds"]), True),
+        ("without", lambda r: num(r["baseline_high_p50_seconds"]), True),
+    ],
+}
+GROUPED = {"sync": ("kind", "hardware", "model"), "faults": ("kind", "hardware"), "plans": ("hardware",)}
+
+
+def _view(name: str, df: pd.DataFrame) -> list[Column]:
+    """The columns shown for table ``name`` (every column, formatted, where no view is defined)."""
+    if name in VIEWS:
+        return VIEWS[name]
+    return [(str(c), _cell_of(str(c)), bool(pd.api.types.is_numeric_dtype(df[c]))) for c in df.columns]
+
+
+def _cell_of(column: str) -> Callable[[pd.Series], str]:
+    return lambda r: num(r[column])
+
+
+def rich_tables(tables: dict[str, pd.DataFrame]) -> None:
+    """One rich table per report table (sync: one per kind, hardware and model, named in the title)."""
+    con = render.console()
+    for name, df in tables.items():
+        if df.empty:
+            con.print(f"[dim]{TITLES.get(name, name)}: no rows[/dim]")
+            continue
+        groups = df.groupby(list(GROUPED[name]), sort=False) if name in GROUPED else [((), df)]
+        for key, part in groups:
+            suffix = " · ".join(map(str, key if isinstance(key, tuple) else (key,)))
+            con.print(_rich_table(name, part, TITLES.get(name, name) + (f"\n{suffix}" if suffix else "")))
+
+
+def _rich_table(name: str, df: pd.DataFrame, title: str) -> Table:
+    """Numbers never wrap; text wraps at spaces, and a column is never narrower than its longest word."""
+    view = _view(name, df)
+    cells = [[cell(r) for _, cell, _ in view] for _, r in df.iterrows()]
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for i, (header, _, numeric) in enumerate(view):
+        words = [w for row in cells for w in row[i].split()] + header.split()
+        longest = max((len(w) for w in words), default=1)
+        table.add_column(
+            header,
+            justify="right" if numeric else "left",
+            no_wrap=numeric,
+            min_width=min(longest, 24),
+            overflow="fold",
+        )
+    for row in cells:
+        table.add_row(*row)
+    return table
+
+
+def markdown(tables: dict[str, pd.DataFrame], notes: list[str]) -> str:
+    parts = ["# kvmove benchmark report", ""]
+    for name, df in tables.items():
+        parts += [f"## {TITLES.get(name, name)}", ""]
+        if df.empty:
+            parts += ["_no rows_", ""]
+            continue
+        view = [(h, c, n) for h, c, n in _view(name, df)]
+        if name in GROUPED:
+            view = [(k, lambda r, k=k: str(r[k]), False) for k in GROUPED[name]] + view
+        parts.append("| " + " | ".join(h.replace("\n", " ") for h, _, _ in view) + " |")
+        parts.append("|" + "".join("---:|" if n else "---|" for _, _, n in view))
+        for _, r in df.iterrows():
+            parts.append("| " + " | ".join(c(r).replace("|", "/") for _, c, _ in view) + " |")
+        parts.append("")
+    if notes:
+        parts += ["## Notes", "", *[f"- {n}" for n in notes], ""]
+    return "\n".join(parts)
+
+
+def records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """Rows as plain dicts: numbers stay numbers, missing values become None."""
+    out = []
+    for rec in df.to_dict(orient="records"):
+        out.append({str(k): _plain(v) for k, v in rec.items()})
+    return out
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, dict | list):
+        return v
+    if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
+        return None
+    return v.item() if hasattr(v, "item") else v
+
+
+def json_lines(tables: dict[str, pd.DataFrame]) -> None:
+    """Every row of every table as one JSON object per line, with ``"table"`` naming its table."""
+    render.json_lines({"table": name, **rec} for name, df in tables.items() for rec in records(df))
+
+
+def csv(name: str, df: pd.DataFrame) -> None:
+    """One table as CSV (dict columns as JSON text)."""
+    flat = df.copy()
+    for c in flat.columns:
+        if flat[c].map(lambda v: isinstance(v, dict | list)).any():
+            flat[c] = flat[c].map(lambda v: json.dumps(v) if isinstance(v, dict | list) else v)
+    streams.out().write(str(flat.to_csv(index=False)))
