@@ -23,7 +23,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
-    help="Move model state in RL post-training (weight sync, KV-cache migration) and measure it.",
 )
 app.add_typer(models.app, name="models")
 app.command("sync-weights")(streams.owns_stdout(sync.sync_weights))
@@ -48,6 +47,10 @@ def root(
     """Move model state in RL post-training (weight sync, KV-cache migration) and measure it.
 
     Exit codes: 0 success, 1 the job ran and failed, 2 bad usage or input, 130 interrupted.
+
+    Example: kvmove sync-weights --strategy v1,v2,v3,broadcast --syncs 2 --verify
+
+    Example: kvmove bench report --format markdown
     """
 
 

@@ -47,8 +47,10 @@ def migrate(
     results: ResultsOpt = None,
     no_record: NoRecordOpt = False,
 ) -> None:
-    """Start N workers (`kvmove serve` subprocesses on 127.0.0.1), queue high-priority requests behind KV pressure
-    on one, migrate them with their K/V to the others, and check every output against an unmigrated greedy run.
+    """Migrate starving high-priority requests with their KV between loopback workers, and verify them.
+
+    Starts N workers (`kvmove serve` subprocesses on 127.0.0.1), queues high-priority requests behind KV pressure on
+    one, migrates them with their K/V to the others, and checks every output against an unmigrated greedy run.
 
     Exit codes: 0 every request continued identically; 1 one diverged or a worker failed its integrity check;
     2 bad usage or input; 130 interrupted (workers stopped).

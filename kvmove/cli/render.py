@@ -10,8 +10,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kvmove.cli import streams
 
@@ -154,36 +156,37 @@ def _verified_text(r: Any) -> str:
     return {None: "not verified", True: "bit-exact", False: "MISMATCH"}[r.verified]
 
 
+def fitted_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[bool]) -> Table:
+    """A table that reads at 120 columns: numbers never wrap, text wraps at spaces, and no column is narrower
+    than its longest word (so nothing is cut mid-word). Headers may hold newlines."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for i, header in enumerate(headers):
+        words = [w for row in rows for w in Text.from_markup(row[i]).plain.split()] + header.split()
+        table.add_column(
+            header,
+            justify="right" if numeric[i] else "left",
+            no_wrap=numeric[i],
+            min_width=min(max((len(w) for w in words), default=1), 24),
+            overflow="fold",
+        )
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
 def sync_table(rows: Sequence[Any]) -> None:
+    """One line per sync: time, bytes, phases, peak extra memory, live ranks, verification."""
     if not rows:
         return
-    table = Table(title=f"weight syncs ({rows[0].trainer_ranks} trainer ranks -> {rows[0].engine_ranks} engine ranks)")
-    cols = ("strategy", "transport", "sync", "seconds", "bytes", "GB/s", "gather", "pack", "transfer", "load")
-    for col in (*cols, "peak extra (trainer/engine)", "live", "verified"):
-        table.add_column(col, justify="left" if col in ("strategy", "transport", "verified") else "right")
-    for r in rows:
-        verified = {None: "-", True: "[green]bit-exact[/]", False: "[red]MISMATCH[/]"}[r.verified]
-        if r.live_engines == 0:
-            verified = "[red]no live engine[/]"
-        elif r.verified is False:
-            verified = f"[red]MISMATCH (ranks {', '.join(map(str, r.mismatched_ranks))})[/]"
-        p = r.phases
-        table.add_row(
-            r.strategy,
-            r.transport,
-            str(r.sync),
-            f"{r.seconds:.3f}",
-            human_bytes(r.bytes),
-            f"{r.gbps:.3f}",
-            f"{p['gather']:.3f}",
-            f"{p['pack']:.3f}",
-            f"{p['transfer']:.3f}",
-            f"{p['load']:.3f}",
-            f"{human_bytes(r.peak_extra_bytes['trainer'])} / {human_bytes(r.peak_extra_bytes['engine'])}",
-            f"{r.live_engines}/{r.engine_ranks}",
-            verified,
-        )
-    console().print(table)
+    transports = ", ".join(dict.fromkeys(r.transport for r in rows))
+    title = (
+        f"weight syncs over {transports}: {rows[0].trainer_ranks} trainer ranks -> {rows[0].engine_ranks} engine ranks"
+    )
+    headers = ["strategy", "sync", "seconds", "bytes", "GB/s", "gather", "pack", "transfer", "load"]
+    headers += ["peak extra\ntrainer", "peak extra\nengine", "live\nranks", "verified"]
+    table = [_sync_cells(r) for r in rows]
+    numeric = [h not in ("strategy", "verified") for h in headers]
+    console().print(fitted_table(title, headers, table, numeric))
     for r in rows:
         for note in r.notes:
             console().print(f"[yellow]{r.strategy} sync {r.sync}[/]: {note}")
@@ -198,27 +201,25 @@ def sync_table(rows: Sequence[Any]) -> None:
         console().print(f"v3 vs broadcast: {means['broadcast'] / means['v3']:.2f}x faster")
 
 
-def frame(df: Any, title: str) -> None:
-    """Any DataFrame as a table: numbers right-aligned with 4 significant digits, URLs and text on the left."""
-    import math
-
-    table = Table(title=title)
-    for c in df.columns:
-        numeric = str(df[c].dtype).startswith(("float", "int"))
-        table.add_column(str(c), justify="right" if numeric else "left", overflow="fold")
-    for _, r in df.iterrows():
-        cells = []
-        for v in r:
-            if isinstance(v, float):
-                cells.append("" if math.isnan(v) else f"{v:,.4g}")
-            else:
-                cells.append(str(v))
-        table.add_row(*cells)
-    console.print(table)
-
-
-def line(text: str) -> None:
-    console.print(text, highlight=False, soft_wrap=True)
+def _sync_cells(r: Any) -> list[str]:
+    verified = {None: "-", True: "[green]bit-exact[/]", False: "[red]MISMATCH[/]"}[r.verified]
+    if r.live_engines == 0:
+        verified = "[red]no live engine[/]"
+    elif r.verified is False:
+        verified = f"[red]MISMATCH (ranks {', '.join(map(str, r.mismatched_ranks))})[/]"
+    p = r.phases
+    return [
+        r.strategy,
+        str(r.sync),
+        f"{r.seconds:.3f}",
+        human_bytes(r.bytes),
+        f"{r.gbps:.3f}",
+        *(f"{p.get(k, 0.0):.3f}" for k in ("gather", "pack", "transfer", "load")),
+        human_bytes(r.peak_extra_bytes["trainer"]),
+        human_bytes(r.peak_extra_bytes["engine"]),
+        f"{r.live_engines}/{r.engine_ranks}",
+        verified,
+    ]
 
 
 def summary(values: dict[str, float]) -> None:

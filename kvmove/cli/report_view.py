@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
-from rich import box
 from rich.table import Table
 
 from kvmove.cli import render, streams
@@ -185,23 +184,9 @@ def rich_tables(tables: dict[str, pd.DataFrame]) -> None:
 
 
 def _rich_table(name: str, df: pd.DataFrame, title: str) -> Table:
-    """Numbers never wrap; text wraps at spaces, and a column is never narrower than its longest word."""
     view = _view(name, df)
     cells = [[cell(r) for _, cell, _ in view] for _, r in df.iterrows()]
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for i, (header, _, numeric) in enumerate(view):
-        words = [w for row in cells for w in row[i].split()] + header.split()
-        longest = max((len(w) for w in words), default=1)
-        table.add_column(
-            header,
-            justify="right" if numeric else "left",
-            no_wrap=numeric,
-            min_width=min(longest, 24),
-            overflow="fold",
-        )
-    for row in cells:
-        table.add_row(*row)
-    return table
+    return render.fitted_table(title, [h for h, _, _ in view], cells, [n for _, _, n in view])
 
 
 def markdown(tables: dict[str, pd.DataFrame], notes: list[str]) -> str:

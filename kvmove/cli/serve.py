@@ -78,33 +78,40 @@ def serve(
 
     Example: kvmove serve --port 30001 --enable-kv-migration --kv-migration-watchdog-timeout 30
     """
-    from kvmove.server.launch import serve as run  # NOTE: fastapi/uvicorn are the optional `serve` extra
+    from kvmove.server.listen import listen
 
-    migration = "KV migration off"
-    if enable_kv_migration:
-        migration = f"KV migration over {warn_fallback(transport.value).name}"
-    run(
-        ServerConfig(
-            host=host,
-            port=port,
-            model=model,
-            seed=seed,
-            num_pages=num_pages,
-            page_size=page_size,
-            max_running=max_running,
-            max_prefill_tokens=max_prefill_tokens,
-            dtype=dtype.value,
-            weight_version=weight_version,
-            enable_kv_migration=enable_kv_migration,
-            kv_migration_watchdog_timeout=kv_migration_watchdog_timeout,
-            watchdog_interval=watchdog_interval,
-            host_pages=host_pages,
-            transport=transport.value,
-            max_body_bytes=max_body_bytes,
-            peer_timeout=peer_timeout,
-        ),
-        ready=lambda url: print(f"kvmove serve: ready on {url} ({model}, {migration})", file=streams.out(), flush=True),
+    config = ServerConfig(
+        host=host,
+        port=port,
+        model=model,
+        seed=seed,
+        num_pages=num_pages,
+        page_size=page_size,
+        max_running=max_running,
+        max_prefill_tokens=max_prefill_tokens,
+        dtype=dtype.value,
+        weight_version=weight_version,
+        enable_kv_migration=enable_kv_migration,
+        kv_migration_watchdog_timeout=kv_migration_watchdog_timeout,
+        watchdog_interval=watchdog_interval,
+        host_pages=host_pages,
+        transport=transport.value,
+        max_body_bytes=max_body_bytes,
+        peer_timeout=peer_timeout,
     )
+    sock = listen(host, port)  # a port in use is refused before anything heavy is imported or built
+    try:
+        migration = (
+            f"KV migration over {warn_fallback(transport.value).name}" if enable_kv_migration else "no KV migration"
+        )
+        from kvmove.server.launch import serve as run  # NOTE: fastapi/uvicorn are the optional `serve` extra
+
+        def ready(url: str) -> None:
+            print(f"kvmove serve: ready on {url} ({model}, {migration})", file=streams.out(), flush=True)
+
+        run(config, ready=ready, sock=sock)
+    finally:
+        sock.close()
 
 
 def warn_fallback(transport: str) -> TransportChoice:

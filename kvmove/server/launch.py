@@ -19,13 +19,15 @@ import uvicorn
 from kvmove.errors import KvmoveError
 from kvmove.server.app import create_app
 from kvmove.server.config import ServerConfig
+from kvmove.server.listen import listen
 from kvmove.server.runtime import Runtime
 
 
-def serve(config: ServerConfig, ready: Callable[[str], None] | None = None) -> None:
+def serve(config: ServerConfig, ready: Callable[[str], None] | None = None, sock: socket.socket | None = None) -> None:
     """Run one server until interrupted. The port is taken before the model is built (a port in use is a
-    KvmoveError, nothing built); ``ready(url)`` is called once the server accepts requests (port 0: the OS's)."""
-    sock = listen(config.host, config.port)
+    KvmoveError, nothing built; ``sock``: already taken); ``ready(url)`` is called once the server accepts
+    requests (port 0: the port the OS picked)."""
+    sock = sock or listen(config.host, config.port)
     config = replace(config, port=int(sock.getsockname()[1]))
     try:
         rt = Runtime(config)
@@ -39,20 +41,6 @@ def serve(config: ServerConfig, ready: Callable[[str], None] | None = None) -> N
             rt.stop()
     finally:
         sock.close()
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` (SO_REUSEADDR, as uvicorn binds), or a KvmoveError naming the taken port."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        raise KvmoveError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another server there?)") from None
-    return sock
 
 
 def _announce(server: uvicorn.Server, url: str, ready: Callable[[str], None]) -> None:

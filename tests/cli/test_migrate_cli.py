@@ -79,7 +79,7 @@ def test_serve_warns_when_auto_falls_back_to_http(monkeypatch, capsys) -> None:
     from kvmove.transport import NixlTransport
 
     started: list = []
-    monkeypatch.setattr(launch, "serve", lambda config, ready=None: started.append(config))
+    monkeypatch.setattr(launch, "serve", lambda config, ready=None, sock=None: started.append(config))
     monkeypatch.setattr(NixlTransport, "is_available", classmethod(lambda cls: False))
     code, _, err = _main(monkeypatch, capsys, "serve", "--enable-kv-migration", "--port", "0")
     assert code == 0 and started[0].transport == "auto"
