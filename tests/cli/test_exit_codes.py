@@ -86,7 +86,7 @@ def fake_syncs(monkeypatch) -> FakeRun:
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["sync-weights", "--bogus"], "No such option: --bogus"),
+        (["sync-weights", "--bogus"], "--bogus"),
         (["sync-weights", "--syncs", "0"], "--syncs"),
         (["sync-weights", "--verify", "true"], "unexpected extra argument"),
         (["models", "show"], "Missing argument"),
@@ -224,3 +224,15 @@ def test_enums_mirror_the_registries() -> None:
     assert {k.value for k in EngineKind} == set(ENGINES)
     assert {t.value for t in KVTransport} == {"auto"} | set(SERVER_TRANSPORTS)
     assert DEFAULT_MODEL == MODEL
+
+
+def test_bench_run_prints_rows_and_records_only_with_results(monkeypatch, tmp_path) -> None:
+    import kvmove.bench.plans as plans
+    from kvmove.bench.results import Row
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(plans, "plan_rows", lambda: [Row(kind="measured", suite="plan", name="plan x", seconds=1.5)])
+    r = cli("bench", "run", "--suite", "plan", "--json")
+    assert r.code == 0 and json.loads(r.out)["name"] == "plan x" and list(tmp_path.iterdir()) == []
+    r = cli("bench", "run", "--suite", "plan", "--results", "results")
+    assert r.code == 0 and "plan x" in r.out and (tmp_path / "results" / "plan.parquet").exists()
