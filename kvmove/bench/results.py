@@ -102,18 +102,22 @@ def versions() -> dict[str, str]:
 
 
 def git_commit() -> str:
-    """The short commit of this checkout (``KVMOVE_GIT_COMMIT`` where the tree travelled without .git)."""
+    """The short commit of this checkout, ``-dirty`` when tracked code differs from it (``KVMOVE_GIT_COMMIT``
+    where the tree travelled without .git). Result files (``*.parquet``) are data, not code: rows appended by
+    an earlier run of a sweep do not make the next run's rows dirty."""
     if os.environ.get("KVMOVE_GIT_COMMIT"):
         return os.environ["KVMOVE_GIT_COMMIT"]
+    here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"],
+            ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True, cwd=here
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude,glob)**/*.parquet"],
             capture_output=True,
             text=True,
-            check=True,
-            cwd=Path(__file__).resolve().parent,
+            cwd=here.parent.parent,
         )
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
         return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
