@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -15,34 +16,33 @@ from kvmove.cli.options import JsonOpt, KVTransport, ModelOpt, NoRecordOpt, Resu
 from kvmove.cli.serve import TransportOpt, warn_fallback
 from kvmove.errors import JobFailed, KvmoveError
 
+WorkersOpt = Annotated[int, typer.Option("--workers", min=2, help="Worker servers to start on loopback.")]
+RequestsOpt = Annotated[int, typer.Option("--requests", min=1, help="High-priority requests (one GRPO group).")]
+PromptLenOpt = Annotated[int, typer.Option("--prompt-len", min=1, help="Tokens of the group's shared prompt.")]
+NewTokensOpt = Annotated[int, typer.Option("--new-tokens", min=1, help="Tokens each high request generates.")]
+NumPagesOpt = Annotated[int, typer.Option("--num-pages", min=8, help="KV pages per worker.")]
+PageSizeOpt = Annotated[int, typer.Option("--page-size", min=1, help="Tokens per KV page.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of weights and prompts.")]
+BaselineOpt = Annotated[
+    bool, typer.Option("--baseline/--no-baseline", help="Also run the workload without migration (p50/p99).")
+]
+MeasureLinkOpt = Annotated[
+    bool, typer.Option("--measure-link/--no-measure-link", help="Measure the raw transport bandwidth too.")
+]
+
 
 def migrate(
-    workers: Annotated[int, typer.Option("--workers", min=2, help="Worker servers to start on loopback.")] = 2,
-    requests: Annotated[int, typer.Option("--requests", min=1, help="High-priority requests (one GRPO group).")] = 4,
-    prompt_len: Annotated[int, typer.Option("--prompt-len", min=1, help="Tokens of the group's shared prompt.")] = 64,
-    new_tokens: Annotated[int, typer.Option("--new-tokens", min=1, help="Tokens each high request generates.")] = 24,
+    workers: WorkersOpt = 2,
+    requests: RequestsOpt = 4,
+    prompt_len: PromptLenOpt = 64,
+    new_tokens: NewTokensOpt = 24,
     model: ModelOpt = "qwen3-tiny",
-    num_pages: Annotated[int, typer.Option("--num-pages", min=8, help="KV pages per worker.")] = 128,
-    page_size: Annotated[int, typer.Option("--page-size", min=1, help="Tokens per KV page.")] = 16,
+    num_pages: NumPagesOpt = 128,
+    page_size: PageSizeOpt = 16,
     transport: TransportOpt = KVTransport.auto,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of weights and prompts.")] = 1,
-    baseline: Annotated[
-        bool, typer.Option("--baseline/--no-baseline", help="Also run the workload without migration (p50/p99).")
-    ] = True,
-    measure_link: Annotated[
-        bool, typer.Option("--measure-link/--no-measure-link", help="Measure the raw transport bandwidth too.")
-    ] = True,
-    routes: Annotated[
-        str,
-        typer.Option(
-            "--routes",
-            help="kvmove: hold/release hand-over and migration abort; sglang: only the SGLang fork's five migration "
-            "routes, /abort_request and /generate (the workers start with --no-kvmove-routes).",
-        ),
-    ] = "kvmove",
-    tp: Annotated[
-        str, typer.Option("--tp", help="Tensor-parallel ranks per worker, one value or one per worker: 2 or 2,1.")
-    ] = "1",
+    seed: SeedOpt = 1,
+    baseline: BaselineOpt = True,
+    measure_link: MeasureLinkOpt = True,
     as_json: JsonOpt = False,
     results: ResultsOpt = None,
     no_record: NoRecordOpt = False,
@@ -59,11 +59,9 @@ def migrate(
 
     Example: kvmove migrate --prompt-len 256 --results results/   # rows for migration_latency.png
     """
-    from kvmove.migration.client import WorkerClient
     from kvmove.migration.report import rows_for, summarize  # NOTE: needs the optional `serve` extra
-    from kvmove.migration.workload import WorkloadConfig, run_workload
+    from kvmove.migration.workload import WorkloadConfig
     from kvmove.server.config import ServerConfig
-    from kvmove.server.launch import LocalCluster, free_port
 
     if routes not in ("kvmove", "sglang"):
         raise KvmoveError(f"--routes must be kvmove or sglang, not {routes!r}")
@@ -81,7 +79,7 @@ def migrate(
     if need * requests > num_pages - 1:
         raise KvmoveError(f"{requests} requests of {need} pages do not fit in --num-pages {num_pages}")
     choice = warn_fallback(transport.value)
-    base = ServerConfig(
+    server = ServerConfig(
         model=model,
         seed=seed,
         num_pages=num_pages,
@@ -91,22 +89,9 @@ def migrate(
         max_prefill_tokens=4096,
         kvmove_routes=routes == "kvmove",
     )
-    configs = [replace(base, port=free_port()) for _ in range(workers)]
-    with streams.progress() as say, tempfile.TemporaryDirectory(prefix="kvmove-migrate-") as logs:
-        say(f"starting {workers} workers ({model}, KV over {choice.name})")
-        with LocalCluster(configs, Path(logs)) as cluster:
-            clients = [WorkerClient(u, timeout=cfg.deadline_s) for u in cluster.urls]
-            with ThreadPoolExecutor(max_workers=2 * requests + 8) as pool:
-                say(f"workload with migration: {requests} high-priority requests, prompt {prompt_len} tokens")
-                runs = [run_workload(clients, cfg, True, pool)]
-                if baseline:
-                    say("the same workload without migration (baseline)")
-                    runs.append(run_workload(clients, cfg, False, pool))
-            for c in clients:
-                c.close()
-        if measure_link:
-            say(f"raw {choice.name} bandwidth")
-        link = _link_gbps(choice.name, runs[0]) if measure_link else None
+    with streams.progress() as say:
+        runs = _workloads(server, workers, cfg, baseline, say)
+        link = _link_gbps(choice.name, runs[0], say) if measure_link else None
     lines = summarize(runs, link, choice)
     if as_json:
         render.json_lines(lines)
@@ -123,22 +108,31 @@ def migrate(
         raise JobFailed(f"not continued identically or integrity check failed: {', '.join(map(str, bad))}")
 
 
-def _tp_sizes(text: str, workers: int) -> list[int]:
-    """``--tp``: one size for every worker, or one per worker."""
-    try:
-        sizes = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise KvmoveError(f"--tp takes integers separated by commas, not {text!r}") from None
-    if len(sizes) == 1:
-        sizes *= workers
-    if len(sizes) != workers or min(sizes) < 1:
-        raise KvmoveError(f"--tp needs one size >= 1 or {workers} of them (one per worker), got {text!r}")
-    return sizes
+def _workloads(server: Any, workers: int, cfg: Any, baseline: bool, say: Callable[[str], None]) -> list[Any]:
+    """The workload with migration (and without, as a baseline) on ``workers`` fresh loopback servers."""
+    from kvmove.migration.client import WorkerClient
+    from kvmove.migration.workload import run_workload
+    from kvmove.server.launch import LocalCluster, free_port
+
+    configs = [replace(server, port=free_port()) for _ in range(workers)]
+    say(f"starting {workers} workers ({server.model}, KV over {server.transport})")
+    with tempfile.TemporaryDirectory(prefix="kvmove-migrate-") as logs, LocalCluster(configs, Path(logs)) as cluster:
+        clients = [WorkerClient(u, timeout=cfg.deadline_s) for u in cluster.urls]
+        with ThreadPoolExecutor(max_workers=2 * cfg.requests + 8) as pool:
+            say(f"workload with migration: {cfg.requests} high-priority requests, prompt {cfg.prompt_len} tokens")
+            runs = [run_workload(clients, cfg, True, pool)]
+            if baseline:
+                say("the same workload without migration (baseline)")
+                runs.append(run_workload(clients, cfg, False, pool))
+        for c in clients:
+            c.close()
+    return runs
 
 
-def _link_gbps(transport: str, run: Any) -> float:
+def _link_gbps(transport: str, run: Any, say: Callable[[str], None]) -> float:
     from kvmove.transport.bandwidth import measure_bandwidth
 
+    say(f"raw {transport} bandwidth")
     nbytes = max([mg.bytes for mg in run.migrations] + [1 << 20])
     return measure_bandwidth(transport, nbytes, repeats=3, processes="process").gb_per_s
 

@@ -115,7 +115,6 @@ JsonOpt = Annotated[
         "--json", help="One JSON object per line on stdout (logs stay on stderr).", rich_help_panel=PANEL_OUTPUT
     ),
 ]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the random weights.")]
 ResultsOpt = Annotated[
     Path | None,
     typer.Option(

@@ -27,49 +27,44 @@ class Dtype(StrEnum):
     bfloat16 = "bfloat16"
 
 
+PortOpt = Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port to listen on (0: any free one).")]
+HostOpt = Annotated[str, typer.Option("--host", help="Address to bind (loopback by default).")]
+EnableKvMigrationOpt = Annotated[bool, typer.Option("--enable-kv-migration", help="Serve the KV-migration routes.")]
+KvMigrationWatchdogTimeoutOpt = Annotated[
+    float,
+    typer.Option("--kv-migration-watchdog-timeout", help="Seconds before an uncommitted migration is rolled back."),
+]
+WatchdogIntervalOpt = Annotated[float, typer.Option("--watchdog-interval", help="Seconds between watchdog checks.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the model's random weights.")]
+NumPagesOpt = Annotated[int, typer.Option("--num-pages", min=1, help="Device KV pool pages.")]
+PageSizeOpt = Annotated[int, typer.Option("--page-size", min=1, help="Tokens per KV page.")]
+HostPagesOpt = Annotated[int, typer.Option("--host-pages", min=0, help="Host KV pool pages (0: --num-pages).")]
+MaxRunningOpt = Annotated[int, typer.Option("--max-running", min=1, help="Most requests in one batch.")]
+MaxPrefillTokensOpt = Annotated[int, typer.Option("--max-prefill-tokens", min=1, help="Prefill budget per step.")]
+DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="KV and compute dtype.")]
+WeightVersionOpt = Annotated[str, typer.Option("--weight-version", help="Namespace of cached K/V.")]
+MaxBodyBytesOpt = Annotated[int, typer.Option("--max-body-bytes", help="Larger request bodies get 413.")]
+PeerTimeoutOpt = Annotated[float, typer.Option("--peer-timeout", help="Seconds to wait for a peer server.")]
+
+
 def serve(
-    port: Annotated[
-        int, typer.Option("--port", min=0, max=65535, help="TCP port to listen on (0: any free one).")
-    ] = 30000,
-    host: Annotated[str, typer.Option("--host", help="Address to bind (loopback by default).")] = LOOPBACK,
-    enable_kv_migration: Annotated[
-        bool, typer.Option("--enable-kv-migration", help="Serve the KV-migration routes.")
-    ] = False,
-    kv_migration_watchdog_timeout: Annotated[
-        float,
-        typer.Option("--kv-migration-watchdog-timeout", help="Seconds before an uncommitted migration is rolled back."),
-    ] = 60.0,
-    watchdog_interval: Annotated[
-        float, typer.Option("--watchdog-interval", help="Seconds between watchdog checks.")
-    ] = 1.0,
+    port: PortOpt = 30000,
+    host: HostOpt = LOOPBACK,
+    enable_kv_migration: EnableKvMigrationOpt = False,
+    kv_migration_watchdog_timeout: KvMigrationWatchdogTimeoutOpt = 60.0,
+    watchdog_interval: WatchdogIntervalOpt = 1.0,
     model: ModelOpt = "qwen3-tiny",
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the model's random weights.")] = 1,
-    num_pages: Annotated[int, typer.Option("--num-pages", min=1, help="Device KV pool pages.")] = 128,
-    page_size: Annotated[int, typer.Option("--page-size", min=1, help="Tokens per KV page.")] = 16,
-    host_pages: Annotated[int, typer.Option("--host-pages", min=0, help="Host KV pool pages (0: --num-pages).")] = 0,
-    max_running: Annotated[int, typer.Option("--max-running", min=1, help="Most requests in one batch.")] = 16,
-    max_prefill_tokens: Annotated[
-        int, typer.Option("--max-prefill-tokens", min=1, help="Prefill budget per step.")
-    ] = 2048,
-    dtype: Annotated[Dtype, typer.Option("--dtype", help="KV and compute dtype.")] = Dtype.float32,
-    weight_version: Annotated[str, typer.Option("--weight-version", help="Namespace of cached K/V.")] = "0",
+    seed: SeedOpt = 1,
+    num_pages: NumPagesOpt = 128,
+    page_size: PageSizeOpt = 16,
+    host_pages: HostPagesOpt = 0,
+    max_running: MaxRunningOpt = 16,
+    max_prefill_tokens: MaxPrefillTokensOpt = 2048,
+    dtype: DtypeOpt = Dtype.float32,
+    weight_version: WeightVersionOpt = "0",
     transport: TransportOpt = KVTransport.auto,
-    max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help="Larger request bodies get 413.")] = 8 << 20,
-    peer_timeout: Annotated[float, typer.Option("--peer-timeout", help="Seconds to wait for a peer server.")] = 60.0,
-    tp_size: Annotated[
-        int,
-        typer.Option(
-            "--tp-size", "--tp", min=1, help="Tensor-parallel ranks (each its share of the KV heads and host pool)."
-        ),
-    ] = 1,
-    kvmove_routes: Annotated[
-        bool,
-        typer.Option(
-            "--kvmove-routes/--no-kvmove-routes",
-            help="Serve kvmove's own control routes (hold/release, migration abort, integrity); off: only SGLang's "
-            "routes and the fork's five migration routes.",
-        ),
-    ] = True,
+    max_body_bytes: MaxBodyBytesOpt = 8 << 20,
+    peer_timeout: PeerTimeoutOpt = 60.0,
 ) -> None:
     """Serve one rollout worker over HTTP (/generate, /tokenize, /health, /metrics and the migration routes).
 

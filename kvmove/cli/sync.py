@@ -65,6 +65,108 @@ APPLIES: dict[str, tuple[str, ...]] = {
 }
 
 
+VerifyOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verify", help="Check every engine rank bit-exact (real syncs, --dry-run).", rich_help_panel=PANEL_RUN
+    ),
+]
+SeedOpt = Annotated[
+    int,
+    typer.Option("--seed", help="Seed of the random weights (real syncs, --dry-run).", rich_help_panel=PANEL_RUN),
+]
+EngineKindOpt = Annotated[
+    EngineKind,
+    typer.Option(
+        "--engine-kind", help="kvmove's reference engine, or a live vLLM per replica.", rich_help_panel=PANEL_RUN
+    ),
+]
+SyncsOpt = Annotated[int, typer.Option("--syncs", min=1, help="Syncs per strategy.", rich_help_panel=PANEL_RUN)]
+RayAddressOpt = Annotated[
+    str | None,
+    typer.Option("--ray-address", help="Join an existing Ray cluster (default: local).", rich_help_panel=PANEL_RUN),
+]
+DryRunOpt = Annotated[
+    bool, typer.Option("--dry-run", help="Build and summarize plans; move no bytes.", rich_help_panel=PANEL_DRY)
+]
+NoReuseOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-reuse", help="Record the loader over every layer (no template reuse).", rich_help_panel=PANEL_DRY
+    ),
+]
+SimulateOpt = Annotated[
+    bool, typer.Option("--simulate", help="Predict full-scale times (no bytes move).", rich_help_panel=PANEL_SIM)
+]
+ClusterOpt = Annotated[
+    str,
+    typer.Option(
+        "--cluster",
+        help="gpus_per_node=8,nic_gbps=400 (Gb/s per NIC),nvlink_gbps=450 (GB/s)",
+        rich_help_panel=PANEL_SIM,
+    ),
+]
+TrainerNodesOpt = Annotated[
+    int, typer.Option("--trainer-nodes", min=1, help="Nodes of trainer ranks.", rich_help_panel=PANEL_SIM)
+]
+EngineNodesOpt = Annotated[
+    int, typer.Option("--engine-nodes", min=1, help="Nodes of engine ranks.", rich_help_panel=PANEL_SIM)
+]
+PublishedConstraintsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--published-constraints",
+        help="Serial PP groups, layer-wise reload, synchronized replicas.",
+        rich_help_panel=PANEL_SIM,
+    ),
+]
+FailEngineOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--fail-engine",
+        metavar="R@S[:mid]",
+        help="Kill replica R before sync S (R@S) or during it (R@S:mid); repeatable.",
+        rich_help_panel=PANEL_FAULTS,
+    ),
+]
+SlowEngineOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--slow-engine",
+        metavar="R=SECONDS",
+        help="Delay replica R by SECONDS per group; repeatable.",
+        rich_help_panel=PANEL_FAULTS,
+    ),
+]
+DeadlineOpt = Annotated[
+    float,
+    typer.Option("--deadline", help="Seconds without progress before a peer is dropped.", rich_help_panel=PANEL_FAULTS),
+]
+TransportOpt = Annotated[
+    SyncTransport,
+    typer.Option(
+        "--transport",
+        metavar="NAME",
+        help=f"Byte mover of the pulls: {', '.join(t.value for t in SyncTransport)}.",
+        rich_help_panel=PANEL_TUNING,
+    ),
+]
+GroupSizeOpt = Annotated[
+    int, typer.Option("--group-size", min=1, help="v3: decoder blocks per group.", rich_help_panel=PANEL_TUNING)
+]
+LookaheadOpt = Annotated[
+    int, typer.Option("--lookahead", min=0, help="v3: groups gathered ahead.", rich_help_panel=PANEL_TUNING)
+]
+DirectOpt = Annotated[
+    bool,
+    typer.Option(
+        "--direct/--no-direct",
+        help="v2/v3: read regions lying in a trainer shard straight from its arena into the parameters.",
+        rich_help_panel=PANEL_TUNING,
+    ),
+]
+
+
 def sync_weights(
     ctx: typer.Context,
     model: ModelOpt = DEFAULT_MODEL,
@@ -73,108 +175,25 @@ def sync_weights(
     engine: EngineOpt = DEFAULT_ENGINE,
     replicas: ReplicasOpt = None,
     strategy: StrategyOpt = "v1,v2,v3,broadcast",
-    verify: Annotated[
-        bool,
-        typer.Option(
-            "--verify", help="Check every engine rank bit-exact (real syncs, --dry-run).", rich_help_panel=PANEL_RUN
-        ),
-    ] = False,
-    seed: Annotated[
-        int,
-        typer.Option("--seed", help="Seed of the random weights (real syncs, --dry-run).", rich_help_panel=PANEL_RUN),
-    ] = 0,
-    engine_kind: Annotated[
-        EngineKind,
-        typer.Option(
-            "--engine-kind", help="kvmove's reference engine, or a live vLLM per replica.", rich_help_panel=PANEL_RUN
-        ),
-    ] = EngineKind.reference,
-    syncs: Annotated[int, typer.Option("--syncs", min=1, help="Syncs per strategy.", rich_help_panel=PANEL_RUN)] = 1,
-    ray_address: Annotated[
-        str | None,
-        typer.Option("--ray-address", help="Join an existing Ray cluster (default: local).", rich_help_panel=PANEL_RUN),
-    ] = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Build and summarize plans; move no bytes.", rich_help_panel=PANEL_DRY)
-    ] = False,
-    no_reuse: Annotated[
-        bool,
-        typer.Option(
-            "--no-reuse", help="Record the loader over every layer (no template reuse).", rich_help_panel=PANEL_DRY
-        ),
-    ] = False,
-    simulate: Annotated[
-        bool, typer.Option("--simulate", help="Predict full-scale times (no bytes move).", rich_help_panel=PANEL_SIM)
-    ] = False,
-    cluster: Annotated[
-        str,
-        typer.Option(
-            "--cluster",
-            help="gpus_per_node=8,nic_gbps=400 (Gb/s per NIC),nvlink_gbps=450 (GB/s)",
-            rich_help_panel=PANEL_SIM,
-        ),
-    ] = "gpus_per_node=8,nic_gbps=400,nvlink_gbps=450",
-    trainer_nodes: Annotated[
-        int, typer.Option("--trainer-nodes", min=1, help="Nodes of trainer ranks.", rich_help_panel=PANEL_SIM)
-    ] = 1,
-    engine_nodes: Annotated[
-        int, typer.Option("--engine-nodes", min=1, help="Nodes of engine ranks.", rich_help_panel=PANEL_SIM)
-    ] = 1,
-    published_constraints: Annotated[
-        bool,
-        typer.Option(
-            "--published-constraints",
-            help="Serial PP groups, layer-wise reload, synchronized replicas.",
-            rich_help_panel=PANEL_SIM,
-        ),
-    ] = False,
-    fail_engine: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--fail-engine",
-            metavar="R@S[:mid]",
-            help="Kill replica R before sync S (R@S) or during it (R@S:mid); repeatable.",
-            rich_help_panel=PANEL_FAULTS,
-        ),
-    ] = None,
-    slow_engine: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--slow-engine",
-            metavar="R=SECONDS",
-            help="Delay replica R by SECONDS per group; repeatable.",
-            rich_help_panel=PANEL_FAULTS,
-        ),
-    ] = None,
-    deadline: Annotated[
-        float,
-        typer.Option(
-            "--deadline", help="Seconds without progress before a peer is dropped.", rich_help_panel=PANEL_FAULTS
-        ),
-    ] = 60.0,
-    transport: Annotated[
-        SyncTransport,
-        typer.Option(
-            "--transport",
-            metavar="NAME",
-            help=f"Byte mover of the pulls: {', '.join(t.value for t in SyncTransport)}.",
-            rich_help_panel=PANEL_TUNING,
-        ),
-    ] = SyncTransport.auto,
-    group_size: Annotated[
-        int, typer.Option("--group-size", min=1, help="v3: decoder blocks per group.", rich_help_panel=PANEL_TUNING)
-    ] = 1,
-    lookahead: Annotated[
-        int, typer.Option("--lookahead", min=0, help="v3: groups gathered ahead.", rich_help_panel=PANEL_TUNING)
-    ] = 1,
-    direct: Annotated[
-        bool,
-        typer.Option(
-            "--direct/--no-direct",
-            help="v2/v3: read regions lying in a trainer shard straight from its arena into the parameters.",
-            rich_help_panel=PANEL_TUNING,
-        ),
-    ] = True,
+    verify: VerifyOpt = False,
+    seed: SeedOpt = 0,
+    engine_kind: EngineKindOpt = EngineKind.reference,
+    syncs: SyncsOpt = 1,
+    ray_address: RayAddressOpt = None,
+    dry_run: DryRunOpt = False,
+    no_reuse: NoReuseOpt = False,
+    simulate: SimulateOpt = False,
+    cluster: ClusterOpt = "gpus_per_node=8,nic_gbps=400,nvlink_gbps=450",
+    trainer_nodes: TrainerNodesOpt = 1,
+    engine_nodes: EngineNodesOpt = 1,
+    published_constraints: PublishedConstraintsOpt = False,
+    fail_engine: FailEngineOpt = None,
+    slow_engine: SlowEngineOpt = None,
+    deadline: DeadlineOpt = 60.0,
+    transport: TransportOpt = SyncTransport.auto,
+    group_size: GroupSizeOpt = 1,
+    lookahead: LookaheadOpt = 1,
+    direct: DirectOpt = True,
     as_json: JsonOpt = False,
     results: ResultsOpt = None,
     no_record: NoRecordOpt = False,
