@@ -1,7 +1,8 @@
 """The kvmove command line: a table of contents; each command lives in its own module.
 
 Exit codes (every command): 0 success; 1 the job ran and failed (JobFailed); 2 bad usage or bad input, one line on
-stderr (KvmoveError, or whatever usage error the CLI library raises); 130 interrupted, after cleanup.
+stderr (KvmoveError, or whatever usage error the CLI library raises); 130 interrupted, after cleanup; 141 (quietly)
+when stdout's reader went away (``| head``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from kvmove import __version__
 from kvmove.cli import bench, migrate, models, serve, streams, sync
 from kvmove.errors import JobFailed, KvmoveError
 
-OK, FAILED, USAGE, INTERRUPTED = 0, 1, 2, 130
+OK, FAILED, USAGE, INTERRUPTED, BROKEN_PIPE = 0, 1, 2, 130, 141
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -72,8 +73,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         return _fail(INTERRUPTED if interrupted else FAILED, "interrupted" if interrupted else "aborted")
     except KeyboardInterrupt:
         return _fail(INTERRUPTED, "interrupted")
-    except BrokenPipeError:
-        return FAILED
+    except (streams.OutputClosed, BrokenPipeError):  # `kvmove ... | head`: the shell's code for it, no noise
+        streams.silence_stdout()
+        return BROKEN_PIPE
     # NOTE: typer returns, not raises, exit codes in non-standalone mode (typer.Exit(1), 130 on Ctrl-C)
     code = code if isinstance(code, int) else OK
     if code == INTERRUPTED:

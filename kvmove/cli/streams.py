@@ -22,6 +22,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 _out: TextIO | None = None
 
 
+class OutputClosed(Exception):
+    """stdout's reader went away (``kvmove ... | head``); not an OSError, so no CLI library handles it first."""
+
+
 def out() -> TextIO:
     """The stream of the command's own output (the real stdout, also while fd 1 is routed to stderr)."""
     return _out if _out is not None else sys.stdout
@@ -58,11 +62,28 @@ def reserve_stdout() -> Iterator[TextIO]:
     try:
         yield stream
     finally:
-        stream.flush()
-        real.flush()
-        os.dup2(saved, fd)
-        stream.close()
         _out = None
+        for f in (stream, real):
+            try:
+                f.flush()
+            except OSError:  # a reader that went away (`| head`): nothing more can be written anyway
+                pass
+        os.dup2(saved, fd)
+        try:
+            stream.close()
+        except OSError:
+            pass
+
+
+def silence_stdout() -> None:
+    """After stdout's reader went away: point fd 1 at /dev/null so exiting Python does not fail to flush it."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):
+        pass
+    finally:
+        os.close(devnull)
 
 
 def owns_stdout(command: F) -> F:
@@ -70,8 +91,11 @@ def owns_stdout(command: F) -> F:
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with reserve_stdout():
-            return command(*args, **kwargs)
+        try:
+            with reserve_stdout():
+                return command(*args, **kwargs)
+        except BrokenPipeError:
+            raise OutputClosed from None
 
     return wrapper  # type: ignore[return-value]
 

@@ -236,3 +236,13 @@ def test_bench_run_prints_rows_and_records_only_with_results(monkeypatch, tmp_pa
     assert r.code == 0 and json.loads(r.out)["name"] == "plan x" and list(tmp_path.iterdir()) == []
     r = cli("bench", "run", "--suite", "plan", "--results", "results")
     assert r.code == 0 and "plan x" in r.out and (tmp_path / "results" / "plan.parquet").exists()
+
+
+def test_a_reader_that_went_away_is_141_and_quiet(monkeypatch) -> None:
+    from kvmove.cli import render
+
+    def closed(rows: object) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(render, "json_lines", closed)
+    assert cli("models", "list", "--json") == Result(141, "", "")
