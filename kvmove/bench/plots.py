@@ -15,7 +15,7 @@ import math
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -153,23 +153,31 @@ def _save(fig: Any, path: Path, title: str, legend: list[Any] | None = None) -> 
     fig.savefig(path, dpi=DPI, bbox_inches="tight", pad_inches=0.15)  # nothing cut at the edges
 
 
-def _sync_time(report: Report, path: Path) -> str | None:
+def _comparisons(report: Report) -> pd.DataFrame:
+    """The latest complete run of every setup that compares at least three strategies (single-strategy
+    predictions of published setups are drawn against their figures in validation.png)."""
     df = latest_complete(report.sync)
+    return df[df["strategies"].str.count(",") >= 2] if not df.empty else df
+
+
+def _sync_time(report: Report, path: Path) -> str | None:
+    df = _comparisons(report)
     if df.empty:
         return "no weight-sync rows"
     facets = _facets(df, ["hardware", "model"])
     fig, axes = _grid(len(facets), 2, (7.5, 4.6))
     for ax, (title, g) in zip(axes, facets, strict=True):
-        _sync_facet(ax, g, report.published)
+        _sync_facet(ax, g)
         ax.set_title(wrap(f"{title} ({_human(g['bytes'].max())} per sync)", 60), fontsize=9)
     legend: list[Any] = [Patch(color=COLORS[s], label=s) for s in STRATEGY_ORDER]
     legend += [Patch(facecolor="lightgray", label="measured"), Patch(facecolor="white", hatch="///", label="simulated")]
     legend += [Line2D([], [], marker="D", color="black", lw=0, label="published")]
-    _save(fig, path, "Weight sync time, latest complete run per setup (median, whiskers min-max)", legend)
+    title = "Weight sync time, latest complete run per setup of three or more strategies (median, whiskers min-max)"
+    _save(fig, path, title, legend)
     return None
 
 
-def _sync_facet(ax: Any, g: pd.DataFrame, published: pd.DataFrame) -> None:
+def _sync_facet(ax: Any, g: pd.DataFrame) -> None:
     width = 0.8 / len(STRATEGY_ORDER)
     for j, (_, r) in enumerate(g.iterrows()):
         hatch = "///" if r["kind"] == "simulated" else None
@@ -190,10 +198,11 @@ def _sync_facet(ax: Any, g: pd.DataFrame, published: pd.DataFrame) -> None:
                 capsize=2,
                 error_kw={"lw": 0.8},
             )
-            value = _published(published, r, s)
-            if value is not None:
-                ax.plot(x, value, marker="D", color="black", ms=5, zorder=5)
-    ax.set_xticks(range(len(g)), [_setup_label(r) for _, r in g.iterrows()], fontsize=7)
+            if r[f"{s}_published"] > 0:
+                ax.plot(x, r[f"{s}_published"], marker="D", color="black", ms=5, zorder=5)
+    crowded = len(g) >= 5  # narrower labels in smaller type, still wrapped only at spaces
+    labels = [_setup_label(r, 22 if crowded else 26) for _, r in g.iterrows()]
+    ax.set_xticks(range(len(g)), labels, fontsize=6 if crowded else 7)
     pad = max(0.0, (3 - len(g)) * 0.5)  # few setups: narrower bars, not four bars across a whole panel
     ax.set_xlim(-0.5 - pad, len(g) - 0.5 + pad)
     ax.set_yscale("log")
@@ -201,19 +210,30 @@ def _sync_facet(ax: Any, g: pd.DataFrame, published: pd.DataFrame) -> None:
     ax.tick_params(axis="y", labelsize=7)
 
 
-def _published(published: pd.DataFrame, r: pd.Series, strategy: str) -> float | None:
-    """The published time of this (setup, strategy), drawn on the simulated row with the published constraints."""
-    if published.empty or r["kind"] != "simulated" or r.get("constraints") != "published":
-        return None
-    setup = {"qwen3-235b-a22b": "qwen3-235b"}.get(str(r["model"]), str(r["model"]))
-    m = published[
-        (published["setup"] == setup) & (published["strategy"] == strategy) & (published["metric"] == "seconds")
-    ]
-    return float(m["published"].iloc[0]) if not m.empty else None
+def _validation(report: Report, path: Path) -> str | None:
+    df = report.validation
+    df = df[df["metric"] == "seconds"] if not df.empty else df
+    if df.empty:
+        return "no published figures in simulated rows"
+    fig, ax = plt.subplots(figsize=(7, 7))
+    ax.scatter(df["published"], df["predicted"], color="tab:blue")
+    for _, r in df.iterrows():
+        ax.annotate(r["figure"], (r["published"], r["predicted"]), fontsize=5, alpha=0.8)
+    lo = float(min(df["published"].min(), df["predicted"].min())) / 1.5
+    hi = float(max(df["published"].max(), df["predicted"].max())) * 1.5
+    ax.plot([lo, hi], [lo, hi], color="black", lw=1, label="predicted = published")
+    ax.fill_between([lo, hi], [lo / 2, hi / 2], [lo * 2, hi * 2], color="gray", alpha=0.15, label="within 2x")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("published (s)")
+    ax.set_ylabel("simulated (s)")
+    ax.legend(fontsize=8)
+    _save(fig, path, "Simulator validation: published figures vs predictions (no figure sets a cost)")
+    return None
 
 
 def _bandwidth(report: Report, path: Path) -> str | None:
-    df = latest_complete(report.sync)
+    df = _comparisons(report)
     df = df[df["link_gbps"] > 0] if not df.empty else df
     if df.empty:
         return "no rows with a link limit"
@@ -255,7 +275,7 @@ def _bandwidth_facet(ax: Any, g: pd.DataFrame) -> None:
 
 
 def _phases(report: Report, path: Path) -> str | None:
-    df = latest_complete(report.sync)
+    df = _comparisons(report)
     if df.empty or not any(bool(r[f"{s}_phases"]) for _, r in df.iterrows() for s in STRATEGY_ORDER):
         return "no rows with phases"
     facets = _facets(df, ["hardware"])
@@ -306,18 +326,30 @@ def _migration_latency(report: Report, path: Path) -> str | None:
     moves = rows[(rows["name"] == "migration") & rows["ok"] & rows["prompt_len"].notna()]
     if moves.empty:
         return "no migration rows with prompt_len (kvmove migrate --prompt-len L --results DIR records them)"
-    latest = _latest_per_prompt(moves)
-    fig, ax = plt.subplots(figsize=(8, 5))
+    latest = _latest_per_prompt(moves).assign(carried=lambda d: d["bytes"] > 0)
+    series = (
+        ("seconds", True, "o-", "migration that moved the prompt's KV"),
+        ("seconds", False, "^:", "migration to a worker that had the prefix (no KV moved)"),
+        ("reprefill_seconds", None, "s--", "re-prefill on the target instead"),
+    )
+    fig, ax = plt.subplots(figsize=(8.5, 5.5))
     for i, ((hardware, transport), g) in enumerate(latest.groupby(["hardware", "transport"], sort=False)):
-        color = PALETTE[i % 10]
-        commits = ", ".join(sorted(set(g["commit"])))
-        for col, style, what in (("seconds", "o-", "migration"), ("reprefill_seconds", "s--", "re-prefill on target")):
-            stats = g.groupby("prompt_len")[col].agg(["median", "min", "max"]).dropna()
+        where = f"{transport} on {hardware} @{', '.join(sorted(set(g['commit'])))}"
+        for col, carried, style, what in series:
+            part = g if carried is None else g[g["carried"] == carried]
+            stats = part.groupby("prompt_len")[col].agg(["median", "min", "max"]).dropna()
             if stats.empty:
                 continue
             err = [stats["median"] - stats["min"], stats["max"] - stats["median"]]
-            label = wrap(f"{what}: {transport} on {hardware} @{commits}", 60)
-            ax.errorbar(stats.index, stats["median"], yerr=err, fmt=style, color=color, capsize=3, label=label)
+            ax.errorbar(
+                stats.index,
+                stats["median"],
+                yerr=err,
+                fmt=style,
+                color=PALETTE[i % 10],
+                capsize=3,
+                label=wrap(f"{what}: {where}", 70),
+            )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("prompt length (tokens)")

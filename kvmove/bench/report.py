@@ -69,13 +69,10 @@ class Report:
             "faults": self.faults,
             "links": self.links,
             "plans": self.plans,
-            "published": self.published,
+            "validation": self.validation,
             "migrations": self.migrations,
             "costs": self.costs,
         }
-
-
-TABLES = ("sync", "faults", "links", "plans", "published", "migrations", "calibration")
 
 
 def load_rows(results_dir: Path) -> tuple[pd.DataFrame, list[str]]:
@@ -145,12 +142,16 @@ def report_from_rows(rows: pd.DataFrame, notes: list[str] | None = None) -> Repo
     migrations = migration_table(rows)
     if migrations.empty:
         notes.append("no migration rows (kvmove migrate --results DIR)")
+    costs = costs_table(rows)
+    if not costs.empty and (costs["kind"] == "default").any():
+        names = ", ".join(costs.loc[costs["kind"] == "default", "cost"])
+        notes.append(f"simulator costs without a measurement of ours yet (named defaults): {names}")
     return Report(
         rows,
         sync,
-        published_table(rows),
+        validation_table(rows),
         migrations,
-        calibration_table(rows),
+        costs,
         tuple(notes),
         faults=faults,
         links=links_table(rows),
@@ -288,12 +289,18 @@ def plans_table(rows: pd.DataFrame) -> pd.DataFrame:
     ).reset_index(drop=True)
 
 
-def calibration_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """The simulator's costs (value and source) as recorded in the newest simulated row, else the defaults."""
-    sim = rows[rows["kind"] == "simulated"]
-    costs: dict[str, Any] = {}
-    sources: dict[str, str] = dict(COST_SOURCES)
-    if not sim.empty:
-        extra = sim.iloc[-1]["extra_d"]
-        costs, sources = extra.get("costs", {}), extra.get("cost_sources", sources)
-    return pd.DataFrame([{"parameter": k, "value": costs.get(k, ""), "source": v} for k, v in sources.items()])
+def costs_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """The simulator's costs as the newest simulated row records them: value, kind (measured, derived, fitted,
+    default = no measurement of ours yet, user) and the commits of the rows each came from."""
+    sim = rows[(rows["kind"] == "simulated") & rows["extra_d"].map(lambda e: isinstance(e.get("costs"), dict))]
+    if sim.empty:
+        return pd.DataFrame()
+    costs = sim.iloc[-1]["extra_d"]["costs"]
+    recs = []
+    for name, c in costs.items():
+        if not isinstance(c, dict):  # rows of an older simulator
+            return pd.DataFrame()
+        recs.append(
+            {"cost": name, "value": c.get("value"), "kind": c.get("kind"), "commits": ", ".join(c.get("commits", []))}
+        )
+    return pd.DataFrame(recs)

@@ -45,13 +45,14 @@ def sync_rows(rows: pd.DataFrame) -> pd.DataFrame:
         return df
     extra = df["extra_d"]
     df["commit"] = df["git_commit"].map(short_commit)
-    df["constraints"] = extra.map(lambda e: str(e.get("constraints", "")))
+    df["constraints"] = extra.map(_variant)
     # NOTE: rows written before engine kinds existed synced into kvmove's reference engine
     default_kind = df["kind"].map(lambda k: "reference" if k == "measured" else "")
     df["engine_kind"] = [str(e.get("engine_kind") or d) for e, d in zip(extra, default_kind, strict=True)]
     df["hardware"] = [_hardware(k, h, e) for k, h, e in zip(df["kind"], df["hardware"], extra, strict=True)]
     df["pulls"] = [_pulls(k, s, e) for k, s, e in zip(df["kind"], df["strategy"], extra, strict=True)]
     df["sync"] = extra.map(lambda e: e.get("sync"))
+    df["published"] = extra.map(_published_seconds)
     df["fault"] = [_fault(e, label) for e, label in zip(extra, df["engine"], strict=True)]
     for k in [*SETUP_KEYS, "commit", "strategy"]:
         df[k] = df[k].fillna("").astype(str)
@@ -60,20 +61,52 @@ def sync_rows(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def _hardware(kind: str, hardware: Any, extra: dict[str, Any]) -> str:
-    """Measured: the machine. Simulated: the simulated cluster, not the machine that ran the simulator."""
+    """Measured: the machine. Simulated: the simulated cluster and its node counts, never the machine that ran
+    the simulator (rows of an older simulator named that one)."""
     if kind != "simulated":
         return str(hardware or "")
+    if str(hardware).startswith("simulated"):
+        nodes = f"{extra.get('trainer_nodes', '?')}+{extra.get('engine_nodes', '?')} nodes"
+        return f"{str(hardware).removeprefix('simulated: ')}; {nodes}"
     cluster = dict(p.split("=", 1) for p in str(extra.get("cluster", "")).split(",") if "=" in p)
     nodes = f"{extra.get('trainer_nodes', '?')}+{extra.get('engine_nodes', '?')}"
     return f"sim {nodes} nodes x{cluster.get('gpus_per_node', '?')} GPU"
 
 
+def _variant(extra: dict[str, Any]) -> str:
+    """What else sets a simulated setup apart: simulator constraints, FP8, colocation, relays, host staging."""
+    parts = [str(extra.get("constraints", ""))]
+    if extra.get("dtype", "bf16") != "bf16":
+        parts.append(f"{extra['dtype']} on {extra.get('quantize_on', '?')}")
+    if extra.get("placement", "disaggregated") != "disaggregated":
+        parts.append(str(extra["placement"]))
+    if extra.get("fanout", "none") != "none":
+        parts.append(f"{extra['fanout']} fanout")
+    if "via host" in str(extra.get("setup_detail", "")):
+        parts.append("via host")
+    return " ".join(p for p in parts if p)
+
+
 def _pulls(kind: str, strategy: str, extra: dict[str, Any]) -> str:
-    """v2/v3 measured: "direct" (from trainer arenas where possible) or "packed" (every region packed; rows written
-    before direct pulls existed carry no flag and were packed). Other strategies: ""."""
-    if kind != "measured" or strategy not in ("v2", "v3"):
+    """v2/v3: "direct" (from trainer arenas where possible) or "packed" (every region packed; measured rows written
+    before direct pulls existed carry no flag and were packed; simulated rows say it in their setup). Other
+    strategies, and simulated rows of an older simulator: ""."""
+    if strategy not in ("v2", "v3"):
         return ""
+    if kind == "simulated":
+        detail = str(extra.get("setup_detail", ""))
+        return ("direct" if detail.rsplit(",", 1)[-1].strip().endswith("direct") else "packed") if detail else ""
     return "direct" if extra.get("direct") else "packed"
+
+
+def _published_seconds(extra: dict[str, Any]) -> float:
+    """The published time a simulated row is checked against (its figure's value), else NaN."""
+    pub = extra.get("published") or {}
+    if not isinstance(pub, dict):
+        return math.nan
+    if "value" in pub:  # {"figure", "value", "metric", ...}
+        return float(pub["value"]) if pub.get("metric", "seconds") == "seconds" else math.nan
+    return float(pub["seconds"]) if isinstance(pub.get("seconds"), int | float) else math.nan  # older rows
 
 
 def _fault(extra: dict[str, Any], engine_label: str) -> str:
@@ -117,6 +150,7 @@ def series(clean: pd.DataFrame) -> pd.DataFrame:
                 "gbps_max": g["gbps"].max(),
                 "bytes": g["bytes"].median(),
                 "link_gbps": g["link"].median(),
+                "published": g["published"].median(),
                 "phases": {k: float(v) for k, v in phases.items()},
                 "timestamp": str(g["timestamp"].fillna("").max()),
             }
@@ -127,15 +161,17 @@ def series(clean: pd.DataFrame) -> pd.DataFrame:
 def sync_table(ser: pd.DataFrame) -> pd.DataFrame:
     """One row per (commit, setup): each strategy's median, min and max seconds, GB/s and phases side by side.
 
-    v1 joins the rows of its transport; the broadcast baseline (its own transport) joins every row of its run.
+    v1 joins the rows of its transport; the broadcast baseline (its own transport; the pipelined broadcast where a
+    run has no plain one, named in ``broadcast_strategy``) joins every row of its run.
     """
     if ser.empty:
         return pd.DataFrame()
     recs = []
     for key, run in ser.groupby(RUN_KEYS, sort=False):
         base = dict(zip(RUN_KEYS, key, strict=True))
-        bcast = run[run["strategy"] == "broadcast"]
-        pulls = run[run["strategy"] != "broadcast"]
+        baselines = run[run["strategy"].str.startswith("broadcast")]
+        bcast = baselines.sort_values("strategy", key=lambda c: c != "broadcast", kind="stable")
+        pulls = run[~run["strategy"].str.startswith("broadcast")]
         for transport, pull_mode in _rows_of(pulls, bcast):
             members = pulls[(pulls["transport"] == transport) & pulls["pulls"].isin(["", pull_mode])]
             recs.append(_row(base, transport, pull_mode, pd.concat([members, bcast.head(1)])))
@@ -157,7 +193,7 @@ def _rows_of(pulls: pd.DataFrame, bcast: pd.DataFrame) -> list[tuple[str, str]]:
 
 def _row(base: dict[str, Any], transport: str, pull_mode: str, members: pd.DataFrame) -> dict[str, Any]:
     rec: dict[str, Any] = {**base, "transport": transport, "pulls": pull_mode}
-    by = {str(r["strategy"]): r for _, r in members.iterrows()}
+    by = {_slot(str(r["strategy"])): r for _, r in members.iterrows()}
     strategies = [s for s in STRATEGY_ORDER if s in by] + sorted(set(by) - set(STRATEGY_ORDER))
     pull_bytes = [float(by[s]["bytes"]) for s in strategies if s != "broadcast"]
     rec["strategies"] = ",".join(strategies)
@@ -167,14 +203,20 @@ def _row(base: dict[str, Any], transport: str, pull_mode: str, members: pd.DataF
     rec["timestamp"] = max(str(by[s]["timestamp"]) for s in strategies)
     for s in STRATEGY_ORDER:
         r = by.get(s)
-        for col in ("seconds", "seconds_min", "seconds_max", "gbps", "gbps_min", "gbps_max"):
+        for col in ("seconds", "seconds_min", "seconds_max", "gbps", "gbps_min", "gbps_max", "published"):
             rec[f"{s}_{col}"] = float(r[col]) if r is not None else math.nan
         rec[f"{s}_phases"] = r["phases"] if r is not None else {}
     rec["broadcast_transport"] = str(by["broadcast"]["transport"]) if "broadcast" in by else ""
+    rec["broadcast_strategy"] = str(by["broadcast"]["strategy"]) if "broadcast" in by else ""
     for s in ("v1", "broadcast"):
         rec[f"v3_speedup_vs_{s}"] = rec[f"{s}_seconds"] / rec["v3_seconds"] if rec["v3_seconds"] > 0 else math.nan
     rec["v3_pct_of_link"] = 100 * rec["v3_gbps"] / rec["link_gbps"] if rec["link_gbps"] > 0 else math.nan
     return rec
+
+
+def _slot(strategy: str) -> str:
+    """The column a strategy's numbers go to: the pipelined broadcast stands in for the broadcast baseline."""
+    return "broadcast" if strategy.startswith("broadcast") else strategy
 
 
 def latest_complete(table: pd.DataFrame) -> pd.DataFrame:

@@ -15,6 +15,7 @@ import typer
 
 from kvmove.cli import render, streams
 from kvmove.cli import report as report_cli
+from kvmove.cli import simulate as simulate_cli
 from kvmove.cli.options import JsonOpt, ResultsOpt, SyncTransport
 from kvmove.errors import KvmoveError
 
@@ -103,3 +104,4 @@ def _gpu(results: Path | None) -> None:
 
 
 app.command("report")(streams.owns_stdout(report_cli.report))
+app.command("simulate")(streams.owns_stdout(simulate_cli.simulate))

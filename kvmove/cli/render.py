@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -220,6 +221,34 @@ def _sync_cells(r: Any) -> list[str]:
         f"{r.live_engines}/{r.engine_ranks}",
         verified,
     ]
+
+
+def num(v: Any) -> str:
+    """A number in at most 4 significant digits (thousands separated, integers whole), "" for missing."""
+    if v is None or (isinstance(v, float) and math.isnan(v)) or str(v) == "<NA>":
+        return ""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    a = abs(v)
+    if a >= 1000:
+        return f"{v:,.0f}"
+    if a >= 10:
+        return f"{v:.1f}"
+    return f"{v:.2f}" if a >= 1 else f"{v:.3g}"
+
+
+def frame(df: Any, title: str) -> None:
+    """Any DataFrame as a table that reads at 120 columns: numbers right-aligned, text (and URLs) on the left."""
+    numeric = [str(df[c].dtype).startswith(("float", "int")) for c in df.columns]
+    cells = [[escape(num(v)) for v in r] for _, r in df.iterrows()]
+    console().print(fitted_table(title, [str(c) for c in df.columns], cells, numeric))
+
+
+def line(text: str) -> None:
+    """One line of a command's output (stdout), unwrapped."""
+    console().print(text, highlight=False, soft_wrap=True)
 
 
 def summary(values: dict[str, float]) -> None:

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated
 
 import typer
 
 from kvmove.cli import streams
-
-if TYPE_CHECKING:
-    from kvmove.layout import EngineLayout, TrainerLayout
-    from kvmove.models.config import ModelConfig
 
 
 class Format(StrEnum):
@@ -27,9 +23,9 @@ class TableName(StrEnum):
     faults = "faults"
     links = "links"
     plans = "plans"
-    published = "published"
+    validation = "validation"
     migrations = "migrations"
-    calibration = "calibration"
+    costs = "costs"
 
 
 class Kind(StrEnum):
@@ -86,46 +82,3 @@ def report(
         report_view.rich_tables(tables)
     for n in notes:
         streams.note(f"note: {n}")
-
-
-def simulate(
-    cfg: ModelConfig,
-    trainer: TrainerLayout,
-    engine: EngineLayout,
-    strategies: list[str],
-    cluster: str,
-    trainer_nodes: int,
-    engine_nodes: int,
-    published_constraints: bool = False,
-    results: Path | None = None,
-) -> list[dict[str, Any]]:
-    """JSON rows of ``sync-weights --simulate``; costs are calibrated from ``results`` rows when given."""
-    from kvmove.bench.simulator import KVMOVE, PUBLISHED, Topology, calibrate
-    from kvmove.bench.simulator import simulate as simulate_setup
-
-    topology = Topology.parse(cluster)
-    rows_df = None
-    if results is not None and results.is_dir() and any(results.glob("*.parquet")):
-        from kvmove.bench.report import load_rows
-
-        rows_df, _ = load_rows(results)
-    costs = calibrate(rows_df).costs
-    constraints = PUBLISHED if published_constraints else KVMOVE
-    preds = simulate_setup(cfg, trainer, engine, strategies, topology, trainer_nodes, engine_nodes, constraints, costs)
-    return [
-        {
-            "strategy": p.strategy,
-            "seconds": round(p.seconds, 5),
-            "bytes_total": p.bytes_total,
-            "bytes_kept": p.bytes_kept,
-            "gbps": round(p.gbps, 3),
-            "speed_of_light_seconds": round(p.speed_of_light_seconds, 5),
-            "serial_pp_speed_of_light_seconds": round(p.serial_pp_speed_of_light_seconds, 5),
-            "sol_ratio": round(p.sol_ratio, 4),
-            "binding_link": p.binding_link,
-            "phases": {k: round(v, 5) for k, v in p.phases.items()},
-            "constraints": constraints.label,
-            "simulated": True,
-        }
-        for p in preds
-    ]

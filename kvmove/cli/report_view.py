@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
+from rich.markup import escape
 from rich.table import Table
 
 from kvmove.cli import render, streams
@@ -21,9 +22,9 @@ TITLES = {
     "faults": "Faulty syncs (dead replica, missing ranks, failed verify): kept out of the medians",
     "links": "Raw links: the ceilings syncs are held to",
     "plans": "Full-size sharding plans",
-    "published": "Simulated vs published (published engine's constraints on)",
+    "validation": "Simulator validation: published figures vs predictions (no figure sets a cost)",
     "migrations": "KV-cache migrations, per prompt length",
-    "calibration": "Simulator calibration",
+    "costs": "Simulator costs (from our measured rows; default = no measurement of ours yet)",
 }
 
 
@@ -47,20 +48,7 @@ def _transport(r: pd.Series) -> str:
     return " ".join([str(r["transport"]), *filter(None, extra)])
 
 
-def num(v: Any) -> str:
-    """A number in at most 4 significant digits (thousands separated), "" for missing."""
-    if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
-        return ""
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        return str(v)
-    if isinstance(v, int):
-        return f"{v:,}"
-    a = abs(v)
-    if a >= 1000:
-        return f"{v:,.0f}"
-    if a >= 10:
-        return f"{v:.1f}"
-    return f"{v:.2f}" if a >= 1 else f"{v:.3g}"
+num = render.num
 
 
 def _times(v: Any) -> str:
@@ -130,15 +118,15 @@ VIEWS: dict[str, list[Column]] = {
         ("regions", lambda r: num(r["regions_per_replica"]), True),
         ("balance", lambda r: num(r["load_balance"]), True),
     ],
-    "published": [
+    "validation": [
+        ("figure", lambda r: str(r["figure"]), False),
         ("setup", lambda r: str(r["setup"]), False),
         ("strategy", lambda r: str(r["strategy"]), False),
         ("metric", lambda r: str(r["metric"]), False),
         ("published", lambda r: _metric(r, "published"), True),
-        ("simulated", lambda r: _metric(r, "simulated"), True),
+        ("predicted", lambda r: _metric(r, "predicted"), True),
         ("error", lambda r: _pct(r["error_pct"]), True),
-        ("vs speed\nof light", lambda r: _times(r.get("sol_ratio")), True),
-        ("vs serial-PP\nspeed of light", lambda r: _times(r.get("serial_pp_sol_ratio")), True),
+        ("sets a\ncost", lambda r: str(r["used_for_costs"]), False),
         ("source", lambda r: str(r["source"]), False),
     ],
     "migrations": [
@@ -185,7 +173,7 @@ def rich_tables(tables: dict[str, pd.DataFrame]) -> None:
 
 def _rich_table(name: str, df: pd.DataFrame, title: str) -> Table:
     view = _view(name, df)
-    cells = [[cell(r) for _, cell, _ in view] for _, r in df.iterrows()]
+    cells = [[escape(cell(r)) for _, cell, _ in view] for _, r in df.iterrows()]  # text, not markup
     return render.fitted_table(title, [h for h, _, _ in view], cells, [n for _, _, n in view])
 
 

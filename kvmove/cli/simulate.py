@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvmove.bench.results import Row
-from kvmove.bench.sim.costs import CostBook, load_cost_file, parse_cost_flags
-from kvmove.bench.sim.measure import costs_from_rows
-from kvmove.bench.sim.rows import adhoc_rows, measured_rows, regenerate, write_rows
-from kvmove.bench.sim.setup import Spec
-from kvmove.bench.sim.strategies import parse_sim_strategies
-from kvmove.bench.sim.tables import costs_frame, predictions_frame, summary_line, validation_frame
-from kvmove.bench.sim.validation import validate
 from kvmove.cli import render
 from kvmove.cli.options import JsonOpt, OverrideOpt
+
+if TYPE_CHECKING:  # NOTE: imported where used, so `kvmove --help` loads neither pandas nor torch
+    from kvmove.bench.results import Row
+    from kvmove.bench.sim.costs import CostBook
+    from kvmove.bench.sim.setup import Spec
 
 ResultsOpt = Annotated[Path, typer.Option("--results", help="Measured rows (costs) and where rows are written.")]
 
@@ -68,6 +65,13 @@ def simulate(
 
     Example: kvmove bench simulate --regenerate    (every simulated row in results/, from the measured rows there)
     """
+    from kvmove.bench.sim.costs import load_cost_file, parse_cost_flags
+    from kvmove.bench.sim.rows import adhoc_rows, regenerate, write_rows
+    from kvmove.bench.sim.setup import Spec
+    from kvmove.bench.sim.strategies import parse_sim_strategies
+    from kvmove.bench.sim.tables import costs_frame, predictions_frame, summary_line, validation_frame
+    from kvmove.bench.sim.validation import validate
+
     overrides = {**(load_cost_file(costs) if costs else {}), **parse_cost_flags(cost or [])}
     if do_regenerate:
         path, rows, book = regenerate(results, overrides)
@@ -100,6 +104,9 @@ def simulate(
 
 
 def _book(results: Path, overrides: dict[str, float]) -> CostBook:
+    from kvmove.bench.sim.measure import costs_from_rows
+    from kvmove.bench.sim.rows import measured_rows
+
     book = costs_from_rows(measured_rows(results))
     return book.with_values(overrides, "set by --cost/--costs") if overrides else book
 
@@ -130,5 +137,8 @@ def _json(r: Row) -> dict[str, object]:
 
 def simulate_json(spec: Spec, strategies: str, results: Path) -> list[dict[str, object]]:
     """JSON rows of ``sync-weights --simulate`` (costs from the measured rows under ``results``)."""
+    from kvmove.bench.sim.rows import adhoc_rows
+    from kvmove.bench.sim.strategies import parse_sim_strategies
+
     _, rows = adhoc_rows(spec, parse_sim_strategies(strategies), _book(results, {}))
     return [_json(r) for r in rows]

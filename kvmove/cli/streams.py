@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, TextIO, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -64,15 +64,11 @@ def reserve_stdout() -> Iterator[TextIO]:
     finally:
         _out = None
         for f in (stream, real):
-            try:
+            with suppress(OSError):  # a reader that went away (`| head`): nothing more can be written anyway
                 f.flush()
-            except OSError:  # a reader that went away (`| head`): nothing more can be written anyway
-                pass
         os.dup2(saved, fd)
-        try:
+        with suppress(OSError):
             stream.close()
-        except OSError:
-            pass
 
 
 def silence_stdout() -> None:

@@ -47,13 +47,13 @@ APPLIES: dict[str, tuple[str, ...]] = {
     "seed": (RUN, DRY_RUN),
     "engine_kind": (RUN, DRY_RUN),
     "no_reuse": (DRY_RUN,),
-    "transport": (RUN,),
+    "transport": (RUN, SIMULATE),
     "syncs": (RUN,),
     "ray_address": (RUN,),
     "deadline": (RUN,),
-    "group_size": (RUN,),
-    "lookahead": (RUN,),
-    "direct": (RUN,),
+    "group_size": (RUN, SIMULATE),
+    "lookahead": (RUN, SIMULATE),
+    "direct": (RUN, SIMULATE),
     "fail_engine": (RUN,),
     "slow_engine": (RUN,),
     "results": (RUN, SIMULATE),
@@ -102,7 +102,7 @@ ClusterOpt = Annotated[
     str,
     typer.Option(
         "--cluster",
-        help="gpus_per_node=8,nic_gbps=400 (Gb/s per NIC),nvlink_gbps=450 (GB/s)",
+        help="gpu=h100,nic=cx7-400[,gpus_per_node=8,nic_gbps=400 (Gb/s),nvlink_gbps=450]",
         rich_help_panel=PANEL_SIM,
     ),
 ]
@@ -183,7 +183,7 @@ def sync_weights(
     dry_run: DryRunOpt = False,
     no_reuse: NoReuseOpt = False,
     simulate: SimulateOpt = False,
-    cluster: ClusterOpt = "gpus_per_node=8,nic_gbps=400,nvlink_gbps=450",
+    cluster: ClusterOpt = "gpu=h100,nic=cx7-400",
     trainer_nodes: TrainerNodesOpt = 1,
     engine_nodes: EngineNodesOpt = 1,
     published_constraints: PublishedConstraintsOpt = False,
@@ -216,7 +216,10 @@ def sync_weights(
     layout = {"trainer": trainer, "engine": engine, "replicas": replicas}
     config = _dry_run_config(model, override or [], layout, strategy, verify, seed, no_reuse, engine_kind.value)
     if simulate:
-        _simulate(config, cluster, trainer_nodes, engine_nodes, published_constraints, results, no_record)
+        spec: dict[str, Any] = {"model": model, "overrides": tuple(override or []), "trainer": trainer}
+        spec |= {"engine": engine, "trainer_nodes": trainer_nodes, "engine_nodes": engine_nodes, "cluster": cluster}
+        spec |= {"group_size": group_size, "lookahead": lookahead, "direct": direct}
+        _simulate(config, spec, transport.value, published_constraints, results)
     elif dry_run:
         _dry_run(config, as_json)
     else:
@@ -330,28 +333,17 @@ def _dry_run(config: DryRunConfig, as_json: bool) -> None:
 
 
 def _simulate(
-    config: DryRunConfig,
-    cluster: str,
-    trainer_nodes: int,
-    engine_nodes: int,
-    published_constraints: bool,
-    results: Path | None,
-    no_record: bool,
+    config: DryRunConfig, spec: dict[str, Any], transport: str, published: bool, results: Path | None
 ) -> None:
-    from kvmove.cli.report import simulate as simulate_rows
+    """Predicted full-scale times as JSON lines; costs come from the measured rows under ``results``."""
+    from kvmove.bench.sim.setup import Spec
+    from kvmove.cli.simulate import simulate_json
 
-    predictions = simulate_rows(
-        config.model,
-        config.trainer,
-        config.engine,
-        [s.name for s in config.strategies],
-        cluster,
-        trainer_nodes,
-        engine_nodes,
-        published_constraints,
-        None if no_record else (results or Path("results")),
-    )
-    render.json_lines(predictions)
+    spec = {**spec, "replicas": config.engine.replicas, "direct": spec["direct"] and not published}
+    spec |= {"transport": {"nccl": "nccl", "cuda-ipc": "cuda-ipc"}.get(transport, "pull")}
+    spec |= {"constraints": "published" if published else "kvmove"}
+    strategies = ",".join(s.name for s in config.strategies)
+    render.json_lines(simulate_json(Spec(**spec), strategies, results or Path("results")))
 
 
 def _slow(text: str) -> tuple[int, float]:

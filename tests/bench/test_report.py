@@ -6,7 +6,6 @@ import pandas as pd
 import pytest
 from result_rows import migration_rows, sync_rows, write
 
-from kvmove.bench import simulator as S
 from kvmove.bench.report import Filters, build_report
 from kvmove.bench.results import Row
 from kvmove.bench.runs import latest_complete, short_commit
@@ -105,15 +104,19 @@ def test_filters(tmp_path, simulated_rows) -> None:
         build_report(tmp_path, Filters(hardware="h100"))
 
 
-def test_published_side_by_side(tmp_path, simulated_rows) -> None:
+def test_validation_and_costs_tables(tmp_path, simulated_rows) -> None:
     write(tmp_path, "simulated", simulated_rows)
     rep = build_report(tmp_path)
-    pub = rep.published.set_index("strategy")
-    assert pub.loc["v3", "published"] == 3.49 and abs(pub.loc["v3", "error_pct"]) < 25
-    assert pub["source"].str.startswith("published").all()
-    assert set(rep.calibration["parameter"]) == set(S.COST_SOURCES)
-    sim = rep.sync.set_index("constraints")
-    assert sim.loc["published", "hardware"].startswith("sim ") and sim.loc["published", "kind"] == "simulated"
+    val = rep.validation.set_index("figure")
+    assert list(val.index) == ["vllm-qwen3-v2", "vllm-qwen3-v3"]
+    v3 = val.loc["vllm-qwen3-v3"]
+    assert v3["published"] == 3.49 and v3["used_for_costs"] == "no" and v3["source"].startswith("https://")
+    assert v3["error_pct"] == pytest.approx(100 * (v3["predicted"] / 3.49 - 1))
+    assert (rep.costs["kind"] == "default").all()  # no measured rows here: every cost is flagged
+    assert any("without a measurement of ours" in n for n in rep.notes)
+    sim = rep.sync.iloc[0]
+    assert sim["kind"] == "simulated" and sim["constraints"] == "published" and sim["v3_published"] == 3.49
+    assert sim["hardware"].startswith("sim") and "2+2 nodes" in sim["hardware"]  # the simulated cluster, not ours
 
 
 def test_migration_table_per_prompt_length(tmp_path) -> None:
@@ -137,6 +140,7 @@ def test_plots_are_real_pngs(tmp_path, simulated_rows) -> None:
     plots = render_plots(build_report(tmp_path / "r"), tmp_path / "plots")
     assert {p.name for p in plots.paths} == {
         "sync_time.png",
+        "validation.png",
         "bandwidth_vs_limit.png",
         "phases.png",
         "migration_latency.png",

@@ -193,12 +193,12 @@ def test_bench_report_formats(tmp_path) -> None:
     write(tmp_path, "sync", sync_rows())
     r = cli("bench", "report", "--results", str(tmp_path), "--format", "json")
     lines = [json.loads(line) for line in r.out.splitlines()]
-    assert r.code == 0 and {x["table"] for x in lines} == {"sync", "calibration"}
+    assert r.code == 0 and {x["table"] for x in lines} == {"sync"}
     assert lines[0]["v3_seconds"] == 1.0 and lines[0]["v2_seconds"] is None
     csv = cli("bench", "report", "--results", str(tmp_path), "--format", "csv").out.splitlines()
     assert csv[0].startswith("kind,commit,hardware,model") and len(csv) == 2  # one table, one row
     md = cli("bench", "report", "--results", str(tmp_path), "--format", "markdown", "--table", "sync").out
-    assert "| kind | hardware | model | commit |" in md and "## Weight sync" in md and "Calibration" not in md
+    assert "| kind | hardware | model | commit |" in md and "## Weight sync" in md and "costs" not in md
     table = cli("bench", "report", "--results", str(tmp_path))
     assert table.code == 0 and "Weight sync" in table.out
     assert max(len(line) for line in table.out.splitlines()) <= 120
@@ -208,7 +208,7 @@ def test_committed_results_report_is_json_clean_and_fits_120_columns() -> None:
     results = Path(__file__).resolve().parents[2] / "results"
     r = cli("bench", "report", "--results", str(results), "--format", "json")
     tables = {json.loads(line)["table"] for line in r.out.splitlines()}
-    assert r.code == 0 and {"sync", "links", "published", "migrations"} <= tables
+    assert r.code == 0 and {"sync", "links", "validation", "costs", "migrations"} <= tables
     text = cli("bench", "report", "--results", str(results)).out
     assert max(len(line) for line in text.splitlines()) <= 120
 

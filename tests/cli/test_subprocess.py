@@ -200,4 +200,4 @@ def test_bench_report_json_is_clean() -> None:
     results = Path(__file__).resolve().parents[2] / "results"
     r = kvmove("bench", "report", "--results", str(results), "--format", "json")
     assert r.returncode == 0, r.stderr
-    assert {x["table"] for x in json_clean(r.stdout)} >= {"sync", "links", "published", "calibration"}
+    assert {x["table"] for x in json_clean(r.stdout)} >= {"sync", "links", "validation", "costs"}
