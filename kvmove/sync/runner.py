@@ -131,7 +131,10 @@ def start_ray(address: str | None) -> Any:
         if address:
             ray.init(address=address, log_to_driver=False)
         else:
+            # NOTE: "local" starts a new instance even where `ray start` left a cluster on this machine, which a
+            # bare ray.init() would join (with num_cpus given, it refuses to)
             ray.init(
+                address="local",
                 num_cpus=max(2, os.cpu_count() or 2),
                 include_dashboard=False,
                 _node_ip_address="127.0.0.1",

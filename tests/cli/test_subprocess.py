@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 KVMOVE = [sys.executable, "-m", "kvmove.cli.main"]
-ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "COLUMNS": "120"}
+# A fresh local Ray per run: never the address of a Ray this test session started (Ray exports RAY_ADDRESS).
+ENV = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_AUTH_MODE": "disabled", "COLUMNS": "120"}
 # The smallest real sync: one trainer rank, two single-rank engine replicas of the tiny MoE.
 SMALL = ["--trainer", "tp=1", "--engine", "tp=1", "--replicas", "2", "--strategy", "v3"]
 
