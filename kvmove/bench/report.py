@@ -229,7 +229,7 @@ def migration_table(rows: pd.DataFrame) -> pd.DataFrame:
                 "seconds": moves["seconds"].median(),
                 "seconds_min": moves["seconds"].min(),
                 "seconds_max": moves["seconds"].max(),
-                "bytes": moves["bytes"].median(),
+                "bytes": moves["bytes"].sum(),  # what the run moved: later moves find the prefix on the target
                 "gbps": moves["gbps"].median(),
                 "resume_seconds": moves["resume_seconds"].median(),
                 "reprefill_seconds": moves["reprefill_seconds"].median(),
