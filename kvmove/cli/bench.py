@@ -16,7 +16,7 @@ import typer
 from kvmove.cli import render, streams
 from kvmove.cli import report as report_cli
 from kvmove.cli import simulate as simulate_cli
-from kvmove.cli.options import JsonOpt, ResultsOpt, SyncTransport
+from kvmove.cli.options import JsonOpt, ResultsOpt
 from kvmove.errors import KvmoveError
 
 if TYPE_CHECKING:
@@ -27,7 +27,8 @@ app = typer.Typer(no_args_is_help=True, help="Benchmarks: measured and simulated
 
 class Suite(StrEnum):
     """plan: full-size plans; sync: raw link + every strategy; quick: sync; full: plan + sync; gpu: two GPUs;
-    vllm: reference engine and vLLM side by side."""
+    vllm: reference engine and vLLM side by side; decode-latency: decode steps with and without migrations into a
+    loaded worker; migration-gpu: resume vs re-prefill on one GPU."""
 
     plan = "plan"
     sync = "sync"
@@ -35,6 +36,22 @@ class Suite(StrEnum):
     full = "full"
     gpu = "gpu"
     vllm = "vllm"
+    decode_latency = "decode-latency"
+    migration_gpu = "migration-gpu"
+
+
+class BenchTransport(StrEnum):
+    """The sync transports, and http (the KV servers' fallback data plane, for decode-latency)."""
+
+    auto = "auto"
+    nixl = "nixl"
+    rdt_nixl = "rdt-nixl"
+    rdt_gloo = "rdt-gloo"
+    gloo = "gloo"
+    nccl = "nccl"
+    cuda_ipc = "cuda-ipc"
+    object_store = "object-store"
+    http = "http"
 
 
 @app.command("run")
@@ -43,8 +60,9 @@ def run(
     suite: Annotated[Suite, typer.Option("--suite", help="Which benchmark to run.")] = Suite.quick,
     results: ResultsOpt = None,
     transport: Annotated[
-        SyncTransport, typer.Option("--transport", help="Transport of the sync and vllm suites.")
-    ] = SyncTransport.auto,
+        BenchTransport,
+        typer.Option("--transport", help="Transport of the sync, vllm (pulls) and decode-latency (KV) suites."),
+    ] = BenchTransport.auto,
     syncs: Annotated[int, typer.Option("--syncs", min=1, help="Syncs per strategy in the sync suite.")] = 3,
     as_json: JsonOpt = False,
 ) -> None:
@@ -55,7 +73,10 @@ def run(
     Example: kvmove bench run --suite sync --syncs 3 --results results/   # the rows the README quotes
     """
     if suite is Suite.gpu:
-        _gpu(results)
+        _gpu(results, gpus=2, module="kvmove.bench.gpu")
+        return
+    if suite is Suite.migration_gpu:
+        _gpu(results, gpus=1, module="kvmove.bench.resume")  # NOTE: one GPU, plain torch
         return
     with streams.progress() as say:
         if suite in (Suite.plan, Suite.full):
@@ -71,6 +92,11 @@ def run(
             _show("sync", [r for r in rows if r.suite == "sync"], results, as_json)
             if not as_json:
                 render.summary(summarize(rows))
+        if suite is Suite.decode_latency:
+            from kvmove.bench.decode_latency import DecodeLatencyConfig, decode_latency
+
+            row = decode_latency(DecodeLatencyConfig(transport=transport.value), say=say)
+            _show("decode_latency", [row], results, as_json)
         if suite is Suite.vllm:
             from kvmove.bench.syncs import vllm_suite
 
@@ -91,16 +117,18 @@ def _show(suite: str, rows: list[Row], results: Path | None, as_json: bool) -> N
         render.bench_rows(rows, where)
 
 
-def _gpu(results: Path | None) -> None:
-    if results is None:
-        raise KvmoveError("the gpu suite records its rows as it goes: give --results DIR (e.g. --results results/)")
+def _gpu(results: Path | None, gpus: int, module: str) -> None:
+    """A GPU suite: plain torch processes that record their rows as they go (so --results is required)."""
+    import importlib
+
     import torch
 
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        raise KvmoveError("the gpu suite needs two CUDA GPUs (see kvmove/bench/gpu.py for the exact command)")
-    from kvmove.bench.gpu import main as gpu_main
-
-    gpu_main(["--out", str(results)])
+    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
+        need = "two CUDA GPUs" if gpus == 2 else "a CUDA GPU"
+        raise KvmoveError(f"this suite needs {need} (see {module.replace('.', '/')}.py for the command)")
+    if results is None:
+        raise KvmoveError("a GPU suite records its rows as it goes: give --results DIR (e.g. --results results/)")
+    importlib.import_module(module).main(["--out", str(results)])
 
 
 app.command("report")(streams.owns_stdout(report_cli.report))

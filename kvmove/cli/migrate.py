@@ -6,6 +6,7 @@ import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -26,6 +27,26 @@ SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of weights and prompt
 BaselineOpt = Annotated[
     bool, typer.Option("--baseline/--no-baseline", help="Also run the workload without migration (p50/p99).")
 ]
+
+
+class Routes(StrEnum):
+    """kvmove: hold/release hand-over and migration abort; sglang: only the SGLang fork's routes."""
+
+    kvmove = "kvmove"
+    sglang = "sglang"
+
+
+RoutesOpt = Annotated[
+    Routes,
+    typer.Option(
+        "--routes",
+        help="kvmove: hold/release hand-over and migration abort; sglang: only the SGLang fork's five migration "
+        "routes, /abort_request and /generate (the workers start with --no-kvmove-routes).",
+    ),
+]
+TpOpt = Annotated[
+    str, typer.Option("--tp", help="Tensor-parallel ranks per worker, one value or one per worker: 2 or 2,1.")
+]
 MeasureLinkOpt = Annotated[
     bool, typer.Option("--measure-link/--no-measure-link", help="Measure the raw transport bandwidth too.")
 ]
@@ -43,6 +64,8 @@ def migrate(
     seed: SeedOpt = 1,
     baseline: BaselineOpt = True,
     measure_link: MeasureLinkOpt = True,
+    routes: RoutesOpt = Routes.kvmove,
+    tp: TpOpt = "1",
     as_json: JsonOpt = False,
     results: ResultsOpt = None,
     no_record: NoRecordOpt = False,
@@ -63,8 +86,6 @@ def migrate(
     from kvmove.migration.workload import WorkloadConfig
     from kvmove.server.config import ServerConfig
 
-    if routes not in ("kvmove", "sglang"):
-        raise KvmoveError(f"--routes must be kvmove or sglang, not {routes!r}")
     tps = _tp_sizes(tp, workers)
     cfg = WorkloadConfig(
         requests=requests,
@@ -73,7 +94,7 @@ def migrate(
         page_size=page_size,
         model=model,
         seed=seed,
-        routes=routes,
+        routes=routes.value,
     )
     need = -(-(prompt_len + cfg.suffix_len + new_tokens) // page_size)
     if need * requests > num_pages - 1:
@@ -87,10 +108,10 @@ def migrate(
         transport=choice.name,
         enable_kv_migration=True,
         max_prefill_tokens=4096,
-        kvmove_routes=routes == "kvmove",
+        kvmove_routes=routes is Routes.kvmove,
     )
     with streams.progress() as say:
-        runs = _workloads(server, workers, cfg, baseline, say)
+        runs = _workloads([replace(server, tp_size=n) for n in tps], cfg, baseline, say)
         link = _link_gbps(choice.name, runs[0], say) if measure_link else None
     lines = summarize(runs, link, choice)
     if as_json:
@@ -108,14 +129,14 @@ def migrate(
         raise JobFailed(f"not continued identically or integrity check failed: {', '.join(map(str, bad))}")
 
 
-def _workloads(server: Any, workers: int, cfg: Any, baseline: bool, say: Callable[[str], None]) -> list[Any]:
-    """The workload with migration (and without, as a baseline) on ``workers`` fresh loopback servers."""
+def _workloads(servers: list[Any], cfg: Any, baseline: bool, say: Callable[[str], None]) -> list[Any]:
+    """The workload with migration (and without, as a baseline) on fresh loopback servers, one per config."""
     from kvmove.migration.client import WorkerClient
     from kvmove.migration.workload import run_workload
     from kvmove.server.launch import LocalCluster, free_port
 
-    configs = [replace(server, port=free_port()) for _ in range(workers)]
-    say(f"starting {workers} workers ({server.model}, KV over {server.transport})")
+    configs = [replace(c, port=free_port()) for c in servers]
+    say(f"starting {len(configs)} workers ({configs[0].model}, KV over {configs[0].transport})")
     with tempfile.TemporaryDirectory(prefix="kvmove-migrate-") as logs, LocalCluster(configs, Path(logs)) as cluster:
         clients = [WorkerClient(u, timeout=cfg.deadline_s) for u in cluster.urls]
         with ThreadPoolExecutor(max_workers=2 * cfg.requests + 8) as pool:
@@ -127,6 +148,19 @@ def _workloads(server: Any, workers: int, cfg: Any, baseline: bool, say: Callabl
         for c in clients:
             c.close()
     return runs
+
+
+def _tp_sizes(text: str, workers: int) -> list[int]:
+    """``--tp``: one size for every worker, or one per worker."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise KvmoveError(f"--tp takes integers separated by commas, not {text!r}") from None
+    if len(sizes) == 1:
+        sizes *= workers
+    if len(sizes) != workers or min(sizes) < 1:
+        raise KvmoveError(f"--tp needs one size >= 1 or {workers} of them (one per worker), got {text!r}")
+    return sizes
 
 
 def _link_gbps(transport: str, run: Any, say: Callable[[str], None]) -> float:

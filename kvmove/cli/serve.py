@@ -46,6 +46,21 @@ WeightVersionOpt = Annotated[str, typer.Option("--weight-version", help="Namespa
 MaxBodyBytesOpt = Annotated[int, typer.Option("--max-body-bytes", help="Larger request bodies get 413.")]
 PeerTimeoutOpt = Annotated[float, typer.Option("--peer-timeout", help="Seconds to wait for a peer server.")]
 
+TpSizeOpt = Annotated[
+    int,
+    typer.Option(
+        "--tp-size", "--tp", min=1, help="Tensor-parallel ranks (each its share of the KV heads and host pool)."
+    ),
+]
+KvmoveRoutesOpt = Annotated[
+    bool,
+    typer.Option(
+        "--kvmove-routes/--no-kvmove-routes",
+        help="Serve kvmove's own control routes (hold/release, migration abort, integrity); off: only SGLang's "
+        "routes and the fork's five migration routes.",
+    ),
+]
+
 
 def serve(
     port: PortOpt = 30000,
@@ -65,6 +80,8 @@ def serve(
     transport: TransportOpt = KVTransport.auto,
     max_body_bytes: MaxBodyBytesOpt = 8 << 20,
     peer_timeout: PeerTimeoutOpt = 60.0,
+    tp_size: TpSizeOpt = 1,
+    kvmove_routes: KvmoveRoutesOpt = True,
 ) -> None:
     """Serve one rollout worker over HTTP (/generate, /tokenize, /health, /metrics and the migration routes).
 
@@ -93,6 +110,8 @@ def serve(
         transport=transport.value,
         max_body_bytes=max_body_bytes,
         peer_timeout=peer_timeout,
+        tp_size=tp_size,
+        kvmove_routes=kvmove_routes,
     )
     sock = listen(host, port)  # a port in use is refused before anything heavy is imported or built
     try:

@@ -103,7 +103,7 @@ def fake_syncs(monkeypatch) -> FakeRun:
         (["migrate", "--transport", "gloo"], "--transport"),
         (["serve", "--port", "70000"], "--port"),
         (["bench", "run", "--suite", "everything"], "--suite"),
-        (["bench", "run", "--suite", "gpu"], "--results DIR"),
+        (["bench", "run", "--suite", "gpu"], "needs two CUDA GPUs"),
     ],
 )
 def test_usage_error_is_one_line_exit_2(args: list[str], says: str) -> None:
@@ -214,6 +214,7 @@ def test_committed_results_report_is_json_clean_and_fits_120_columns() -> None:
 
 
 def test_enums_mirror_the_registries() -> None:
+    from kvmove.cli.bench import BenchTransport
     from kvmove.cli.options import DEFAULT_MODEL, EngineKind, KVTransport, SyncTransport
     from kvmove.engines import ENGINES
     from kvmove.migration.endpoint import SERVER_TRANSPORTS
@@ -221,6 +222,7 @@ def test_enums_mirror_the_registries() -> None:
     from kvmove.transport import TRANSPORTS
 
     assert {t.value for t in SyncTransport} == {"auto"} | (set(TRANSPORTS) - {"http"})
+    assert {t.value for t in BenchTransport} == {"auto"} | set(TRANSPORTS)
     assert {k.value for k in EngineKind} == set(ENGINES)
     assert {t.value for t in KVTransport} == {"auto"} | set(SERVER_TRANSPORTS)
     assert DEFAULT_MODEL == MODEL

@@ -116,7 +116,7 @@ def test_migrate_over_the_fork_routes_between_workers_of_different_tp(tmp_path) 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--routes", "grpc"], "--routes must be kvmove or sglang"),
+        (["--routes", "grpc"], "'grpc' is not one of 'kvmove', 'sglang'"),
         (["--tp", "2,x"], "--tp takes integers"),
         (["--tp", "1,1,1"], "one per worker"),
         (["--tp", "0"], "one size >= 1"),
@@ -132,7 +132,7 @@ def test_serve_tp_and_routes_options_reach_the_config(monkeypatch, capsys) -> No
     from kvmove.server.config import ServerConfig
 
     started: list = []
-    monkeypatch.setattr(launch, "serve", started.append)
+    monkeypatch.setattr(launch, "serve", lambda config, ready=None, sock=None: started.append(config))
     code, _, _ = _main(monkeypatch, capsys, "serve", "--tp", "2", "--no-kvmove-routes", "--port", "0")
     assert code == 0 and (started[0].tp_size, started[0].kvmove_routes) == (2, False)
     args = launch.serve_args(ServerConfig(tp_size=2, kvmove_routes=False))
