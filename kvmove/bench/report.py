@@ -61,6 +61,7 @@ class Report:
     links: pd.DataFrame = field(default_factory=pd.DataFrame)
     plans: pd.DataFrame = field(default_factory=pd.DataFrame)
     migration_runs: pd.DataFrame = field(default_factory=pd.DataFrame)
+    other: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     def tables(self) -> dict[str, pd.DataFrame]:
         """The report's tables by name, in the order they are shown."""
@@ -72,6 +73,7 @@ class Report:
             "validation": self.validation,
             "migrations": self.migrations,
             "costs": self.costs,
+            "other": self.other,
         }
 
 
@@ -157,6 +159,7 @@ def report_from_rows(rows: pd.DataFrame, notes: list[str] | None = None) -> Repo
         links=links_table(rows),
         plans=plans_table(rows),
         migration_runs=migration_rows(rows),
+        other=other_table(rows),
     )
 
 
@@ -264,6 +267,31 @@ def links_table(rows: pd.DataFrame) -> pd.DataFrame:
         timestamp=("timestamp", "max"),
     )
     return out.reset_index().rename(columns={"name": "link"})
+
+
+def other_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Measured rows no other table shows (decode latency, resume vs re-prefill, micro-benchmarks, ...), with their
+    ``extra`` fields, so no recorded row is left out of the report."""
+    names = rows["name"].fillna("")
+    shown = (rows["strategy"].fillna("") != "") | rows["suite"].isin(["transport", "plan", "migration"])
+    shown |= names.str.startswith("ceiling") | names.str.startswith("kv migration copy") | (rows["kind"] != "measured")
+    df = rows[~shown]
+    if df.empty:
+        return pd.DataFrame()
+    return pd.DataFrame(
+        {
+            "commit": df["git_commit"].map(runs.short_commit),
+            "hardware": df["hardware"].fillna(""),
+            "suite": df["suite"],
+            "name": df["name"],
+            "model": df["model"].fillna(""),
+            "transport": df["transport"].fillna(""),
+            "bytes": df["bytes"],
+            "seconds": df["seconds"],
+            "gbps": df["gbps"],
+            "extra": df["extra_d"],
+        }
+    ).reset_index(drop=True)
 
 
 def plans_table(rows: pd.DataFrame) -> pd.DataFrame:

@@ -26,6 +26,7 @@ class TableName(StrEnum):
     validation = "validation"
     migrations = "migrations"
     costs = "costs"
+    other = "other"
 
 
 class Kind(StrEnum):

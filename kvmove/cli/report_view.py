@@ -25,6 +25,7 @@ TITLES = {
     "validation": "Simulator validation: published figures vs predictions (no figure sets a cost)",
     "migrations": "KV-cache migrations, per prompt length",
     "costs": "Simulator costs (from our measured rows; default = no measurement of ours yet)",
+    "other": "Other measured rows (their fields in --format json)",
 }
 
 
@@ -128,6 +129,16 @@ VIEWS: dict[str, list[Column]] = {
         ("error", lambda r: _pct(r["error_pct"]), True),
         ("sets a\ncost", lambda r: str(r["used_for_costs"]), False),
         ("source", lambda r: str(r["source"]), False),
+    ],
+    "other": [
+        ("commit", lambda r: str(r["commit"]), False),
+        ("hardware", lambda r: str(r["hardware"]), False),
+        ("suite", lambda r: str(r["suite"]), False),
+        ("name", lambda r: str(r["name"]), False),
+        ("transport", lambda r: str(r["transport"]), False),
+        ("size", lambda r: _bytes(r["bytes"]), True),
+        ("seconds", lambda r: num(r["seconds"]), True),
+        ("GB/s", lambda r: num(r["gbps"]), True),
     ],
     "migrations": [
         ("commit", lambda r: str(r["commit"]), False),
