@@ -96,9 +96,7 @@ def migrate(
         seed=seed,
         routes=routes.value,
     )
-    need = -(-(prompt_len + cfg.suffix_len + new_tokens) // page_size)
-    if need * requests > num_pages - 1:
-        raise KvmoveError(f"{requests} requests of {need} pages do not fit in --num-pages {num_pages}")
+    _check_fit(cfg, num_pages)
     choice = warn_fallback(transport.value)
     server = ServerConfig(
         model=model,
@@ -114,11 +112,7 @@ def migrate(
         runs = _workloads([replace(server, tp_size=n) for n in tps], cfg, baseline, say)
         link = _link_gbps(choice.name, runs[0], say) if measure_link else None
     lines = summarize(runs, link, choice)
-    if as_json:
-        render.json_lines(lines)
-    else:
-        for line in lines:
-            print(_text(line), file=streams.out())
+    _render(lines, as_json)
     if results is not None and not no_record:
         from kvmove.bench.results import append_rows
 
@@ -127,6 +121,20 @@ def migrate(
     bad = [line.get("rid", "summary") for line in lines if not (line["verified"] and line["integrity_ok"])]
     if bad:
         raise JobFailed(f"not continued identically or integrity check failed: {', '.join(map(str, bad))}")
+
+
+def _render(lines: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        render.json_lines(lines)
+    else:
+        for line in lines:
+            print(_text(line), file=streams.out())
+
+
+def _check_fit(cfg: Any, num_pages: int) -> None:
+    need = -(-(cfg.prompt_len + cfg.suffix_len + cfg.high_new_tokens) // cfg.page_size)
+    if need * cfg.requests > num_pages - 1:
+        raise KvmoveError(f"{cfg.requests} requests of {need} pages do not fit in --num-pages {num_pages}")
 
 
 def _workloads(servers: list[Any], cfg: Any, baseline: bool, say: Callable[[str], None]) -> list[Any]:

@@ -18,45 +18,70 @@ if TYPE_CHECKING:  # NOTE: imported where used, so `kvmove --help` loads neither
 ResultsOpt = Annotated[Path, typer.Option("--results", help="Measured rows (costs) and where rows are written.")]
 
 
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Preset, HF config.json path, or a figure's model.")]
+TrainerOpt = Annotated[
+    str, typer.Option("--trainer", help="tp=..,pp=..,ep=..[,etp,dp] | fsdp:world=N,shard=S | host:world=N")
+]
+EngineOpt = Annotated[str, typer.Option("--engine", help="One engine: tp=..,dp=..,ep=..[,pp=..].")]
+ReplicasOpt = Annotated[int, typer.Option("--replicas", min=1, help="Engine replicas.")]
+TrainerNodesOpt = Annotated[int, typer.Option("--trainer-nodes", min=1, help="Nodes of trainer ranks.")]
+EngineNodesOpt = Annotated[int, typer.Option("--engine-nodes", min=1, help="Nodes of engine ranks.")]
+ClusterOpt = Annotated[
+    str, typer.Option("--cluster", help="gpu=h100|h200|h20|h800|b200,nic=cx7-400|cx7-200|cx8-800[,numbers]")
+]
+StrategyOpt = Annotated[str, typer.Option("--strategy", help="v1,v2,v3,broadcast,broadcast-pipelined or all.")]
+TransportOpt = Annotated[str, typer.Option("--transport", help="pull | push | nccl | cuda-ipc.")]
+PlacementOpt = Annotated[str, typer.Option("--placement", help="disaggregated | colocated.")]
+FanoutOpt = Annotated[str, typer.Option("--fanout", help="none | chain | tree (relays between replicas).")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="bf16 | fp8 (e4m3, block scales).")]
+QuantizeOnOpt = Annotated[str, typer.Option("--quantize-on", help="engine | trainer | none (FP8 source).")]
+BlockOpt = Annotated[int, typer.Option("--block", min=1, help="FP8 scale block (block x block).")]
+DirectOpt = Annotated[bool, typer.Option("--direct/--packed", help="kvmove's direct pulls, or pack all.")]
+ViaHostOpt = Annotated[bool, typer.Option("--via-host", help="Stage gathered tensors in host memory.")]
+PublishedConstraintsOpt = Annotated[
+    bool, typer.Option("--published-constraints", help="Serial PP groups, layer-wise reload, lockstep replicas.")
+]
+ColdOpt = Annotated[bool, typer.Option("--cold", help="The first sync (registration).")]
+GroupSizeOpt = Annotated[int, typer.Option("--group-size", min=1, help="v3: decoder blocks per group.")]
+CostOpt = Annotated[list[str] | None, typer.Option("--cost", help="NAME=VALUE, overrides a cost (repeatable).")]
+CostsOpt = Annotated[Path | None, typer.Option("--costs", help="JSON file of cost name -> value.")]
+RecordOpt = Annotated[bool, typer.Option("--record", help="Append the rows to RESULTS/simulated.parquet.")]
+DoRegenerateOpt = Annotated[
+    bool, typer.Option("--regenerate", help="Rewrite RESULTS/simulated.parquet: every simulated row.")
+]
+DoValidateOpt = Annotated[bool, typer.Option("--validate", help="Every published figure vs its prediction.")]
+ShowCostsOpt = Annotated[bool, typer.Option("--show-costs", help="Print the cost book and its sources.")]
+
+
 def simulate(
-    model: Annotated[str, typer.Option("--model", "-m", help="Preset, HF config.json path, or a figure's model.")] = (
-        "qwen3-235b-a22b"
-    ),
+    model: ModelOpt = ("qwen3-235b-a22b"),
     override: OverrideOpt = None,
-    trainer: Annotated[
-        str, typer.Option("--trainer", help="tp=..,pp=..,ep=..[,etp,dp] | fsdp:world=N,shard=S | host:world=N")
-    ] = "tp=4,pp=2,ep=8",
-    engine: Annotated[str, typer.Option("--engine", help="One engine: tp=..,dp=..,ep=..[,pp=..].")] = "dp=16,ep=16",
-    replicas: Annotated[int, typer.Option("--replicas", min=1, help="Engine replicas.")] = 1,
-    trainer_nodes: Annotated[int, typer.Option("--trainer-nodes", min=1, help="Nodes of trainer ranks.")] = 2,
-    engine_nodes: Annotated[int, typer.Option("--engine-nodes", min=1, help="Nodes of engine ranks.")] = 2,
-    cluster: Annotated[
-        str, typer.Option("--cluster", help="gpu=h100|h200|h20|h800|b200,nic=cx7-400|cx7-200|cx8-800[,numbers]")
-    ] = "gpu=h100,nic=cx7-400",
-    strategy: Annotated[str, typer.Option("--strategy", help="v1,v2,v3,broadcast,broadcast-pipelined or all.")] = "all",
-    transport: Annotated[str, typer.Option("--transport", help="pull | push | nccl | cuda-ipc.")] = "pull",
-    placement: Annotated[str, typer.Option("--placement", help="disaggregated | colocated.")] = "disaggregated",
-    fanout: Annotated[str, typer.Option("--fanout", help="none | chain | tree (relays between replicas).")] = "none",
-    dtype: Annotated[str, typer.Option("--dtype", help="bf16 | fp8 (e4m3, block scales).")] = "bf16",
-    quantize_on: Annotated[str, typer.Option("--quantize-on", help="engine | trainer | none (FP8 source).")] = "engine",
-    block: Annotated[int, typer.Option("--block", min=1, help="FP8 scale block (block x block).")] = 128,
-    direct: Annotated[bool, typer.Option("--direct/--packed", help="kvmove's direct pulls, or pack all.")] = False,
-    via_host: Annotated[bool, typer.Option("--via-host", help="Stage gathered tensors in host memory.")] = False,
-    published_constraints: Annotated[
-        bool, typer.Option("--published-constraints", help="Serial PP groups, layer-wise reload, lockstep replicas.")
-    ] = False,
-    cold: Annotated[bool, typer.Option("--cold", help="The first sync (registration).")] = False,
-    group_size: Annotated[int, typer.Option("--group-size", min=1, help="v3: decoder blocks per group.")] = 1,
-    cost: Annotated[list[str] | None, typer.Option("--cost", help="NAME=VALUE, overrides a cost (repeatable).")] = None,
-    costs: Annotated[Path | None, typer.Option("--costs", help="JSON file of cost name -> value.")] = None,
+    trainer: TrainerOpt = "tp=4,pp=2,ep=8",
+    engine: EngineOpt = "dp=16,ep=16",
+    replicas: ReplicasOpt = 1,
+    trainer_nodes: TrainerNodesOpt = 2,
+    engine_nodes: EngineNodesOpt = 2,
+    cluster: ClusterOpt = "gpu=h100,nic=cx7-400",
+    strategy: StrategyOpt = "all",
+    transport: TransportOpt = "pull",
+    placement: PlacementOpt = "disaggregated",
+    fanout: FanoutOpt = "none",
+    dtype: DtypeOpt = "bf16",
+    quantize_on: QuantizeOnOpt = "engine",
+    block: BlockOpt = 128,
+    direct: DirectOpt = False,
+    via_host: ViaHostOpt = False,
+    published_constraints: PublishedConstraintsOpt = False,
+    cold: ColdOpt = False,
+    group_size: GroupSizeOpt = 1,
+    cost: CostOpt = None,
+    costs: CostsOpt = None,
     results: ResultsOpt = Path("results"),
     as_json: JsonOpt = False,
-    record: Annotated[bool, typer.Option("--record", help="Append the rows to RESULTS/simulated.parquet.")] = False,
-    do_regenerate: Annotated[
-        bool, typer.Option("--regenerate", help="Rewrite RESULTS/simulated.parquet: every simulated row.")
-    ] = False,
-    do_validate: Annotated[bool, typer.Option("--validate", help="Every published figure vs its prediction.")] = False,
-    show_costs: Annotated[bool, typer.Option("--show-costs", help="Print the cost book and its sources.")] = False,
+    record: RecordOpt = False,
+    do_regenerate: DoRegenerateOpt = False,
+    do_validate: DoValidateOpt = False,
+    show_costs: ShowCostsOpt = False,
 ) -> None:
     """Predict weight syncs at full scale with costs from our own measured rows; validate on published figures.
 
