@@ -141,7 +141,10 @@ def test_migrate_json_is_clean_and_records_what_its_plots_need(tmp_path) -> None
     pytest.importorskip("fastapi")
     args = ["migrate", "--workers", "2", "--requests", "2", "--prompt-len", "16", "--new-tokens", "8"]
     args += ["--num-pages", "32", "--page-size", "4", "--json", "--results", str(tmp_path)]
-    r = kvmove(*args)
+    for _ in range(2):  # NOTE: on a loaded 2-core machine a worker may miss its 90 s start; that run is retried once
+        r = kvmove(*args)
+        if not (r.returncode == 2 and "not healthy within" in r.stderr):
+            break
     assert r.returncode == 0, r.stderr[-3000:]
     lines = json_clean(r.stdout)
     summary = lines[-1]
