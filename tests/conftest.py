@@ -15,7 +15,7 @@ pytest_plugins = ["server_fixtures"]  # kvmove servers in threads: start_server,
 def ray_session():
     """One local Ray (loopback only) shared by every test that needs actors."""
     ray = pytest.importorskip("ray")
-    from kvmove.sync.runner import start_ray
+    from kvmove.sync.launchers.ray import start_ray
 
     start_ray(None)
     yield ray

@@ -13,9 +13,9 @@ from typing import NamedTuple
 from kvmove.bench.results import Row
 from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
-from kvmove.sync.ownership import Ownership
-from kvmove.sync.plan import plan_engine
-from kvmove.sync.routing import route
+from kvmove.sync.planning.ownership import Ownership
+from kvmove.sync.planning.plan import plan_engine
+from kvmove.sync.planning.routing import route
 from kvmove.sync.strategies import STRATEGIES
 
 

@@ -8,18 +8,25 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from dataclasses import replace
 
 from kvmove.bench.results import Row
 from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
-from kvmove.sync.runner import SyncConfig, SyncResult, check_transport, run_syncs, start_ray
-from kvmove.sync.strategies import parse_strategies
+from kvmove.sync.config import SyncConfig
+from kvmove.sync.driver.checks import check_transport
+from kvmove.sync.driver.result import SyncResult
+from kvmove.sync.driver.run import run_syncs
+from kvmove.sync.launchers.ray import start_ray
+from kvmove.sync.strategies import STRATEGIES, parse_strategies
+from kvmove.transport import get_transport
 
 RAW_SIZES = (1 << 20, 16 << 20, 64 << 20)
 
 
 def sync_row(config: SyncConfig, r: SyncResult, suite: str = "sync", extra: dict[str, object] | None = None) -> Row:
-    """One measured row per (strategy, sync)."""
+    """One measured row per (strategy, sync), the same for every launcher and suite; ``link_limit_gbps`` is the
+    run's copy ceiling between a trainer's and an engine's device, measured at init."""
     return Row(
         kind="measured",
         suite=suite,
@@ -34,17 +41,24 @@ def sync_row(config: SyncConfig, r: SyncResult, suite: str = "sync", extra: dict
         gbps=r.gbps,
         phases=r.phases,
         peak_memory_bytes=r.peak_extra_bytes["engine"],
+        link_limit_gbps=r.link_gbps,
         extra={
             "sync": r.sync,
             "verified": r.verified,
             "live_engines": r.live_engines,
             "transfer_gbps": r.transfer_gbps,
+            "fraction_of_link": r.gbps / r.link_gbps if r.link_gbps else None,
             "peak_extra_bytes": r.peak_extra_bytes,
+            "rss_bytes": r.rss_bytes,
             "dead_replicas": list(r.dead_replicas),
+            "pulls_before_kill": {str(k): v for k, v in r.pulls_before_kill.items()},
             "group_size": config.options.group_size,
             "lookahead": config.options.lookahead,
             "direct": config.options.direct,
             "engine_kind": config.engine_kind,
+            "launcher": r.launcher,
+            "trainer_devices": list(config.placement.trainer_devices),
+            "engine_devices": list(config.placement.engine_devices),
             **(extra or {}),
         },
     )
@@ -82,28 +96,29 @@ def sync_suite(
     progress: Callable[[str], None] | None = None,
 ) -> list[Row]:
     """Raw bandwidth, then ``syncs`` verified syncs of every strategy, all in one Ray session."""
-    name = check_transport(transport)
+    config = SyncConfig(
+        model=resolve_model(model),
+        trainer=TrainerLayout.parse(trainer),
+        engine=EngineLayout.parse(engine, replicas),
+        strategies=tuple(parse_strategies("v1,v2,v3,broadcast")),
+        transport=transport,
+        syncs=syncs,
+        verify=True,
+    )
+    name = check_transport(config)
+    config = replace(config, transport=name)
     start_ray(None)
     say = progress or (lambda _m: None)
     say(f"raw {name} bandwidth")
     raw = raw_rows(name)
-    engine_layout = EngineLayout.parse(engine, replicas)
-    concurrent = concurrent_row(name, engine_layout.world) if name not in ("gloo", "rdt-gloo") else None
-    config = SyncConfig(
-        model=resolve_model(model),
-        trainer=TrainerLayout.parse(trainer),
-        engine=engine_layout,
-        strategies=tuple(parse_strategies("v1,v2,v3,broadcast")),
-        transport=name,
-        syncs=syncs,
-        verify=True,
-    )
+    cls = get_transport(name)
+    concurrent = None if cls.group_member or cls.actor_group else concurrent_row(name, config.engine.world)
     results = list(run_syncs(config, progress=say))
     ceiling = max(r.gbps for r in raw)
     shared = concurrent.gbps if concurrent is not None else 0.0
     rows = []
     for r in results:
-        pulls = r.strategy != "broadcast"
+        pulls = STRATEGIES[r.strategy].pulls
         extra: dict[str, object] = {
             "raw_gbps": ceiling,
             "transfer_fraction_of_raw": r.transfer_gbps / ceiling if ceiling and pulls else None,
@@ -158,8 +173,6 @@ def vllm_suite(
     progress: Callable[[str], None] | None = None,
 ) -> list[Row]:
     """The same syncs into kvmove's reference engine and into live vLLM engines, side by side in one run."""
-    name = check_transport(transport)
-    start_ray(None)
     rows = []
     for kind in ("reference", "vllm"):
         config = SyncConfig(
@@ -167,7 +180,7 @@ def vllm_suite(
             trainer=TrainerLayout.parse(trainer),
             engine=EngineLayout.parse(engine, replicas),
             strategies=tuple(parse_strategies("v1,v2,v3")),
-            transport=name,
+            transport=transport,
             syncs=syncs,
             verify=True,
             engine_kind=kind,

@@ -73,7 +73,7 @@ def run(
     Example: kvmove bench run --suite sync --syncs 3 --results results/   # the rows the README quotes
     """
     if suite is Suite.gpu:
-        _gpu(results, gpus=2, module="kvmove.bench.gpu")
+        _gpu_syncs(results, transport.value, syncs, as_json)
         return
     if suite is Suite.migration_gpu:
         _gpu(results, gpus=1, module="kvmove.bench.resume")  # NOTE: one GPU, plain torch
@@ -129,6 +129,30 @@ def _gpu(results: Path | None, gpus: int, module: str) -> None:
     if results is None:
         raise KvmoveError("a GPU suite records its rows as it goes: give --results DIR (e.g. --results results/)")
     importlib.import_module(module).main(["--out", str(results)])
+
+
+def _gpu_syncs(results: Path | None, transport: str, syncs: int, as_json: bool) -> None:
+    """Two GPUs, no Ray (kvmove.bench.gpu): ceilings, every strategy and transport (``auto``: cuda-ipc, nixl where
+    installed, nccl; or the one given), KV copies; rows recorded as they land, labelled with the GPU."""
+    from dataclasses import replace
+
+    import torch
+
+    from kvmove.bench.gpu import GpuSuite, gpu_suite
+    from kvmove.bench.results import Labels, append_rows, git_commit, versions
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        raise KvmoveError("this suite needs two CUDA GPUs (its CPU twin: kvmove.bench.gpu.GpuSuite.cpu_twin())")
+    if results is None:
+        raise KvmoveError("a GPU suite records its rows as it goes: give --results DIR (e.g. --results results/)")
+    suite = GpuSuite(syncs=syncs) if transport == "auto" else replace(GpuSuite(syncs=syncs), transports=(transport,))
+    name = torch.cuda.get_device_name(0).replace("NVIDIA ", "")
+    hardware = f"gpu:{name} x{torch.cuda.device_count()}"
+    labels = Labels(hardware, {**versions(), "cuda": str(torch.version.cuda)}, git_commit())
+    with streams.progress() as say:
+        rows = gpu_suite(suite, lambda new: append_rows(results, "gpu", new, labels) if new else None, say)
+    streams.note(f"{len(rows)} gpu rows appended to {results / 'gpu.parquet'}")
+    _show("gpu", rows, None, as_json)
 
 
 app.command("report")(streams.owns_stdout(report_cli.report))

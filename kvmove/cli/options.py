@@ -50,6 +50,18 @@ class KVTransport(StrEnum):
     http = "http"
 
 
+class Launcher(StrEnum):
+    """How the ranks of a sync are started (``kvmove.sync.launchers``)."""
+
+    ray = "ray"
+    processes = "processes"
+
+
+class PlacementMode(StrEnum):
+    disaggregated = "disaggregated"
+    colocated = "colocated"
+
+
 class EngineKind(StrEnum):
     reference = "reference"
     vllm = "vllm"

@@ -6,6 +6,7 @@ Parse -> config -> library call -> render. Three modes: real syncs (the default)
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -26,9 +27,11 @@ from kvmove.cli.options import (
     EngineKind,
     EngineOpt,
     JsonOpt,
+    Launcher,
     ModelOpt,
     NoRecordOpt,
     OverrideOpt,
+    PlacementMode,
     ReplicasOpt,
     ResultsOpt,
     StrategyOpt,
@@ -38,8 +41,8 @@ from kvmove.cli.options import (
 from kvmove.errors import JobFailed, KvmoveError
 
 if TYPE_CHECKING:
-    from kvmove.sync.dryrun import DryRunConfig
-    from kvmove.sync.runner import SyncConfig, SyncResult
+    from kvmove.sync.config import SyncConfig
+    from kvmove.sync.driver.result import SyncResult
 
 RUN, DRY_RUN, SIMULATE = "real syncs", "--dry-run", "--simulate"
 APPLIES: dict[str, tuple[str, ...]] = {
@@ -50,6 +53,11 @@ APPLIES: dict[str, tuple[str, ...]] = {
     "transport": (RUN, SIMULATE),
     "syncs": (RUN,),
     "ray_address": (RUN,),
+    "launcher": (RUN,),
+    "trainer_devices": (RUN,),
+    "engine_devices": (RUN,),
+    "placement": (RUN,),
+    "fail_trainer": (RUN,),
     "deadline": (RUN,),
     "group_size": (RUN, SIMULATE),
     "lookahead": (RUN, SIMULATE),
@@ -84,7 +92,43 @@ EngineKindOpt = Annotated[
 SyncsOpt = Annotated[int, typer.Option("--syncs", min=1, help="Syncs per strategy.", rich_help_panel=PANEL_RUN)]
 RayAddressOpt = Annotated[
     str | None,
-    typer.Option("--ray-address", help="Join an existing Ray cluster (default: local).", rich_help_panel=PANEL_RUN),
+    typer.Option(
+        "--ray-address",
+        help="Join an existing Ray cluster (default: RAY_ADDRESS if set, else a local Ray).",
+        rich_help_panel=PANEL_RUN,
+    ),
+]
+LauncherOpt = Annotated[
+    Launcher,
+    typer.Option(
+        "--launcher", help="Ranks as Ray actors, or as plain local processes (no Ray).", rich_help_panel=PANEL_RUN
+    ),
+]
+TrainerDevicesOpt = Annotated[
+    str,
+    typer.Option(
+        "--trainer-devices",
+        metavar="DEVICES",
+        help="Trainer ranks' devices, cycled: cpu, or cuda:0,cuda:1,...",
+        rich_help_panel=PANEL_RUN,
+    ),
+]
+EngineDevicesOpt = Annotated[
+    str,
+    typer.Option(
+        "--engine-devices",
+        metavar="DEVICES",
+        help="Engine ranks' devices, cycled: cpu, or cuda:1,...",
+        rich_help_panel=PANEL_RUN,
+    ),
+]
+PlacementOpt = Annotated[
+    PlacementMode,
+    typer.Option(
+        "--placement",
+        help="Trainer and engine ranks apart, or sharing devices (not built yet).",
+        rich_help_panel=PANEL_RUN,
+    ),
 ]
 DryRunOpt = Annotated[
     bool, typer.Option("--dry-run", help="Build and summarize plans; move no bytes.", rich_help_panel=PANEL_DRY)
@@ -126,6 +170,15 @@ FailEngineOpt = Annotated[
         "--fail-engine",
         metavar="R@S[:mid]",
         help="Kill replica R before sync S (R@S) or during it (R@S:mid); repeatable.",
+        rich_help_panel=PANEL_FAULTS,
+    ),
+]
+FailTrainerOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--fail-trainer",
+        metavar="T@S[:mid]",
+        help="Kill trainer rank T before sync S or during it (the run then ends, exit 1); repeatable.",
         rich_help_panel=PANEL_FAULTS,
     ),
 ]
@@ -180,6 +233,10 @@ def sync_weights(
     engine_kind: EngineKindOpt = EngineKind.reference,
     syncs: SyncsOpt = 1,
     ray_address: RayAddressOpt = None,
+    launcher: LauncherOpt = Launcher.ray,
+    trainer_devices: TrainerDevicesOpt = "cpu",
+    engine_devices: EngineDevicesOpt = "cpu",
+    placement: PlacementOpt = PlacementMode.disaggregated,
     dry_run: DryRunOpt = False,
     no_reuse: NoReuseOpt = False,
     simulate: SimulateOpt = False,
@@ -188,6 +245,7 @@ def sync_weights(
     engine_nodes: EngineNodesOpt = 1,
     published_constraints: PublishedConstraintsOpt = False,
     fail_engine: FailEngineOpt = None,
+    fail_trainer: FailTrainerOpt = None,
     slow_engine: SlowEngineOpt = None,
     deadline: DeadlineOpt = 60.0,
     transport: TransportOpt = SyncTransport.auto,
@@ -198,12 +256,15 @@ def sync_weights(
     results: ResultsOpt = None,
     no_record: NoRecordOpt = False,
 ) -> None:
-    """Sync weights from trainer ranks (Ray actors) to engine ranks, or plan it (--dry-run), or predict it (--simulate).
+    """Sync weights trainer -> engine ranks (Ray actors or processes), or plan (--dry-run), or predict (--simulate).
 
     Exit codes: 0 every sync done (and bit-exact with --verify); 1 a sync did not verify or had no live engine;
     2 bad usage or input; 130 interrupted.
 
     Example: kvmove sync-weights --strategy v1,v2,v3,broadcast --syncs 3 --verify --json
+
+    Example: kvmove sync-weights --launcher processes --trainer tp=1 --engine tp=1 --trainer-devices cuda:0
+    --engine-devices cuda:1 --transport cuda-ipc --verify
 
     Example: kvmove sync-weights --dry-run --model kimi-k2 --trainer tp=8,pp=8,ep=32 --engine tp=32,ep=32 --replicas 4
 
@@ -214,7 +275,7 @@ def sync_weights(
         raise KvmoveError("--dry-run and --simulate are two modes: give one")
     check_options(ctx, SIMULATE if simulate else DRY_RUN if dry_run else RUN, APPLIES)
     layout = {"trainer": trainer, "engine": engine, "replicas": replicas}
-    config = _dry_run_config(model, override or [], layout, strategy, verify, seed, no_reuse, engine_kind.value)
+    config = _config(model, override or [], layout, strategy, verify, seed, no_reuse, engine_kind.value)
     if simulate:
         spec: dict[str, Any] = {"model": model, "overrides": tuple(override or []), "trainer": trainer}
         spec |= {"engine": engine, "trainer_nodes": trainer_nodes, "engine_nodes": engine_nodes, "cluster": cluster}
@@ -224,12 +285,18 @@ def sync_weights(
         _dry_run(config, as_json)
     else:
         options = {"group_size": group_size, "lookahead": lookahead, "direct": direct}
-        faults = {"fail_engine": fail_engine or [], "slow_engine": slow_engine or [], "deadline": deadline}
-        run_config = _sync_config(config, transport.value, syncs, ray_address, options, faults)
+        faults = {
+            "fail_engine": fail_engine or [],
+            "fail_trainer": fail_trainer or [],
+            "slow_engine": slow_engine or [],
+        }
+        where: dict[str, Any] = {"launcher": launcher.value, "trainer": trainer_devices, "engine": engine_devices}
+        where |= {"colocated": placement is PlacementMode.colocated, "ray_address": ray_address}
+        run_config = _sync_config(config, transport.value, syncs, deadline, options, faults, where)
         _run(run_config, as_json, None if no_record else results)
 
 
-def _dry_run_config(
+def _config(
     model: str,
     override: list[str],
     layout: dict[str, Any],
@@ -238,58 +305,71 @@ def _dry_run_config(
     seed: int,
     no_reuse: bool,
     engine_kind: str,
-) -> DryRunConfig:
+) -> SyncConfig:
+    """What every mode shares: the model, both layouts, the strategies (a dry run needs nothing else)."""
     from kvmove.layout import EngineLayout, TrainerLayout
     from kvmove.models import parse_overrides, resolve_model
-    from kvmove.sync.dryrun import DryRunConfig
+    from kvmove.sync.config import SyncConfig, SyncOptions
     from kvmove.sync.strategies import parse_strategies
 
     engine, replicas = layout["engine"], layout["replicas"]
     default_replicas = DEFAULT_REPLICAS if engine == DEFAULT_ENGINE else 1
-    return DryRunConfig(
+    return SyncConfig(
         model=resolve_model(model, parse_overrides(override)),
         trainer=TrainerLayout.parse(layout["trainer"]),
         engine=EngineLayout.parse(engine, replicas if replicas is not None else default_replicas),
         strategies=tuple(parse_strategies(strategy)),
         verify=verify,
         seed=seed,
-        reuse=not no_reuse,
+        options=SyncOptions(reuse=not no_reuse),
         engine_kind=engine_kind,
     )
 
 
 def _sync_config(
-    config: DryRunConfig,
+    config: SyncConfig,
     transport: str,
     syncs: int,
-    ray_address: str | None,
+    deadline: float,
     options: dict[str, Any],
     faults: dict[str, Any],
+    where: dict[str, Any],
 ) -> SyncConfig:
-    from kvmove.sync.runner import Fault, SyncConfig
-    from kvmove.sync.schedule import SyncOptions
+    """The run's config: transport, planning options, placement and faults on top of what every mode shares."""
+    from dataclasses import replace
 
-    return SyncConfig(
-        model=config.model,
-        trainer=config.trainer,
-        engine=config.engine,
-        strategies=config.strategies,
+    from kvmove.sync.config import Fault, Placement, Side, parse_devices
+
+    placement = Placement(
+        launcher=where["launcher"],
+        trainer_devices=parse_devices(where["trainer"], "--trainer-devices"),
+        engine_devices=parse_devices(where["engine"], "--engine-devices"),
+        colocated=where["colocated"],
+        ray_address=where["ray_address"] or _ray_address_env(where["launcher"]),
+    )
+    return replace(
+        config,
         transport=transport,
         syncs=syncs,
-        verify=config.verify,
-        seed=config.seed,
-        options=SyncOptions(**options),
-        ray_address=ray_address,
-        engine_kind=config.engine_kind,
-        faults=tuple(Fault.parse(f) for f in faults["fail_engine"]),
+        options=replace(config.options, **options),
+        placement=placement,
+        faults=tuple(Fault.parse(f, Side.ENGINE) for f in faults["fail_engine"])
+        + tuple(Fault.parse(f, Side.TRAINER) for f in faults["fail_trainer"]),
         slow_replicas=tuple(_slow(s) for s in faults["slow_engine"]),
-        deadline_s=faults["deadline"],
+        deadline_s=deadline,
     )
 
 
-def _run(config: SyncConfig, as_json: bool, results: Path | None) -> None:
-    from kvmove.sync.runner import run_syncs
+def _ray_address_env(launcher: str) -> str | None:
+    """``RAY_ADDRESS``, as Ray's own tools read it (only where ranks are Ray actors)."""
+    return (os.environ.get("RAY_ADDRESS") or None) if launcher == "ray" else None
 
+
+def _run(config: SyncConfig, as_json: bool, results: Path | None) -> None:
+    from kvmove.sync.driver.checks import checked
+    from kvmove.sync.driver.run import run_syncs
+
+    config = checked(config)  # refusals come before any progress output
     rows = render.run_syncs(run_syncs, config, as_json=as_json)
     if results is not None and rows:
         from kvmove.bench.results import append_rows
@@ -317,8 +397,8 @@ def sync_failures(rows: list[SyncResult]) -> str:
     return "; ".join(bad)
 
 
-def _dry_run(config: DryRunConfig, as_json: bool) -> None:
-    from kvmove.sync.dryrun import dry_run_sync
+def _dry_run(config: SyncConfig, as_json: bool) -> None:
+    from kvmove.sync.driver.dryrun import dry_run_sync
 
     reports = dry_run_sync(config)
     if as_json:
@@ -332,9 +412,7 @@ def _dry_run(config: DryRunConfig, as_json: bool) -> None:
         raise JobFailed("dry-run verification failed: " + "; ".join(bad))
 
 
-def _simulate(
-    config: DryRunConfig, spec: dict[str, Any], transport: str, published: bool, results: Path | None
-) -> None:
+def _simulate(config: SyncConfig, spec: dict[str, Any], transport: str, published: bool, results: Path | None) -> None:
     """Predicted full-scale times as JSON lines; costs come from the measured rows under ``results``."""
     from kvmove.bench.sim.setup import Spec
     from kvmove.cli.simulate import simulate_json

@@ -1,9 +1,16 @@
-"""Inference engines kvmove syncs into, behind one adapter interface, in a registry."""
+"""Inference engines kvmove syncs into, behind one adapter interface, in a registry.
+
+Each entry says how to build an engine rank's model and run the engine's own loader (what plans and
+verification need), which host class runs one of its ranks during syncs (named by import path, resolved only
+when a run starts: the hosts live above this package), and what the engine refuses up front.
+"""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,6 +32,17 @@ class EngineAdapter:
     name: str
     build: Callable[..., nn.Module]
     load_weights: Callable[[nn.Module, Iterable[tuple[str, torch.Tensor]]], object]
+    host: str = "kvmove.sync.ranks.engine_host:EngineHost"
+    """``module:Class`` of the host that runs one engine rank in a sync (a ``kvmove.sync.ranks`` EngineHost)."""
+    check: Callable[[EngineLayout], None] = lambda layout: None
+    """Refuses (KvmoveError) a layout the engine cannot run here, or a missing engine package; runs up front."""
+    broadcast: bool = True
+    """Whether the broadcast baseline is wired to this engine."""
+
+    def host_class(self) -> Any:
+        """The host class, imported now (plugin-style, like vLLM's own registries: no import cycle)."""
+        module, _, name = self.host.partition(":")
+        return getattr(importlib.import_module(module), name)
 
 
 def _reference_build(
@@ -53,9 +71,22 @@ def _vllm_build(*_args: object, **_kwargs: object) -> nn.Module:
     )
 
 
+def _vllm_check(layout: EngineLayout) -> None:
+    from kvmove.engines.vllm import check_engine
+
+    check_engine(layout)
+
+
 ENGINES: dict[str, EngineAdapter] = {
     "reference": EngineAdapter("reference", _reference_build, _reference_load),
-    "vllm": EngineAdapter("vllm", _vllm_build, lambda model, weights: model.load_weights(weights)),  # type: ignore[operator]
+    "vllm": EngineAdapter(
+        "vllm",
+        _vllm_build,
+        lambda model, weights: model.load_weights(weights),  # type: ignore[operator]
+        host="kvmove.engines.vllm.actor:VllmEngineHost",
+        check=_vllm_check,
+        broadcast=False,
+    ),
 }
 
 

@@ -46,7 +46,7 @@ class BlockQuantized(NamedTuple):
 
 
 class BlockBox(NamedTuple):
-    """A box of a tensor, ``start[d] <= i_d < stop[d]`` (same fields as kvmove.sync.plan.Box)."""
+    """A box of a tensor, ``start[d] <= i_d < stop[d]`` (same fields as kvmove.sync.planning.plan.Box)."""
 
     start: tuple[int, ...]
     stop: tuple[int, ...]

@@ -14,10 +14,11 @@ from kvmove.errors import KvmoveError, PlanError
 from kvmove.layout import EngineLayout
 from kvmove.models.config import ModelConfig
 from kvmove.models.tensors import TensorMeta, hf_tensors, model_totals
-from kvmove.sync.ownership import Ownership
-from kvmove.sync.plan import Box, Region, ShardingPlan, relative_view
-from kvmove.sync.recording import replay
-from kvmove.sync.routing import SourceMap
+from kvmove.sync.planning.ownership import Ownership
+from kvmove.sync.planning.plan import Box, Region, ShardingPlan, relative_view
+from kvmove.sync.planning.recording import replay
+from kvmove.sync.planning.routing import SourceMap
+from kvmove.sync.strategies import Gather
 
 VERIFY_LIMIT_BYTES = 2 << 30
 
@@ -48,10 +49,11 @@ def check_verifiable(cfg: ModelConfig) -> None:
         )
 
 
-def seeded_checkpoint(cfg: ModelConfig, seed: int, version: int = 0) -> dict[str, torch.Tensor]:
-    """The full checkpoint with seeded random weights; refuses models too large to materialize here."""
+def seeded_checkpoint(cfg: ModelConfig, seed: int, version: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The full checkpoint with seeded random weights, generated on ``device`` (the kind of device decides the
+    bits: generate where the trainer does); refuses models too large to materialize here."""
     check_verifiable(cfg)
-    return {t.name: seeded_tensor(t, seed, version) for t in hf_tensors(cfg)}
+    return {t.name: seeded_tensor(t, seed, version, device) for t in hf_tensors(cfg)}
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -61,9 +63,11 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def held_tensor(ownership: Ownership, meta: TensorMeta, full: torch.Tensor, rank: int, scope: str) -> torch.Tensor:
+def held_tensor(
+    ownership: Ownership, meta: TensorMeta, full: torch.Tensor, rank: int, scope: Gather | str
+) -> torch.Tensor:
     """The full tensor as trainer ``rank`` holds it after its gather, assembled from the raw shard metadata."""
-    if scope == "stage":
+    if Gather(scope) is Gather.STAGE:
         group = set(ownership.gather_group(meta, rank))
         pieces = [h for h in ownership.slices(meta) if h.rank in group]
     else:
@@ -106,7 +110,7 @@ def verify_plans(
     plans: Sequence[ShardingPlan],
     ownership: Ownership,
     source_map: SourceMap,
-    scope: str,
+    scope: Gather | str,
     *,
     seed: int = 0,
     engine: EngineAdapter | None = None,
@@ -144,7 +148,8 @@ def verify_plans(
 def verify_streaming(
     cfg: ModelConfig, plan: ShardingPlan, model: nn.Module, seed: int, version: int, device: str = "cpu"
 ) -> tuple[bool, list[str]]:
-    """Every region of ``plan`` in ``model`` equals the loader's op chain replayed on the seeded full tensor.
+    """Every region of ``plan`` in ``model`` equals the loader's op chain replayed on the seeded full tensor
+    (generated on ``device``, then moved to the parameter's device).
 
     One HF tensor is materialized at a time, so this scales to models whose full checkpoint does not fit
     beside the engine's parameters (e.g. tens of GB on one GPU). It trusts the plan, which the dry-run
@@ -163,6 +168,6 @@ def verify_streaming(
         bad += [
             f"{r.param} <- {meta.name}"
             for r in regions
-            if not bits_equal(r.dst.apply(params[r.param].data), replay(r.ops, full))
+            if not bits_equal(r.dst.apply(params[r.param].data), replay(r.ops, full).to(params[r.param].device))
         ]
     return not bad, bad

@@ -11,6 +11,7 @@ from kvmove.errors import KvmoveError
 from kvmove.transport.base import (
     BufferDesc,
     EndpointInfo,
+    Membership,
     Range,
     TransferStats,
     Transport,
@@ -47,14 +48,15 @@ def available_transports() -> list[str]:
     return [name for name, cls in TRANSPORTS.items() if cls.is_available()]
 
 
-def get_transport(name: str) -> type[Transport]:
-    """The transport class called ``name`` (``"auto"``: the first available of ``AUTO_ORDER``).
+def get_transport(name: str, *, actors: bool = True) -> type[Transport]:
+    """The transport class called ``name`` (``"auto"``: the first available of ``AUTO_ORDER``; without ``actors``
+    only those that need no Ray actor).
 
     Unknown names are a KvmoveError; a known transport whose dependency is missing still resolves
     (constructing it raises MissingDependencyError naming the extra to install).
     """
     if name == "auto":
-        available = available_transports()
+        available = [n for n in available_transports() if actors or not TRANSPORTS[n].needs_actor]
         best = next((n for n in AUTO_ORDER if n in available), None)
         if best is None:
             raise KvmoveError("no transport is available here (install 'kvmove[nixl]' or a torch with gloo)")
@@ -75,6 +77,7 @@ __all__ = [
     "GlooTransport",
     "HttpTransport",
     "LocalTransport",
+    "Membership",
     "NcclGroup",
     "NcclTransport",
     "NixlTransport",

@@ -6,12 +6,13 @@ Benchmarks report a sync's transfer speed as a fraction of this figure, measured
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any, NamedTuple
 
 import torch
 
 from kvmove.transport import get_transport
-from kvmove.transport.base import TransportError
+from kvmove.transport.base import Membership, TransportError
 from kvmove.transport.gloo import GlooGroup
 from kvmove.transport.slots import ACTOR_OPTIONS, ServesSlots, import_ray
 
@@ -34,8 +35,8 @@ class BandwidthResult(NamedTuple):
 class Peer(ServesSlots):
     """One endpoint with one registered buffer; the server's is filled with seeded random bytes."""
 
-    def __init__(self, transport: str, nbytes: int, seed: int | None, options: dict[str, Any]):
-        self.transport = get_transport(transport)(**options)
+    def __init__(self, transport: str, nbytes: int, seed: int | None, membership: Membership | None = None):
+        self.transport = get_transport(transport).open(membership)
         if seed is None:
             self.buf = torch.zeros(nbytes, dtype=torch.uint8)
         else:
@@ -102,7 +103,8 @@ def measure_concurrent(name: str, nbytes: int, pairs: int, repeats: int = 5) -> 
     ray = import_ray()
     if not ray.is_initialized():
         raise TransportError("measure_concurrent needs a running Ray session: call ray.init first")
-    if name in ("gloo", "rdt-gloo"):
+    cls = get_transport(name)
+    if cls.group_member or cls.actor_group:
         raise TransportError(f"{name} binds its members into one group; measure it one pair at a time")
     actor_cls = ray.remote(num_cpus=0, **ACTOR_OPTIONS)(Peer)
     servers = [actor_cls.remote(name, nbytes, i, {}) for i in range(pairs)]
@@ -119,22 +121,27 @@ def measure_concurrent(name: str, nbytes: int, pairs: int, repeats: int = 5) -> 
             ray.kill(actor)
 
 
-def _options(name: str, rank: int, group: GlooGroup | None) -> dict[str, Any]:
-    return {"group": group.for_rank(rank)} if name == "gloo" and group is not None else {}
+def pair_memberships(name: str) -> tuple[Membership | None, Membership | None]:
+    """Server's and reader's places in a two-member group, for transports whose endpoints form one (else None)."""
+    if not get_transport(name).group_member:
+        return None, None
+    group = GlooGroup.local(2)  # picks a free loopback port for the group's store
+    return Membership(0, 2, group.host, group.port), Membership(1, 2, group.host, group.port)
 
 
 def _time_ray(name: str, nbytes: int, repeats: int) -> list[float]:
     ray = import_ray()
     if not ray.is_initialized():
         raise TransportError("measure_bandwidth(processes='ray') needs a running Ray session: call ray.init first")
-    group = GlooGroup.local(2) if name == "gloo" else None
+    places = pair_memberships(name)
     actor_cls = ray.remote(num_cpus=0, **ACTOR_OPTIONS)(Peer)
-    server, client = (actor_cls.remote(name, nbytes, seed, _options(name, r, group)) for r, seed in ((0, 0), (1, None)))
+    server, client = (actor_cls.remote(name, nbytes, seed, places[r]) for r, seed in ((0, 0), (1, None)))
     try:
-        if name == "rdt-gloo":
+        backend = get_transport(name).actor_group
+        if backend is not None:
             from kvmove.transport.rdt import create_rdt_group
 
-            create_rdt_group([server, client])
+            create_rdt_group([server, client], backend)
         info, remote = ray.get(server.info.remote())
         ray.get(client.connect.remote(info))
         times: list[float] = ray.get(client.time_reads.remote(remote, repeats))
@@ -151,13 +158,11 @@ def _time_processes(name: str, nbytes: int, repeats: int) -> list[float]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    group = GlooGroup.local(2) if name == "gloo" else None
+    places = pair_memberships(name)
     to_client, to_server, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     procs = [
-        ctx.Process(target=_serve_process, args=(name, nbytes, _options(name, 0, group), to_client, to_server)),
-        ctx.Process(
-            target=_read_process, args=(name, nbytes, repeats, _options(name, 1, group), to_client, to_server, results)
-        ),
+        ctx.Process(target=_serve_process, args=(name, nbytes, places[0], to_client, to_server)),
+        ctx.Process(target=_read_process, args=(name, nbytes, repeats, places[1], to_client, to_server, results)),
     ]
     for p in procs:
         p.start()
@@ -171,18 +176,18 @@ def _time_processes(name: str, nbytes: int, repeats: int) -> list[float]:
     return list(outcome)
 
 
-def _serve_process(name: str, nbytes: int, options: dict[str, Any], to_client: Any, to_server: Any) -> None:
-    peer = Peer(name, nbytes, 0, options)
+def _serve_process(name: str, nbytes: int, place: Membership | None, to_client: Any, to_server: Any) -> None:
+    peer = Peer(name, nbytes, 0, place)
     to_client.put(peer.info())
     to_server.get()
     peer.close()
 
 
 def _read_process(
-    name: str, nbytes: int, repeats: int, options: dict[str, Any], to_client: Any, to_server: Any, results: Any
+    name: str, nbytes: int, repeats: int, place: Membership | None, to_client: Any, to_server: Any, results: Any
 ) -> None:
     try:
-        peer = Peer(name, nbytes, None, options)
+        peer = Peer(name, nbytes, None, place)
         info, remote = to_client.get()
         peer.connect(info)
         results.put(peer.time_reads(remote, repeats))
@@ -192,3 +197,29 @@ def _read_process(
     finally:
         to_server.put(True)
     peer.close()
+
+
+def copy_ceiling(source: str, target: str, nbytes: int, repeats: int = 3) -> float:
+    """GB/s of a plain copy of ``nbytes`` from a buffer on device ``source`` to one on ``target``, in this process
+    (median of ``repeats`` after a warm-up): the speed of light of any transport between those two memories
+    (the P2P copy between two GPUs; a memory copy between two CPU processes)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=source)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=target)
+    src.fill_(1)
+
+    def copy() -> float:
+        _synchronize(source, target)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _synchronize(source, target)
+        return time.perf_counter() - t0
+
+    copy()
+    seconds = statistics.median(copy() for _ in range(repeats))
+    return nbytes / seconds / 1e9
+
+
+def _synchronize(*devices: str) -> None:
+    for device in devices:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)

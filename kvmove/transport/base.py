@@ -53,6 +53,17 @@ class BufferDesc:
     device_id: int = 0
 
 
+class Membership(NamedTuple):
+    """This endpoint's place in a run's fixed group of endpoints (transports with ``group_member``): its member
+    id, the group size and a TCP store every member reaches (member 0 hosts it)."""
+
+    member: int
+    world: int
+    host: str = "127.0.0.1"
+    port: int = 0
+    timeout_s: float = 120.0
+
+
 @dataclass(frozen=True)
 class EndpointInfo:
     """All a peer needs to ``connect``: ``payload`` is transport-specific (NIXL agent metadata, actor handle, rank)."""
@@ -126,6 +137,18 @@ class Transport(ABC):
 
     name: ClassVar[str]
     extra: ClassVar[str] = ""  # pip extra that provides the optional dependency, "" if none
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    """Device types ("cpu", "cuda") of the buffers this transport moves."""
+    two_sided: ClassVar[bool] = False
+    """Servers answer reads themselves: a server must ``connect`` to its readers as well as they to it."""
+    group_member: ClassVar[bool] = False
+    """Every endpoint of a run belongs to one group built at construction: :meth:`open` needs a Membership."""
+    rejoinable: ClassVar[bool] = True
+    """A restarted peer can connect again (so engine replicas may die and rejoin: fault injection)."""
+    needs_actor: ClassVar[bool] = False
+    """The endpoint must live in a Ray actor that mixes in ``ServesSlots`` (Ray-object transports)."""
+    actor_group: ClassVar[str | None] = None
+    """Backend of the Ray collective group the launcher creates over every rank actor first (``rdt-gloo``)."""
 
     def __init__(self) -> None:
         self.endpoint = f"{self.name}-{uuid.uuid4().hex[:12]}"
@@ -133,6 +156,12 @@ class Transport(ABC):
         self._buffers: dict[int, torch.Tensor] = {}
         self._peers: dict[str, EndpointInfo] = {}
         self._closed = False
+
+    @classmethod
+    def open(cls, membership: Membership | None = None, device: str = "cpu") -> Transport:
+        """The endpoint of one rank on ``device``; ``membership`` places it in the run's group (``group_member``
+        transports need one, the others ignore it)."""
+        return cls()
 
     @classmethod
     @abstractmethod

@@ -24,6 +24,7 @@ from kvmove.transport.base import BufferDesc, EndpointInfo, Transport, Transport
 
 class CudaIpcTransport(Transport):
     name = "cuda-ipc"
+    devices = frozenset({"cuda"})
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():

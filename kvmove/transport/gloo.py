@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvmove.transport.base import BufferDesc, EndpointInfo, Transport, TransportError
+from kvmove.transport.base import BufferDesc, EndpointInfo, Membership, Transport, TransportError
 
 _READ, _STOP = 1, 2
 _TAG_HEADER, _TAG_SPANS, _TAG_STATUS, _TAG_DATA = 11, 12, 13, 14
@@ -61,6 +61,9 @@ class GlooTransport(Transport):
     """Endpoint ``group.rank`` of a gloo group; ``close()`` is collective: every member must call it."""
 
     name = "gloo"
+    two_sided = True
+    group_member = True
+    rejoinable = False
 
     def __init__(self, *, group: GlooGroup):
         if not is_gloo_available():
@@ -70,6 +73,13 @@ class GlooTransport(Transport):
         self._pg = _process_group(group)
         self._server = threading.Thread(target=self._serve, name=f"kvmove-gloo-{group.rank}", daemon=True)
         self._server.start()
+
+    @classmethod
+    def open(cls, membership: Membership | None = None, device: str = "cpu") -> GlooTransport:
+        if membership is None:
+            raise TransportError("the gloo transport needs its member id and the group's store (a Membership)")
+        m = membership
+        return cls(group=GlooGroup(m.member, m.world, m.host, m.port, m.timeout_s))
 
     @classmethod
     def is_available(cls) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvmove.transport.base import BufferDesc, EndpointInfo, Transport, TransportError
+from kvmove.transport.base import BufferDesc, EndpointInfo, Membership, Transport, TransportError
 
 _READ, _STOP = 1, 2
 
@@ -39,6 +39,10 @@ class NcclGroup:
 
 class NcclTransport(Transport):
     name = "nccl"
+    devices = frozenset({"cpu", "cuda"})
+    two_sided = True
+    group_member = True
+    rejoinable = False
 
     def __init__(self, *, group: NcclGroup, device: str = "cuda", backend: str = "nccl") -> None:
         import torch.distributed as dist
@@ -59,11 +63,21 @@ class NcclTransport(Transport):
         self._seq: dict[int, int] = {}
 
     @classmethod
+    def open(cls, membership: Membership | None = None, device: str = "cpu") -> NcclTransport:
+        """NCCL for CUDA buffers; on CPU the same pull protocol over gloo (the CPU twin of the GPU path)."""
+        if membership is None:
+            raise TransportError("the nccl transport needs its member id and the group's store (a Membership)")
+        m = membership
+        group = NcclGroup(m.member, m.world, m.host, m.port, m.timeout_s)
+        return cls(group=group, device=device, backend="nccl" if device.startswith("cuda") else "gloo")
+
+    @classmethod
     def is_available(cls) -> bool:
+        """NCCL for CUDA buffers, or its gloo twin for CPU ones: torch.distributed is all it needs."""
         try:
             import torch.distributed as dist
 
-            return bool(torch.cuda.is_available() and dist.is_nccl_available())
+            return bool(dist.is_available())
         except Exception:
             return False
 
@@ -139,20 +153,31 @@ class NcclTransport(Transport):
             if local.is_cuda:
                 torch.cuda.current_stream(local.device).synchronize()
 
+    def _client(self) -> Any:
+        """A store connection of the calling thread's own.
+
+        NOTE: a store client serializes its calls, and a serving thread spends its time in blocking waits: on a
+        shared client every other thread's request, acknowledgement or announcement would queue behind them.
+        """
+        g = self.group
+        timeout = timedelta(seconds=g.timeout_s)
+        return self._dist.TCPStore(g.host, g.port, g.world_size, False, timeout=timeout, wait_for_workers=False)
+
     def _serve(self, reader: int) -> None:
+        store = self._client()
         key = f"reader-{reader}-{self.group.member}"
-        while not self._store.check([key]):
+        while not store.check([key]):
             if self._closed:
                 return
             time.sleep(0.02)
         with self._stream():
-            self._answer(reader, self._pair(reader, self.group.member))
+            self._answer(reader, self._pair(reader, self.group.member), store)
 
-    def _answer(self, reader: int, pg: Any) -> None:
+    def _answer(self, reader: int, pg: Any, store: Any) -> None:
         key, seq = f"pull/{reader}/{self.group.member}", 0
         while True:
             seq += 1
-            request = self._next_request(f"{key}/req/{seq}")
+            request = self._next_request(store, f"{key}/req/{seq}")
             if request is None:
                 return
             op, buffer_id, count = (int(x) for x in request[:3])
@@ -163,7 +188,7 @@ class NcclTransport(Transport):
             status = "" if buf is not None else f"buffer {buffer_id} is not registered with endpoint {self.endpoint}"
             if buf is not None and len(spans) and int((spans[:, 0] + spans[:, 1]).max()) > buf.numel():
                 status = f"a span ends past the {buf.numel()}-byte buffer {buffer_id} of {self.endpoint}"
-            self._store.set(f"{key}/ack/{seq}", status)
+            store.set(f"{key}/ack/{seq}", status)
             if status or buf is None:
                 continue
             works = [pg.send([buf[ro : ro + n]], 0, 0) for ro, n in spans.tolist()]
@@ -172,17 +197,17 @@ class NcclTransport(Transport):
             if buf.is_cuda:
                 torch.cuda.current_stream(buf.device).synchronize()
 
-    def _next_request(self, key: str) -> np.ndarray | None:
+    def _next_request(self, store: Any, key: str) -> np.ndarray | None:
         """The request posted under ``key`` (waits for it; None once this endpoint is closed)."""
         while True:
             try:
-                self._store.wait([key], timedelta(seconds=1))
+                store.wait([key], timedelta(seconds=1))
                 break
             except Exception:  # the store's timeout: look whether we were closed, then wait on
                 if self._closed:
                     return None
-        request = np.frombuffer(self._store.get(key), dtype=np.int64)
-        self._store.delete_key(key)
+        request = np.frombuffer(store.get(key), dtype=np.int64)
+        store.delete_key(key)
         return request
 
     def _close(self) -> None:

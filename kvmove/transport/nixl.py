@@ -35,6 +35,7 @@ class NixlTransport(Transport):
 
     name = "nixl"
     extra = "nixl"
+    devices = frozenset({"cpu", "cuda"})
 
     def __init__(self, *, backends: tuple[str, ...] = ("UCX",), timeout_s: float = 120.0, max_prepared: int = 64):
         api = import_nixl()

@@ -46,6 +46,7 @@ class RdtNixlTransport(ActorTransport):
     name = "rdt-nixl"
     extra = "nixl"
     tensor_transport = "nixl"
+    devices = frozenset({"cpu", "cuda"})
 
     def __init__(self) -> None:
         import_optional(NIXL_MODULE, "nixl", "the rdt-nixl transport")
@@ -83,6 +84,8 @@ class RdtGlooTransport(ActorTransport):
 
     name = "rdt-gloo"
     tensor_transport = "gloo"
+    rejoinable = False
+    actor_group = "gloo"
 
     @classmethod
     def is_available(cls) -> bool:

@@ -55,6 +55,7 @@ class ActorTransport(Transport):
     """A Ray-object transport endpoint living in a Ray actor that mixes in ``ServesSlots``."""
 
     tensor_transport: ClassVar[str | None] = None
+    needs_actor = True
 
     def __init__(self) -> None:
         self._ray = import_ray()

@@ -31,7 +31,7 @@ def cli(*args: str) -> Result:
 
 
 def fake_result(strategy: str, sync: int, **kw: Any) -> Any:
-    from kvmove.sync.runner import SyncResult
+    from kvmove.sync.driver.result import SyncResult
 
     base: dict[str, Any] = {
         "strategy": strategy,
@@ -65,7 +65,7 @@ class FakeRun(NamedTuple):
 @pytest.fixture
 def fake_syncs(monkeypatch) -> FakeRun:
     """Replace the library's run of syncs with canned results; records that its cleanup ran."""
-    import kvmove.sync.runner as runner
+    import kvmove.sync.driver.run as runner
 
     fake = FakeRun([], [])
 
@@ -177,7 +177,7 @@ def test_rows_are_recorded_only_with_results(fake_syncs, tmp_path, monkeypatch) 
 def test_dry_run_json_lines_and_a_failed_dry_run_verify_exits_1(monkeypatch) -> None:
     r = cli("sync-weights", "--dry-run", "--verify", "--json", "--strategy", "v1,v3")
     assert r.code == 0 and [json.loads(line)["verified"] for line in r.out.splitlines()] == [True, True]
-    import kvmove.sync.dryrun as dryrun
+    import kvmove.sync.driver.dryrun as dryrun
 
     real = dryrun.dry_run_sync
     monkeypatch.setattr(

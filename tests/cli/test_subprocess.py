@@ -59,15 +59,15 @@ def test_help_imports_no_heavy_library() -> None:
 # rank's actual weights differ bit for bit; both replicas are then killed before sync 2 (no live engine).
 WRONG_SEED_FOR_SYNC_1 = """
 import dataclasses, sys
-from kvmove.sync import sync_step
+from kvmove.sync.driver import step as sync_step
 real = sync_step._verify
-def verify(cluster, version):
-    if version != 1:
-        return real(cluster, version)
+def verify(cluster, step):
+    if step.version != 1:
+        return real(cluster, step)
     config = cluster.config
     cluster.config = dataclasses.replace(config, seed=config.seed + 1)
     try:
-        return real(cluster, version)
+        return real(cluster, step)
     finally:
         cluster.config = config
 sync_step._verify = verify

@@ -15,7 +15,8 @@ import pytest
 from kvmove.errors import KvmoveError, MissingDependencyError
 from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
-from kvmove.sync.runner import SyncConfig, check_engine_kind
+from kvmove.sync.config import SyncConfig
+from kvmove.sync.driver.checks import check_engine_kind
 from kvmove.sync.strategies import parse_strategies
 
 PROMPTS = [[3, 17, 42, 7, 99, 5], [11, 12, 13, 14], [200, 1, 150, 60, 61, 62, 63, 64]]
@@ -31,9 +32,10 @@ def _vllm_or_skip() -> None:
 
 
 def _config(model: str, strategies: str, **kw: Any) -> SyncConfig:
+    cfg = resolve_model(model)
     return SyncConfig(
-        model=resolve_model(model),
-        trainer=TrainerLayout.parse(kw.pop("trainer", "tp=2,ep=2")),
+        model=cfg,
+        trainer=TrainerLayout.parse(kw.pop("trainer", "tp=2,ep=2" if cfg.is_moe else "tp=2")),  # ep: MoE only
         engine=EngineLayout.parse(kw.pop("engine", "tp=1"), kw.pop("replicas", 1)),
         strategies=tuple(parse_strategies(strategies)),
         transport="nixl",
@@ -51,13 +53,15 @@ def vllm_ray(ray_session: Any) -> Iterator[Any]:
 
 def _disk_engine(ray: Any, config: SyncConfig, version: int) -> Any:
     """A second vLLM, started from the checkpoint of ``version`` written to disk (vLLM's normal load)."""
-    from kvmove.engines.vllm.actor import VllmEngineActor
+    from kvmove.engines.vllm.actor import VllmEngineHost
+    from kvmove.sync.config import Side
+    from kvmove.sync.launchers.ray import actor_class
+    from kvmove.sync.ranks.host import RankSpec
     from kvmove.sync.verify import seeded_checkpoint
 
     weights = seeded_checkpoint(config.model, config.seed, version)
-    return VllmEngineActor.options(num_cpus=0).remote(  # type: ignore[attr-defined]
-        config.model, EngineLayout(), 0, "nixl", {}, "vllm", weights
-    )
+    spec = RankSpec(Side.ENGINE, 0, config, "cpu", b"disk" * 8)
+    return actor_class().options(num_cpus=0).remote(VllmEngineHost, spec, weights)
 
 
 def _same_params(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -73,33 +77,37 @@ def _same_params(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 def test_synced_vllm_matches_vllm_loaded_from_disk(
     vllm_ray: Any, model: str, strategies: list[str], checked: tuple[int, ...]
 ) -> None:
-    from kvmove.sync.runner import Cluster
-    from kvmove.sync.sync_step import run_one
+    from kvmove.sync.driver.faults import FaultHooks
+    from kvmove.sync.driver.run import start
+    from kvmove.sync.driver.step import run_sync
 
-    config = _config(model, ",".join(strategies))
-    cluster = Cluster(config, vllm_ray)
-    engine = cluster.engines[0]
+    cluster = start(_config(model, ",".join(strategies)))
+    config = cluster.config  # checked: the transport resolved
+    engine = cluster.engines[0].actor  # type: ignore[attr-defined]
     outputs: dict[int, list[list[int]]] = {}
-    for version, name in enumerate(strategies, start=1):
-        result = run_one(cluster, parse_strategies(name)[0], 1, version, version)
-        assert result.verified, f"{name}: live vLLM parameters differ from vLLM's loader on version {version}"
-        outputs[version] = vllm_ray.get(engine.generate.remote(PROMPTS))
-        if version in checked:
-            disk = _disk_engine(vllm_ray, config, version)
-            try:
-                bad = _same_params(vllm_ray.get(engine.live_params.remote()), vllm_ray.get(disk.live_params.remote()))
-                assert not bad, f"parameters differ from a disk-loaded vLLM: {bad[:5]}"
-                assert outputs[version] == vllm_ray.get(disk.generate.remote(PROMPTS))
-            finally:
-                vllm_ray.kill(disk)
-    assert outputs[1] != outputs[len(strategies)], "new weights every sync: the greedy outputs must follow"
-    cluster.close()
+    try:
+        for version, name in enumerate(strategies, start=1):
+            result = run_sync(cluster, FaultHooks((), config.engine), parse_strategies(name)[0], 1, version)
+            assert result.verified, f"{name}: live vLLM parameters differ from vLLM's loader on version {version}"
+            outputs[version] = vllm_ray.get(engine.invoke.remote("generate", PROMPTS))
+            if version in checked:
+                disk = _disk_engine(vllm_ray, config, version)
+                try:
+                    live = vllm_ray.get(engine.invoke.remote("live_params"))
+                    bad = _same_params(live, vllm_ray.get(disk.invoke.remote("live_params")))
+                    assert not bad, f"parameters differ from a disk-loaded vLLM: {bad[:5]}"
+                    assert outputs[version] == vllm_ray.get(disk.invoke.remote("generate", PROMPTS))
+                finally:
+                    vllm_ray.kill(disk)
+        assert outputs[1] != outputs[len(strategies)], "new weights every sync: the greedy outputs must follow"
+    finally:
+        cluster.close()
 
 
 def test_layouts_that_do_not_match_the_running_engine_are_refused() -> None:
-    with pytest.raises(KvmoveError, match="tensor_parallel_size=1"):
-        from kvmove.engines.vllm.actor import check_layout
+    from kvmove.engines.vllm import check_layout
 
+    with pytest.raises(KvmoveError, match="tensor_parallel_size=1"):
         check_layout(EngineLayout.parse("tp=2"))
 
 
@@ -122,9 +130,9 @@ def test_broadcast_and_dry_runs_are_refused_for_vllm() -> None:
 
 
 def test_a_model_vllm_cannot_build_or_run_is_a_clear_error(vllm_ray: Any) -> None:
-    from kvmove.sync.runner import Cluster
+    from kvmove.sync.driver.run import start
 
     # DeepSeek-V3 (Kimi K2's architecture) builds in vLLM CPU, but its MLA refuses the tiny model's head dim
     config = _config("kimi-k2-tiny", "v3", trainer="tp=1")
     with pytest.raises(KvmoveError, match=r"vLLM could not (build|run) kimi-k2-tiny \(DeepseekV3ForCausalLM\)"):
-        Cluster(config, vllm_ray)
+        start(config)

@@ -43,7 +43,7 @@ class RegionPuller:
 
     def __call__(self, info: dict[str, Any]) -> Any:
         from kvmove.engines.vllm.session import Received
-        from kvmove.sync.recording import replay
+        from kvmove.sync.planning.recording import replay
 
         params = dict(self.session.staging.named_parameters())
         with torch.no_grad():

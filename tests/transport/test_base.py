@@ -86,7 +86,7 @@ def test_missing_ray_names_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(MissingDependencyError, match="pip install ray"):
         get_transport("object-store")()
-    assert available_transports() == [n for n in ("nixl", "gloo", "http") if n in available_transports()]
+    assert available_transports() == [n for n in ("nixl", "gloo", "nccl", "http") if n in available_transports()]
 
 
 def test_available_transports_never_raises(monkeypatch):

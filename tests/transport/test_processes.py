@@ -8,8 +8,7 @@ import torch.multiprocessing as mp
 from conftest import NBYTES, expected_after, random_ranges, seeded_bytes
 
 from kvmove.transport import TRANSPORTS, TransportError
-from kvmove.transport.bandwidth import Peer, measure_bandwidth
-from kvmove.transport.gloo import GlooGroup
+from kvmove.transport.bandwidth import Peer, measure_bandwidth, pair_memberships
 
 NAMES = ["nixl", "gloo", "http"]
 
@@ -46,8 +45,7 @@ def test_bit_exact_between_processes(name):
     if not TRANSPORTS[name].is_available():
         pytest.skip(f"{name}: its package is not installed here (pip install 'kvmove[{TRANSPORTS[name].extra}]')")
     ctx = mp.get_context("spawn")
-    group = GlooGroup.local(2)
-    options = [{"group": group.for_rank(r)} if name == "gloo" else {} for r in (0, 1)]
+    options = pair_memberships(name)
     to_client, to_server, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     procs = [
         ctx.Process(target=_server, args=(name, options[0], to_client, to_server)),

@@ -9,8 +9,7 @@ import torch
 from conftest import NBYTES, expected_after, random_ranges, seeded_bytes
 
 from kvmove.transport import TRANSPORTS, TransportError
-from kvmove.transport.bandwidth import Peer, measure_bandwidth
-from kvmove.transport.gloo import GlooGroup
+from kvmove.transport.bandwidth import Peer, measure_bandwidth, pair_memberships
 from kvmove.transport.slots import ACTOR_OPTIONS
 
 
@@ -28,15 +27,14 @@ def pair(request, ray_session):
     name = request.param
     _skip_unless_available(name)
     ray = ray_session
-    group = GlooGroup.local(2) if name == "gloo" else None
-    options = [{"group": group.for_rank(r)} if group else {} for r in (0, 1)]
+    options = pair_memberships(name)
     actor_cls = ray.remote(num_cpus=0, **ACTOR_OPTIONS)(Peer)
     server = actor_cls.remote(name, NBYTES, 0, options[0])
     client = actor_cls.remote(name, NBYTES, None, options[1])
-    if name == "rdt-gloo":
+    if TRANSPORTS[name].actor_group:
         from kvmove.transport.rdt import create_rdt_group
 
-        create_rdt_group([server, client])
+        create_rdt_group([server, client], TRANSPORTS[name].actor_group)
     info, remote = ray.get(server.info.remote())
     ray.get(client.connect.remote(info))
     yield name, server, client, remote

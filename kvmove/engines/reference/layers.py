@@ -2,7 +2,7 @@
 
 Each parameter carries a ``weight_loader(param, loaded_weight, ...)`` written the way engine loaders are:
 ``narrow``/``chunk``/index into the loaded HF tensor, then ``copy_`` into a view of the parameter. The
-loaders never look at values, so a recording-tensor dry run can replay them (see kvmove.sync.recording).
+loaders never look at values, so a recording-tensor dry run can replay them (see kvmove.sync.planning.recording).
 
 With ``RankContext.weight_block`` set, linear layers hold vLLM's block-FP8 layout: ``weight`` in float8_e4m3fn
 and ``weight_scale_inv`` (float32, one entry per block of the rank's weight), which the same loaders fill from

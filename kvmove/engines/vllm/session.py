@@ -21,7 +21,7 @@ from torch import nn
 from kvmove.errors import KvmoveError
 from kvmove.layout import EngineLayout
 from kvmove.models.config import ModelConfig
-from kvmove.sync.plan import ShardingPlan
+from kvmove.sync.planning.plan import ShardingPlan
 
 
 class BackendError(KvmoveError, RuntimeError):
@@ -110,7 +110,7 @@ def staging_plan(
 ) -> ShardingPlan:
     """Dry-run vLLM's own ``load_weights`` over recording tensors on the (unprocessed) staging model."""
     from kvmove.engines import EngineAdapter
-    from kvmove.sync.plan import plan_rank
+    from kvmove.sync.planning.plan import plan_rank
 
     adapter = EngineAdapter("vllm", lambda *_a, **_k: staging, lambda m, ws: m.load_weights(ws))  # type: ignore[operator]
     layout = layout or EngineLayout()

@@ -34,7 +34,7 @@ def _setup(model: str, trainer: str, engine: str, replicas: int = 1, **kw: objec
     ],
 )
 def test_published_layouts_move_the_plans_bytes(model, trainer, engine, replicas, expected) -> None:
-    """The bytes the real plans of these layouts keep (kvmove.sync.plan; 8,481,498,595,328 = Kimi's '7.9 TB')."""
+    """The bytes the real plans of these layouts keep (kvmove.sync.planning.plan; 8,481,498,595,328 = Kimi's 7.9 TB)."""
     s = _setup(model, trainer, engine, replicas)
     for name in ("v1", "v2", "v3"):
         t = build_traffic(s, SIM_STRATEGIES[name])

@@ -1,0 +1,125 @@
+"""Up-front refusals: everything a run can be refused for is checked here, before any rank (or Ray) starts."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from kvmove.engines import get_engine
+from kvmove.errors import KvmoveError, MissingDependencyError
+from kvmove.models.tensors import model_totals
+from kvmove.sync.config import Side, SyncConfig
+from kvmove.sync.launchers import get_launcher
+from kvmove.sync.strategies import Delivery, Gather
+from kvmove.transport import get_transport
+
+MEMORY_FRACTION = 0.6
+
+
+def checked(config: SyncConfig) -> SyncConfig:
+    """``config`` with its transport resolved to a concrete name, or a KvmoveError saying what is wrong."""
+    config.trainer.validate(config.model)
+    config.engine.validate(config.model)
+    check_placement(config)
+    check_faults(config)
+    check_engine_kind(config)
+    config = replace(config, transport=check_transport(config))
+    check_memory(config)
+    return config
+
+
+def check_placement(config: SyncConfig) -> None:
+    p = config.placement
+    launcher = get_launcher(p.launcher)
+    if p.colocated:
+        raise KvmoveError("--placement colocated (trainer and engine ranks sharing devices) is not built yet")
+    if p.ray_address and not launcher.actors:
+        raise KvmoveError(f"--ray-address joins a Ray cluster, which the {p.launcher} launcher does not use")
+    devices = {d for d in (*p.trainer_devices, *p.engine_devices) if d.startswith("cuda")}
+    if devices:
+        import torch
+
+        have = torch.cuda.device_count()
+        bad = sorted(d for d in devices if (int(d.split(":")[1]) if ":" in d else 0) >= have)
+        if bad:
+            raise KvmoveError(f"device {bad[0]} does not exist here ({have} CUDA device(s) visible)")
+
+
+def check_faults(config: SyncConfig) -> None:
+    """Faults name replicas/ranks and syncs that exist, and can be survived by the chosen strategies."""
+    sizes = {Side.ENGINE: config.engine.replicas, Side.TRAINER: config.trainer.world}
+    for f in config.faults:
+        flag = f"--fail-{f.side} {f.target}@{f.sync}{':mid' if f.during else ''}"
+        if f.target >= sizes[f.side]:
+            raise KvmoveError(f"{flag}: there is no {f.label()} (0..{sizes[f.side] - 1} exist)")
+        if f.sync > config.syncs:
+            raise KvmoveError(f"{flag}: the run has {config.syncs} sync(s) per strategy")
+        if f.side is Side.ENGINE and f.during and any(s.delivery is Delivery.BROADCAST for s in config.strategies):
+            raise KvmoveError(
+                f"{flag}: the broadcast baseline is one collective over every live rank, so a replica killed during "
+                "it stalls them all; inject mid-sync faults with v1, v2 or v3"
+            )
+
+
+def check_engine_kind(config: SyncConfig) -> None:
+    """An unknown engine kind, a missing engine package, a layout or strategy the engine cannot take."""
+    adapter = get_engine(config.engine_kind)
+    adapter.check(config.engine)
+    if not adapter.broadcast and any(s.delivery is Delivery.BROADCAST for s in config.strategies):
+        raise KvmoveError(f"the broadcast baseline is not built for --engine-kind {adapter.name} (use v1, v2 or v3)")
+
+
+def check_transport(config: SyncConfig) -> str:
+    """The transport ``config.transport`` resolves to under its launcher, refused up front if it cannot run."""
+    launcher = get_launcher(config.placement.launcher)
+    cls = get_transport(config.transport, actors=launcher.actors)
+    if cls.needs_actor and not launcher.actors:
+        raise KvmoveError(f"transport {cls.name!r} lives in Ray actors: use --launcher ray")
+    p = config.placement
+    kinds = sorted({d.split(":")[0] for d in (*p.trainer_devices, *p.engine_devices)} - cls.devices)
+    if kinds:
+        moves = ", ".join(sorted(cls.devices))
+        raise KvmoveError(f"transport {cls.name!r} does not move {kinds[0]} buffers (it moves {moves} buffers)")
+    if not cls.is_available():
+        hint = f"pip install 'kvmove[{cls.extra}]'" if cls.extra else "see the README's transport notes"
+        raise MissingDependencyError(f"transport {cls.name!r} is not installed here: {hint}")
+    if any(f.side is Side.ENGINE for f in config.faults) and not cls.rejoinable:
+        raise KvmoveError(
+            f"fault injection needs a transport a restarted replica can rejoin (nixl, rdt-nixl, object-store, "
+            f"cuda-ipc); {cls.name} binds every rank into one fixed group"
+        )
+    return cls.name
+
+
+def check_memory(config: SyncConfig) -> None:
+    """Refuse, before allocating anything, CPU runs whose ranks would not fit this machine's memory."""
+    p = config.placement
+    if any(d.startswith("cuda") for d in (*p.trainer_devices, *p.engine_devices)):
+        return  # device memory: the ranks' own allocations say it clearly enough
+    total = model_totals(config.model).total_bytes
+    trainer = total  # shards over all trainer ranks plus, at most, one gathered copy per stage group
+    engine = total * config.engine.replicas * 2  # parameters + their verification reference
+    if any(s.delivery is Delivery.BROADCAST for s in config.strategies):
+        engine += total * config.engine.world  # every engine rank receives the whole model
+    if any(s.scope is Gather.GLOBAL for s in config.strategies):
+        trainer += total * config.trainer.world  # every trainer rank materializes every tensor
+    need, have = trainer + engine, available_memory()
+    if need > have * MEMORY_FRACTION:
+        raise KvmoveError(
+            f"{config.model.name} ({total / 1e9:.2f} GB) over {config.trainer.world} trainer and "
+            f"{config.engine.world} engine ranks needs about {need / 1e9:.1f} GB here; only "
+            f"{have * MEMORY_FRACTION / 1e9:.1f} GB may be used ({have / 1e9:.1f} GB available). "
+            "Use a smaller model or fewer ranks."
+        )
+
+
+def available_memory() -> int:
+    """Bytes of memory available to new allocations on this machine (MemAvailable, else physical)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -1,0 +1,111 @@
+"""The dry-run driver: plans and source maps for each strategy of a SyncConfig, optionally verified in-process on
+seeded weights, and the bytes each rank would move; no rank starts and no byte moves."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from kvmove.engines import get_engine
+from kvmove.models.tensors import model_totals
+from kvmove.sync.config import SyncConfig
+from kvmove.sync.planning.ownership import Ownership
+from kvmove.sync.planning.plan import ShardingPlan, plan_engine
+from kvmove.sync.planning.routing import SourceMap, route
+from kvmove.sync.strategies import Delivery, Strategy
+from kvmove.sync.verify import check_verifiable, verify_plans
+
+
+class DryRunReport(NamedTuple):
+    strategy: str
+    model: str
+    trainer: str
+    engine: str
+    plan_seconds: float
+    bytes_total: int
+    bytes_per_engine_rank_max: int
+    bytes_per_trainer_rank_max: int
+    load_balance: float
+    regions: int
+    engine_ranks: int
+    trainer_ranks: int
+    verified: bool | None
+    mismatches: tuple[str, ...]
+
+    def as_json(self) -> dict[str, Any]:
+        out = self._asdict()
+        out["mismatches"] = list(self.mismatches)
+        out["plan_seconds"] = round(self.plan_seconds, 4)
+        out["load_balance"] = round(self.load_balance, 4)
+        return out
+
+
+def build_plans(config: SyncConfig) -> tuple[tuple[ShardingPlan, ...], float]:
+    """Validate layouts, then dry-run the engine loader for every rank of one replica."""
+    config.trainer.validate(config.model)
+    config.engine.validate(config.model)
+    start = time.perf_counter()
+    plans = plan_engine(config.model, config.engine, reuse=config.options.reuse, engine=get_engine(config.engine_kind))
+    return plans, time.perf_counter() - start
+
+
+def dry_run_sync(config: SyncConfig) -> list[DryRunReport]:
+    """Plan once, route per strategy, verify if asked: one report per strategy."""
+    if config.verify:
+        check_verifiable(config.model)
+    plans, plan_seconds = build_plans(config)
+    ownership = Ownership(config.model, config.trainer)
+    return [_report(config, plans, plan_seconds, ownership, s) for s in config.strategies]
+
+
+def _report(
+    config: SyncConfig,
+    plans: Sequence[ShardingPlan],
+    plan_seconds: float,
+    ownership: Ownership,
+    s: Strategy,
+) -> DryRunReport:
+    start = time.perf_counter()
+    smap = route(plans, config.engine, ownership, s)
+    seconds = plan_seconds + time.perf_counter() - start
+    verified: bool | None = None
+    mismatches: tuple[str, ...] = ()
+    if config.verify:
+        result = verify_plans(
+            config.model,
+            config.engine,
+            plans,
+            ownership,
+            smap,
+            s.scope,
+            seed=config.seed,
+            engine=get_engine(config.engine_kind),
+        )
+        verified, mismatches = result.ok, result.mismatches
+    per_engine, per_trainer, balance = _traffic(config, smap, s)
+    return DryRunReport(
+        s.name,
+        config.model.name,
+        config.trainer.label(),
+        config.engine.label(),
+        seconds,
+        sum(per_engine),
+        max(per_engine),
+        max(per_trainer),
+        balance,
+        sum(len(p.regions) for p in plans),
+        config.engine.world,
+        config.trainer.world,
+        verified,
+        mismatches,
+    )
+
+
+def _traffic(config: SyncConfig, smap: SourceMap, s: Strategy) -> tuple[list[int], list[int], float]:
+    """Bytes received per engine rank and sent per trainer rank; broadcast delivers the whole model."""
+    if s.delivery is not Delivery.BROADCAST:
+        return list(smap.bytes_per_engine), list(smap.bytes_per_trainer), smap.balance
+    model_bytes = model_totals(config.model).total_bytes
+    per_trainer = [model_bytes] + [0] * (config.trainer.world - 1)
+    return [model_bytes] * config.engine.world, per_trainer, float(config.trainer.world)

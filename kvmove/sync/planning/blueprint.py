@@ -1,0 +1,139 @@
+"""The sync blueprint (pure planning): everything a driver derives from the engine plans before any byte moves.
+
+Per strategy: the groups, each engine rank's pull plan (packed or direct), the pack specs each trainer rank
+caches, the sizes of the trainer's serve slots and of the engine's receive slots, and each trainer rank's loop
+for one sync. The driver builds one from the plans its engine ranks report (and the dry run from plans it makes
+itself), so no two places can disagree on who sends what.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvmove.layout import EngineLayout, TrainerLayout
+from kvmove.models.config import ModelConfig
+from kvmove.models.tensors import hf_tensors
+from kvmove.sync.config import SyncOptions
+from kvmove.sync.planning.direct import DirectPlanner
+from kvmove.sync.planning.ownership import Ownership
+from kvmove.sync.planning.packing import SliceSpec, pack_layout
+from kvmove.sync.planning.plan import ShardingPlan
+from kvmove.sync.planning.routing import route
+from kvmove.sync.planning.schedule import Pull, PullPlan, consumers, packed, packed_names, pull_plans, tensor_groups
+from kvmove.sync.strategies import Strategy
+
+SERVE_SLOTS = 4
+MIN_BUFFER = 16
+
+PullSpecs = dict[int, tuple[int, tuple[SliceSpec, ...]]]
+"""pull id -> (group, slice specs): what a trainer rank caches to pack one engine rank's pulls."""
+
+
+class Blueprint:
+    """Pull plans and buffer sizes of every strategy of one run (see module docstring)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        trainer: TrainerLayout,
+        engine: EngineLayout,
+        plans: Sequence[ShardingPlan],
+        strategies: Sequence[Strategy],
+        options: SyncOptions,
+    ) -> None:
+        self.cfg, self.trainer, self.engine, self.plans, self.options = cfg, trainer, engine, tuple(plans), options
+        tensors = hf_tensors(cfg)
+        self.shapes = {t.name: t.shape for t in tensors}
+        self.ownership = Ownership(cfg, trainer)
+        self.direct = DirectPlanner(self.ownership, tensors) if options.direct else None
+        self.strategies = {s.name: s for s in strategies if s.pulls}
+        self.pulls: dict[str, tuple[PullPlan, ...]] = {}
+        self.groups: dict[str, dict[int, list[str]]] = {}
+        self.needed: dict[str, set[str]] = {}
+        for s in self.strategies.values():
+            groups = tensor_groups(cfg, trainer, s, options)
+            direct = self.direct if s.direct else None
+            smap = route(self.plans, engine, self.ownership, s, direct)
+            self.pulls[s.name] = pull_plans(self.plans, engine, smap, groups, direct)
+            self.groups[s.name] = {g: [t.name for t in ts] for g, ts in groups.items()}
+            self.needed[s.name] = packed_names(self.plans, engine, self.pulls[s.name])
+        self.held: dict[int, set[str]] = {r: set() for r in range(trainer.world)}
+        for t in tensors:
+            for h in self.ownership.slices(t):
+                self.held[h.rank].add(t.name)
+
+    def plan_of(self, engine: int) -> ShardingPlan:
+        return self.plans[self.engine.coord(engine).local]
+
+    def pull_bytes(self, pull: Pull, engine: int) -> int:
+        """Bytes of a packed pull's payload (aligned as packed)."""
+        plan = self.plan_of(engine)
+        return pack_layout([plan.regions[r].nbytes for r in pull.regions]).nbytes
+
+    def specs(self, strategy: str, engine: int) -> dict[int, PullSpecs]:
+        """Per trainer rank: the specs of the packed pulls engine ``engine`` will request under ``strategy``."""
+        plan = self.plan_of(engine)
+        out: dict[int, PullSpecs] = defaultdict(dict)
+        for i, p in packed(self.pulls[strategy][engine]):
+            specs = tuple(SliceSpec.of(plan.regions[r], self.shapes[plan.regions[r].hf_name]) for r in p.regions)
+            out[p.trainer][i] = (p.group, specs)
+        return dict(out)
+
+    def slot_sizes(self) -> list[dict[str, tuple[int, int]]]:
+        """Per trainer rank and strategy: (slot count, slot bytes) of its registered serve slots."""
+        sizes: list[dict[str, tuple[int, int]]] = [{} for _ in range(self.trainer.world)]
+        for s, pps in self.pulls.items():
+            for t in range(self.trainer.world):
+                mine = [(p, pp.engine) for pp in pps for _, p in packed(pp) if p.trainer == t]
+                biggest = max((self.pull_bytes(p, e) for p, e in mine), default=MIN_BUFFER)
+                count = self.strategies[s].serve_slots(len({e for _, e in mine}), SERVE_SLOTS)
+                sizes[t][s] = (count, max(biggest, MIN_BUFFER))
+        return sizes
+
+    def recv_sizes(self, engine: int) -> dict[str, tuple[int, int]]:
+        """Per strategy: (slot count, slot bytes) of engine rank ``engine``'s receive slots (none if all direct)."""
+        out = {}
+        for s, pps in self.pulls.items():
+            mine = [p for _, p in packed(pps[engine])]
+            n = max((self.pull_bytes(p, engine) for p in mine), default=MIN_BUFFER)
+            out[s] = (self.strategies[s].recv_slots() if mine else 0, max(n, MIN_BUFFER))
+        return out
+
+    def direct_params(self, engine: int) -> list[str]:
+        """Parameters of engine rank ``engine`` that some direct pull writes (to register with the transport)."""
+        return sorted({name for pps in self.pulls.values() for p in pps[engine].pulls for name, _ in p.direct})
+
+    def direct_bytes(self, strategy: str) -> int:
+        return sum(p.nbytes for pp in self.pulls.get(strategy, ()) for p in pp.pulls if p.direct)
+
+    def trainer_syncs(self, strategy: Strategy, sync_id: int, version: int, live: set[int]) -> list[TrainerSync]:
+        """Each trainer rank's loop for one sync: the groups it materializes (only tensors some packed pull
+        reads) and the live consumers of each."""
+        needed = self.needed[strategy.name]
+        lookahead = strategy.lookahead(self.options.lookahead)
+        out = []
+        for r in range(self.trainer.world):
+            groups = []
+            for g, names in self.groups[strategy.name].items():
+                mine = tuple(n for n in names if n in needed and (strategy.scope.every_rank_joins or n in self.held[r]))
+                if mine:
+                    groups.append((g, mine))
+            cons = {g: frozenset(es & live) for g, es in consumers(self.pulls[strategy.name], r).items()}
+            out.append(TrainerSync(sync_id, version, strategy, tuple(groups), cons, lookahead))
+        return out
+
+
+@dataclass(frozen=True)
+class TrainerSync:
+    """What one trainer rank does in one sync (built by the blueprint from the strategy and routing)."""
+
+    sync_id: int
+    version: int
+    strategy: Strategy
+    groups: tuple[tuple[int, tuple[str, ...]], ...]
+    """(group, tensor names this rank materializes for it), in processing order."""
+    consumers: dict[int, frozenset[int]]
+    """group -> live engine ranks that pull something packed of it from this rank."""
+    lookahead: int

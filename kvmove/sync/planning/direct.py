@@ -1,0 +1,159 @@
+"""Direct pulls (pure planning): engine parameters read straight out of a trainer rank's registered shard arena.
+
+A trainer rank keeps its raw shards (what it holds before any gather) in one *arena*: a single uint8 buffer,
+registered with the transport once, overwritten in place every training step (Megatron keeps its parameters in
+one contiguous buffer the same way). A region whose slice lies inside the raw shard of the rank serving it, and
+whose bytes land unchanged in an engine parameter of the same dtype, needs neither a gather, nor a pack on the
+trainer, nor a load on the engine: the engine reads it from the arena into the parameter itself, as byte spans.
+Everything else (slices spanning shards, dtype casts, loader ops that copy) keeps the packed path.
+
+Both sides derive the arena's offsets from :func:`arena_layout` of the same ownership, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvmove.errors import PlanError
+from kvmove.models.tensors import TensorMeta
+from kvmove.sync.planning.ownership import Ownership
+from kvmove.sync.planning.plan import Box, Region, relative_view
+from kvmove.sync.planning.recording import StridedView
+
+ARENA_ALIGN = 256
+"""Byte alignment of every shard in an arena (a GPU copy's sweet spot; harmless on CPU)."""
+MIN_SPAN_BYTES = 4096
+"""Regions that split into runs shorter than this are packed instead: per-span costs would dominate (a region
+that is one run is always read directly: a pack request would cost more than the read)."""
+MAX_SPANS = 4096
+"""Regions that split into more byte spans than this are packed instead."""
+
+
+class ArenaLayout(NamedTuple):
+    """Where each raw shard of one trainer rank lives in its arena: name -> (byte offset, box of the HF tensor)."""
+
+    offsets: dict[str, int]
+    boxes: dict[str, Box]
+    nbytes: int
+
+
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts\.)(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_PROJ_FAMILY = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+
+
+def arena_order(tensors: Iterable[TensorMeta]) -> list[TensorMeta]:
+    """Checkpoint order, except that each layer's routed experts are grouped as a fused MoE layer holds them:
+    every expert's gate and up projection back to back, expert after expert, then every expert's down
+    projection (Megatron's grouped-GEMM weights are laid out this way too). An engine's fused ``w13``/``w2``
+    parameter then reads one contiguous run of the arena instead of one run per expert."""
+    ts = list(tensors)
+    keys: dict[str, tuple[int, int, int]] = {}
+    first: dict[str, int] = {}
+    for i, t in enumerate(ts):
+        m = _EXPERT.match(t.name)
+        if m is None:
+            keys[t.name] = (i, 0, 0)
+            continue
+        family, within = _PROJ_FAMILY[m["proj"]]
+        at = first.setdefault(m["prefix"] + family, i)
+        keys[t.name] = (at, int(m["expert"]), within)
+    return sorted(ts, key=lambda t: keys[t.name])
+
+
+def arena_layout(ownership: Ownership, tensors: Iterable[TensorMeta], rank: int) -> ArenaLayout:
+    """The arena of trainer rank ``rank``: its raw shards in :func:`arena_order`, each ``ARENA_ALIGN``-aligned."""
+    return arena_layouts(ownership, tensors, ranks=(rank,))[rank]
+
+
+def arena_layouts(
+    ownership: Ownership, tensors: Iterable[TensorMeta], ranks: Iterable[int] | None = None
+) -> dict[int, ArenaLayout]:
+    """:func:`arena_layout` of every rank in ``ranks`` (default: all), in one pass over the tensors."""
+    wanted = set(range(ownership.layout.world) if ranks is None else ranks)
+    offsets: dict[int, dict[str, int]] = {r: {} for r in wanted}
+    boxes: dict[int, dict[str, Box]] = {r: {} for r in wanted}
+    at = dict.fromkeys(wanted, 0)
+    for t in arena_order(tensors):
+        for h in ownership.slices(t):
+            if h.rank in wanted:
+                offsets[h.rank][t.name], boxes[h.rank][t.name] = at[h.rank], h.box
+                at[h.rank] += -(-h.box.numel * t.dtype.itemsize // ARENA_ALIGN) * ARENA_ALIGN
+    return {r: ArenaLayout(offsets[r], boxes[r], max(at[r], ARENA_ALIGN)) for r in wanted}
+
+
+def shard_views(arena: torch.Tensor, layout: ArenaLayout, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+    """Each raw shard as a typed, shaped view of ``arena`` (writing a view writes the arena)."""
+    out = {}
+    for name, off in layout.offsets.items():
+        box, dtype = layout.boxes[name], dtypes[name]
+        out[name] = arena[off : off + box.numel * dtype.itemsize].view(dtype).view(box.shape)
+    return out
+
+
+def byte_spans(src: StridedView, dst: StridedView, itemsize: int) -> np.ndarray:
+    """``(n, 3)`` int64 (src byte, dst byte, nbytes) runs copying view ``src`` onto view ``dst`` (same shape).
+
+    The innermost dims that are contiguous on both sides form one run; the outer dims enumerate the runs.
+    """
+    if src.shape != dst.shape:
+        raise PlanError(f"views of different shapes {src.shape} and {dst.shape}")
+    if _contiguous(src) and _contiguous(dst):
+        return np.array([[src.offset * itemsize, dst.offset * itemsize, src.numel * itemsize]], dtype=np.int64)
+    inner, k = 1, len(src.shape)
+    while k > 0 and (src.shape[k - 1] == 1 or (src.stride[k - 1] == inner and dst.stride[k - 1] == inner)):
+        inner *= src.shape[k - 1]
+        k -= 1
+    s_off = np.array([src.offset], dtype=np.int64)
+    d_off = np.array([dst.offset], dtype=np.int64)
+    for d in range(k):
+        steps = np.arange(src.shape[d], dtype=np.int64)
+        s_off = (s_off[:, None] + steps[None, :] * src.stride[d]).reshape(-1)
+        d_off = (d_off[:, None] + steps[None, :] * dst.stride[d]).reshape(-1)
+    out = np.empty((len(s_off), 3), dtype=np.int64)
+    out[:, 0], out[:, 1], out[:, 2] = s_off * itemsize, d_off * itemsize, inner * itemsize
+    return out
+
+
+def _contiguous(view: StridedView) -> bool:
+    expect = 1
+    for n, st in zip(reversed(view.shape), reversed(view.stride), strict=True):
+        if n != 1 and st != expect:
+            return False
+        expect *= n
+    return True
+
+
+class DirectPlanner:
+    """Decides, per (region, serving trainer rank), whether the region is read straight from the arena."""
+
+    def __init__(self, ownership: Ownership, tensors: Sequence[TensorMeta]) -> None:
+        self.ownership = ownership
+        self.shapes = {t.name: t.shape for t in tensors}
+        layouts = arena_layouts(ownership, tensors)
+        self.arenas = [layouts[r] for r in range(ownership.layout.world)]
+
+    def spans(self, region: Region, trainer: int, param_dtype: torch.dtype) -> np.ndarray | None:
+        """Byte spans (arena offset, parameter offset, nbytes) of ``region`` served by ``trainer``, or None."""
+        arena = self.arenas[trainer]
+        box = arena.boxes.get(region.hf_name)
+        if box is None or region.src is None or region.dtype != param_dtype or not box.contains(region.box):
+            return None
+        try:
+            src = relative_view(region.src, self.shapes[region.hf_name], box)
+        except PlanError:
+            return None
+        runs = byte_spans(src, region.dst, region.dtype.itemsize)
+        if len(runs) > MAX_SPANS or (len(runs) > 1 and int(runs[0, 2]) < MIN_SPAN_BYTES):
+            return None
+        runs[:, 0] += arena.offsets[region.hf_name]
+        return runs
+
+    def shard_holders(self, region: Region, candidates: Sequence[int]) -> tuple[int, ...]:
+        """The candidates whose raw shard contains the region (serving from them needs no gather)."""
+        boxes = ((r, self.arenas[r].boxes.get(region.hf_name)) for r in candidates)
+        return tuple(r for r, b in boxes if b is not None and b.contains(region.box))

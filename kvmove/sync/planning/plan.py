@@ -1,0 +1,239 @@
+"""Sharding plans: per engine rank, every destination region, the HF slice that fills it, and its bytes.
+
+A plan is built by a dry run of the engine's own loader over recording tensors (kvmove.sync.planning.recording).
+Decoder layers of one kind are identical up to their index, so by default the loader runs over one
+*template* layer of each kind per pipeline stage and the captures are renamed for the others (structural
+reuse); ``reuse=False`` runs the loader over every layer, and tests check that both agree.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from kvmove.engines import EngineAdapter, get_engine
+from kvmove.errors import PlanError
+from kvmove.layout import EngineCoord, EngineLayout
+from kvmove.models.checkpoint import engine_tensors
+from kvmove.models.config import ModelConfig
+from kvmove.models.tensors import layer_of
+from kvmove.sync.planning.recording import Capture, Op, StridedView, dry_run
+
+
+class Box(NamedTuple):
+    """A rectangular slice of a tensor: ``start[d] <= i_d < stop[d]`` in every dim."""
+
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+
+    @classmethod
+    def full(cls, shape: Sequence[int]) -> Box:
+        return cls(tuple(0 for _ in shape), tuple(shape))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.start, self.stop, strict=True))
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def contains(self, other: Box) -> bool:
+        return all(a <= c and d <= b for a, b, c, d in zip(self.start, self.stop, other.start, other.stop, strict=True))
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(a, b) for a, b in zip(self.start, self.stop, strict=True))
+
+
+def _unravel(flat: int, shape: Sequence[int]) -> list[int]:
+    out = []
+    for s in reversed(shape):
+        flat, r = divmod(flat, s)
+        out.append(r)
+    return out[::-1]
+
+
+def view_box(view: StridedView, shape: Sequence[int]) -> Box | None:
+    """The box of a contiguous tensor of ``shape`` that ``view`` reads, or None if it reads no box."""
+    if view.numel == 0:
+        return None
+    last = view.offset + sum((n - 1) * s for n, s in zip(view.shape, view.stride, strict=True))
+    lo, hi = _unravel(view.offset, shape), _unravel(last, shape)
+    box = Box(tuple(lo), tuple(h + 1 for h in hi))
+    if any(a >= b for a, b in zip(box.start, box.stop, strict=True)) or box.numel != view.numel:
+        return None
+    return box
+
+
+def relative_view(view: StridedView, shape: Sequence[int], box: Box) -> StridedView:
+    """Re-express ``view`` (over the full tensor) over a contiguous copy of ``box`` of that tensor.
+
+    Each view dim must walk along one tensor dim (true for narrow/chunk/select/transpose/permute views).
+    """
+    if box == Box.full(shape):
+        return view
+    full_strides = _contiguous_strides(shape)
+    box_strides = _contiguous_strides(box.shape)
+    start = _unravel(view.offset, shape)
+    offset = sum((c - b) * s for c, b, s in zip(start, box.start, box_strides, strict=True))
+    strides = []
+    for n, s in zip(view.shape, view.stride, strict=True):
+        if n == 1:
+            strides.append(0)
+            continue
+        dim = next((d for d, fs in enumerate(full_strides) if s % fs == 0 and (s // fs) * (n - 1) < shape[d]), None)
+        if dim is None:
+            raise PlanError(
+                f"view {view} of a {tuple(shape)} tensor mixes tensor dims; it cannot be served from a shard"
+            )
+        strides.append((s // full_strides[dim]) * box_strides[dim])
+    return StridedView(offset, view.shape, tuple(strides))
+
+
+def _contiguous_strides(shape: Sequence[int]) -> list[int]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return out[::-1]
+
+
+class Region(NamedTuple):
+    """One destination region of an engine parameter and the HF slice that fills it."""
+
+    hf_name: str
+    ops: tuple[Op, ...]
+    """The loader's op chain on the full HF tensor (replayable with kvmove.sync.planning.recording.replay)."""
+    src: StridedView | None
+    """The region as a view of the HF tensor; None if an op copied (then only the full tensor can serve)."""
+    box: Box
+    """The part of the HF tensor the region reads."""
+    param: str
+    dst: StridedView
+    dtype: torch.dtype
+    nbytes: int
+
+
+class ParamMeta(NamedTuple):
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """What one engine rank (in every replica) receives: ``regions`` fill ``params``."""
+
+    coord: EngineCoord
+    regions: tuple[Region, ...]
+    params: tuple[ParamMeta, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.regions)
+
+    def hf_names(self) -> set[str]:
+        return {r.hf_name for r in self.regions}
+
+
+def _region(cap: Capture, shapes: dict[str, tuple[int, ...]]) -> Region:
+    shape = shapes[cap.source]
+    box = view_box(cap.src, shape) if cap.src is not None else None
+    src = cap.src if box is not None else None
+    nbytes = cap.dst.numel * cap.src_dtype.itemsize
+    return Region(cap.source, cap.ops, src, box or Box.full(shape), cap.param, cap.dst, cap.src_dtype, nbytes)
+
+
+def _rename(name: str, old: int, new: int) -> str:
+    return name.replace(f"layers.{old}.", f"layers.{new}.", 1)
+
+
+def plan_rank(
+    cfg: ModelConfig,
+    layout: EngineLayout,
+    coord: EngineCoord,
+    *,
+    reuse: bool = True,
+    engine: EngineAdapter | None = None,
+) -> ShardingPlan:
+    """Dry-run the engine's loader for one engine rank and return its sharding plan."""
+    engine = engine or get_engine("reference")
+    held = list(layout.stage_layers(cfg)[coord.pp])
+    templates: dict[str, int] = {}
+    for i in held:
+        templates.setdefault(cfg.layer_kind(i), i)
+    run_layers = sorted(templates.values()) if reuse else held
+    model = engine.build(cfg, layout, coord, layers=run_layers, device="meta")
+    tensors = engine_tensors(cfg, layers=run_layers)  # the checkpoint this engine loads (FP8 ones carry scales)
+    shapes = {t.name: t.shape for t in tensors}
+    captures = dry_run(model, tensors, lambda ws: engine.load_weights(model, ws))
+    params = [ParamMeta(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
+    regions = [_region(c, shapes) for c in captures]
+    if reuse:
+        regions, params = _expand(cfg, held, templates, regions, params)
+    _check_coverage(coord, params, regions)
+    return ShardingPlan(coord, tuple(regions), tuple(params))
+
+
+def _expand(
+    cfg: ModelConfig,
+    held: list[int],
+    templates: dict[str, int],
+    regions: list[Region],
+    params: list[ParamMeta],
+) -> tuple[list[Region], list[ParamMeta]]:
+    by_layer: dict[int | None, list[Region]] = defaultdict(list)
+    for r in regions:
+        by_layer[layer_of(r.hf_name)].append(r)
+    params_by_layer: dict[int | None, list[ParamMeta]] = defaultdict(list)
+    for p in params:
+        params_by_layer[_param_layer(p.name)].append(p)
+    out_r, out_p = list(by_layer[None]), list(params_by_layer[None])
+    for i in held:
+        t = templates[cfg.layer_kind(i)]
+        out_r += [r._replace(hf_name=_rename(r.hf_name, t, i), param=_rename(r.param, t, i)) for r in by_layer[t]]
+        out_p += [p._replace(name=_rename(p.name, t, i)) for p in params_by_layer[t]]
+    return out_r, out_p
+
+
+def _param_layer(name: str) -> int | None:
+    parts = name.split(".")
+    if "layers" in parts:
+        idx = parts.index("layers") + 1
+        if idx < len(parts) and parts[idx].isdigit():
+            return int(parts[idx])
+    return None
+
+
+def _check_coverage(coord: EngineCoord, params: list[ParamMeta], regions: list[Region]) -> None:
+    covered: dict[str, int] = defaultdict(int)
+    for r in regions:
+        covered[r.param] += r.dst.numel
+    for p in params:
+        if covered[p.name] == 0:
+            raise PlanError(f"engine rank {coord.rank}: parameter {p.name} receives no data from any HF tensor")
+        if covered[p.name] > p.numel:
+            raise PlanError(f"engine rank {coord.rank}: regions written into {p.name} overlap")
+
+
+def plan_engine(
+    cfg: ModelConfig, layout: EngineLayout, *, reuse: bool = True, engine: EngineAdapter | None = None
+) -> tuple[ShardingPlan, ...]:
+    """Plans of the ranks of one replica (replicas are identical; index plans by ``coord.local``)."""
+    return tuple(
+        plan_rank(cfg, layout, layout.coord(r), reuse=reuse, engine=engine) for r in range(layout.ranks_per_replica)
+    )

@@ -1,0 +1,141 @@
+"""Sync schedules (pure planning): which tensors form each sync group, and who pulls what from whom.
+
+A *group* is the unit of gather, transfer and release; a strategy's ``Grouping`` makes one group per tensor (the
+simple iterator, v1), one per pipeline stage (v2), or one per ``group_size`` consecutive decoder blocks plus a
+group for the embedding and one for the final norm and head (v3). A :class:`PullPlan` lists, for one engine
+rank, the pulls of each group: a trainer rank and the indices of the plan regions it packs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from kvmove.layout import EngineLayout, TrainerLayout
+from kvmove.models.config import ModelConfig
+from kvmove.models.tensors import TensorMeta, hf_tensors, layer_of
+from kvmove.sync.config import SyncOptions
+from kvmove.sync.planning.direct import DirectPlanner
+from kvmove.sync.planning.ownership import shard_rule
+from kvmove.sync.planning.plan import ShardingPlan
+from kvmove.sync.planning.routing import SourceMap
+from kvmove.sync.strategies import Grouping, Strategy
+from kvmove.transport.base import coalesce
+
+
+def _by_blocks(cfg: ModelConfig, trainer: TrainerLayout, options: SyncOptions, index: int, name: str) -> int:
+    layer = layer_of(name)
+    if layer is None:
+        return -1 if name == "model.embed_tokens.weight" else cfg.num_hidden_layers
+    return layer // options.group_size
+
+
+GROUP_KEYS = {
+    Grouping.TENSOR: lambda cfg, trainer, options, index, name: index,
+    Grouping.STAGE: lambda cfg, trainer, options, index, name: shard_rule(cfg, trainer, name).stage,
+    Grouping.BLOCKS: _by_blocks,
+}
+"""Grouping -> key of the ``index``-th HF tensor ``name`` (groups are processed in increasing key order)."""
+
+
+class Pull(NamedTuple):
+    """One pull: engine rank ``engine`` gets regions ``regions`` (plan indices) of ``group`` from ``trainer``.
+
+    A packed pull is packed by the trainer into a slot, read into a receive slot and loaded; a direct pull
+    (``direct`` non-empty) is read from the trainer's arena into the parameters: (parameter, byte spans).
+    """
+
+    group: int
+    trainer: int
+    regions: tuple[int, ...]
+    nbytes: int
+    direct: tuple[tuple[str, np.ndarray], ...] = ()
+
+
+class PullPlan(NamedTuple):
+    engine: int
+    pulls: tuple[Pull, ...]
+
+    def groups(self) -> list[int]:
+        return sorted({p.group for p in self.pulls})
+
+
+def tensor_groups(
+    cfg: ModelConfig, trainer: TrainerLayout, strategy: Strategy, options: SyncOptions
+) -> dict[int, list[TensorMeta]]:
+    """Group -> tensors in checkpoint order, by the strategy's grouping."""
+    key = GROUP_KEYS[strategy.grouping]
+    groups: dict[int, list[TensorMeta]] = defaultdict(list)
+    for i, t in enumerate(hf_tensors(cfg)):
+        groups[key(cfg, trainer, options, i, t.name)].append(t)
+    return dict(sorted(groups.items()))
+
+
+def pull_plans(
+    plans: Sequence[ShardingPlan],
+    layout: EngineLayout,
+    source_map: SourceMap,
+    groups: dict[int, list[TensorMeta]],
+    direct: DirectPlanner | None = None,
+) -> tuple[PullPlan, ...]:
+    """Per engine rank: its regions bucketed by (group, source trainer, direct or packed), in group order.
+
+    With ``direct``, every region it can serve from the source's arena goes into that bucket's direct pull.
+    """
+    group_of = {t.name: g for g, ts in groups.items() for t in ts}
+    out = []
+    known: dict[tuple[int, int, int], np.ndarray | None] = {}  # replicas share plans: (local rank, region, source)
+    for e in range(layout.world):
+        local = layout.coord(e).local
+        plan = plans[local]
+        dtypes = {p.name: p.dtype for p in plan.params}
+        buckets: dict[tuple[int, int, bool], list[int]] = defaultdict(list)
+        spans: dict[int, np.ndarray] = {}
+        for i, (region, src) in enumerate(zip(plan.regions, source_map.sources[e], strict=True)):
+            runs = None
+            if direct is not None:
+                key = (local, i, src)
+                if key not in known:
+                    known[key] = direct.spans(region, src, dtypes[region.param])
+                runs = known[key]
+            if runs is not None:
+                spans[i] = runs
+            buckets[(group_of[region.hf_name], src, runs is not None)].append(i)
+        pulls = []
+        for (g, t, is_direct), idx in sorted(buckets.items()):
+            nbytes = sum(plan.regions[i].nbytes for i in idx)
+            by_param: dict[str, list[np.ndarray]] = defaultdict(list)
+            for i in idx if is_direct else ():
+                by_param[plan.regions[i].param].append(spans[i])
+            runs_ = tuple((name, coalesce(np.concatenate(rs))) for name, rs in by_param.items())
+            pulls.append(Pull(g, t, tuple(idx), nbytes, runs_))
+        out.append(PullPlan(e, tuple(pulls)))
+    return tuple(out)
+
+
+def packed(pull_plan: PullPlan) -> list[tuple[int, Pull]]:
+    """(pull id, pull) of the pulls the trainer packs (not direct)."""
+    return [(i, p) for i, p in enumerate(pull_plan.pulls) if not p.direct]
+
+
+def consumers(pull_plans_: Sequence[PullPlan], trainer_rank: int) -> dict[int, set[int]]:
+    """Group -> engine ranks that pull something packed of it from ``trainer_rank`` (the release barrier)."""
+    out: dict[int, set[int]] = defaultdict(set)
+    for pp in pull_plans_:
+        for _, p in packed(pp):
+            if p.trainer == trainer_rank:
+                out[p.group].add(pp.engine)
+    return dict(out)
+
+
+def packed_names(plans: Sequence[ShardingPlan], layout: EngineLayout, pull_plans_: Sequence[PullPlan]) -> set[str]:
+    """HF tensors some packed pull reads: the only ones a trainer must materialize (gather) in the sync."""
+    out: set[str] = set()
+    for pp in pull_plans_:
+        plan = plans[layout.coord(pp.engine).local]
+        for _, p in packed(pp):
+            out.update(plan.regions[r].hf_name for r in p.regions)
+    return out

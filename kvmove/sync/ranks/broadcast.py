@@ -1,0 +1,93 @@
+"""The broadcast baseline's two halves: trainer rank 0 broadcasts every full tensor; engine ranks receive the
+whole model, then run their own loader over it (each keeps its slice and drops the rest)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvmove.engines import EngineAdapter
+from kvmove.models.tensors import TensorMeta
+from kvmove.sync.ranks.control import BroadcastGroup, EngineStats, TrainerStats
+from kvmove.sync.ranks.source import WeightSource
+from kvmove.sync.strategies import Gather
+
+
+def open_group(group: BroadcastGroup, member: int, device: str, timeout_s: float) -> tuple[Any, Any]:
+    """(store, process group) of ``member``: NCCL for CUDA buffers, else gloo; member 0 hosts the store."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    host, port = group.store
+    store = dist.TCPStore(host, port, group.size, member == 0, timeout=timeout, wait_for_workers=False)
+    prefixed = dist.PrefixStore(group.prefix, store)
+    if device.startswith("cuda"):
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return store, dist.ProcessGroupNCCL(prefixed, member, group.size, options)
+    gloo = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    gloo._timeout = timeout
+    gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return store, dist.ProcessGroupGloo(prefixed, member, group.size, gloo)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).view(-1)
+
+
+def send_all(
+    source: WeightSource, rank: int, pg: Any | None, published: Callable[[int], None] | None = None
+) -> TrainerStats:
+    """Every trainer rank gathers each tensor onto rank 0 (collective); rank 0 (``pg`` set) broadcasts it."""
+    start = time.perf_counter()
+    calls0 = source.collective_calls
+    gather = send = 0.0
+    sent = peak = 0
+    if published is not None:
+        published(0)
+    for n, meta in enumerate(source.metadata(), start=1):
+        t0 = time.perf_counter()
+        (gathered,) = source.materialize([meta.name], Gather.ROOT)
+        gather += time.perf_counter() - t0
+        if pg is not None and gathered.tensor is not None:
+            t1 = time.perf_counter()
+            pg.broadcast(_flat(gathered.tensor), 0).wait()
+            if gathered.tensor.is_cuda:
+                torch.cuda.current_stream(gathered.tensor.device).synchronize()
+            send += time.perf_counter() - t1
+            sent += meta.nbytes
+            peak = max(peak, meta.nbytes)
+        if published is not None:
+            published(n)
+    return TrainerStats(
+        rank, time.perf_counter() - start, gather, 0.0, send, sent, 0, peak, source.collective_calls - calls0
+    )
+
+
+def receive_all(
+    metas: Sequence[TensorMeta], pg: Any, adapter: EngineAdapter, model: nn.Module, rank: int, device: str = "cpu"
+) -> EngineStats:
+    """Receive every full tensor (the whole model is materialized here), then load it with the engine's loader."""
+    start = time.perf_counter()
+    received: list[tuple[str, torch.Tensor]] = []
+    transfer = 0.0
+    for meta in metas:
+        buf = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        t0 = time.perf_counter()
+        pg.broadcast(_flat(buf), 0).wait()
+        if buf.is_cuda:
+            torch.cuda.current_stream(buf.device).synchronize()
+        transfer += time.perf_counter() - t0
+        received.append((meta.name, buf))
+    t1 = time.perf_counter()
+    adapter.load_weights(model, received)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    load = time.perf_counter() - t1
+    total = sum(t.numel() * t.element_size() for _, t in received)
+    return EngineStats(rank, time.perf_counter() - start, 0.0, transfer, load, total, len(received), total)

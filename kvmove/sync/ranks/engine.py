@@ -1,0 +1,204 @@
+"""An engine rank during syncs: pull each group's regions from their trainer ranks and load them.
+
+Pulls go group by group, in plan order. A packed pull asks the trainer rank to pack, reads the slot and
+signals ``finish`` so that trainer rank can release the group; a direct pull reads straight from the trainer
+rank's arena into the parameters (no request, no load). The strategy's ``Overlap`` says how much overlaps:
+with ``requests_ahead`` the next packed pulls are requested before the current one is read, and with
+``background_load`` a loader thread copies group g into the parameters while group g+1 is read (one receive
+slot per pull in flight); otherwise each pull is loaded before the next one starts.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from kvmove.errors import KvmoveError
+from kvmove.sync.planning.packing import unpack
+from kvmove.sync.planning.plan import Region, ShardingPlan
+from kvmove.sync.planning.schedule import Pull, PullPlan
+from kvmove.sync.ranks.control import EngineStats, Packed
+from kvmove.sync.strategies import Strategy
+
+
+class TrainerClient(Protocol):
+    """How an engine rank reaches trainer ranks: control by address (pack, finish), bytes by the transport."""
+
+    def request(self, trainer: int, sync_id: int, pull_id: int) -> Any:
+        """Ask ``trainer`` to pack pull ``pull_id``; returns a handle for :meth:`wait` (does not block)."""
+
+    def wait(self, handle: Any) -> Packed:
+        """The slot and size of a requested pull, once the trainer has packed it."""
+
+    def read(self, trainer: int, slot: int, recv: int, nbytes: int) -> float:
+        """Read ``nbytes`` of ``trainer``'s serve slot into receive slot ``recv``; seconds."""
+
+    def read_direct(self, trainer: int, spans: Sequence[tuple[str, Any]]) -> float:
+        """Read (parameter, byte spans) runs from ``trainer``'s arena into the registered parameters; seconds."""
+
+    def finish(self, trainer: int, sync_id: int, group: int, slot: int) -> None:
+        """Free the trainer's slot and tell it this engine has all it pulls of ``group`` from it."""
+
+
+class EngineRank:
+    """Receiving side of one engine rank: its model's parameters, plan and registered receive slots."""
+
+    def __init__(self, model: nn.Module, plan: ShardingPlan, recv: Mapping[str, Sequence[torch.Tensor]]) -> None:
+        self.model, self.plan = model, plan
+        self.recv = {strategy: list(r) for strategy, r in recv.items()}
+        self.params = dict(model.named_parameters())
+
+    def recv_bytes(self, strategy: str) -> int:
+        return sum(r.numel() for r in self.recv.get(strategy, ()))
+
+    def load(self, regions: Sequence[Region], buf: torch.Tensor) -> None:
+        for region, data in zip(regions, unpack(buf, regions), strict=True):
+            region.dst.apply(self.params[region.param].data).copy_(data, non_blocking=True)
+        if buf.is_cuda:  # the slot is reusable, and the time real, only once the copies ran
+            torch.cuda.current_stream(buf.device).synchronize()
+
+    def run_sync(
+        self,
+        sync_id: int,
+        strategy: Strategy,
+        pulls: PullPlan,
+        client: TrainerClient,
+        *,
+        delay_s: float = 0.0,
+        pulled: Callable[[int], None] | None = None,
+    ) -> EngineStats:
+        """Every pull of ``pulls``, in group order; ``pulled(n)`` runs once the n-th pull finished (a fault hook)."""
+        start = time.perf_counter()
+        loop = _PullLoop(self, sync_id, strategy, pulls, client)
+        group: int | None = None
+        try:
+            for n, i in enumerate(loop.order, start=1):
+                pull = pulls.pulls[i]
+                if pull.group != group and delay_s:
+                    time.sleep(delay_s)  # fault injection: a slow replica
+                group = pull.group
+                loop.run(i, pull)
+                if pulled is not None:
+                    pulled(n)
+        finally:
+            loop.close()
+        return EngineStats(
+            pulls.engine,
+            time.perf_counter() - start,
+            loop.request,
+            loop.transfer,
+            loop.load,
+            loop.received,
+            len(pulls.pulls),
+            self.recv_bytes(strategy.name),
+        )
+
+
+class _PullLoop:
+    """One sync's pulls of one engine rank: packed requests kept ahead, reads, loads (inline or background)."""
+
+    def __init__(
+        self, engine: EngineRank, sync_id: int, strategy: Strategy, pulls: PullPlan, client: TrainerClient
+    ) -> None:
+        self.engine, self.sync_id, self.pulls, self.client = engine, sync_id, pulls, client
+        self.order = sorted(range(len(pulls.pulls)), key=lambda i: pulls.pulls[i].group)
+        self.packed = [i for i in self.order if not pulls.pulls[i].direct]
+        self.recv = engine.recv.get(strategy.name, [])
+        overlap = strategy.overlap
+        background = overlap.background_load and self.packed and self.recv
+        self.loader = _Loader(engine, self.recv) if background else None
+        # NOTE: with requests ahead, the trainer packs pull k+1 while this rank reads pull k
+        self.depth = 1 + overlap.requests_ahead
+        self.pending = deque((i, self._request(i)) for i in self.packed[: self.depth])
+        self.request = self.transfer = self.load = 0.0
+        self.received = self.k = 0
+
+    def _request(self, i: int) -> Any:
+        return self.client.request(self.pulls.pulls[i].trainer, self.sync_id, i)
+
+    def run(self, i: int, pull: Pull) -> None:
+        if pull.direct:
+            self.transfer += self.client.read_direct(pull.trainer, pull.direct)
+            self.received += pull.nbytes
+            return
+        j, handle = self.pending.popleft()
+        assert j == i, "packed pulls are requested in the order they are read"
+        slot_index = self.k % len(self.recv)
+        if self.loader is not None:
+            self.loader.wait_free(slot_index)
+        t0 = time.perf_counter()
+        packed = self.client.wait(handle)
+        self.request += time.perf_counter() - t0
+        if self.k + self.depth < len(self.packed):
+            nxt = self.packed[self.k + self.depth]
+            self.pending.append((nxt, self._request(nxt)))
+        self.k += 1
+        self.transfer += self.client.read(pull.trainer, packed.slot, slot_index, packed.nbytes)
+        # NOTE: pulls are bucketed by (group, trainer), so this one pull is all of the group from it
+        self.client.finish(pull.trainer, self.sync_id, pull.group, packed.slot)
+        self.received += packed.nbytes
+        regions = [self.engine.plan.regions[r] for r in pull.regions]
+        if self.loader is None:
+            t2 = time.perf_counter()
+            self.engine.load(regions, self.recv[slot_index])
+            self.load += time.perf_counter() - t2
+        else:
+            self.loader.submit(slot_index, regions)
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.load += self.loader.close()
+
+
+class _Loader:
+    """Background copier for overlapped syncs; tracks which receive slots still hold unloaded bytes."""
+
+    def __init__(self, engine: EngineRank, recv: list[torch.Tensor]) -> None:
+        self.engine, self.recv = engine, recv
+        self.jobs: queue.Queue[tuple[int, list[Region]] | None] = queue.Queue()
+        self.busy = [threading.Event() for _ in recv]
+        for e in self.busy:
+            e.set()
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        self.stream = torch.cuda.Stream(recv[0].device) if recv and recv[0].is_cuda else None
+        self.thread = threading.Thread(target=self._run, name="kvmove-loader", daemon=True)
+        self.thread.start()
+
+    def wait_free(self, slot: int) -> None:
+        self.busy[slot].wait()
+        if self.error is not None:
+            raise self.error
+
+    def submit(self, slot: int, regions: list[Region]) -> None:
+        self.busy[slot].clear()
+        self.jobs.put((slot, regions))
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            slot, regions = job
+            t0 = time.perf_counter()
+            try:
+                if self.stream is not None:  # loads overlap the next read, which runs on the default stream
+                    with torch.cuda.stream(self.stream):
+                        self.engine.load(regions, self.recv[slot])
+                else:
+                    self.engine.load(regions, self.recv[slot])
+            except BaseException as exc:  # surfaced to the puller at its next wait
+                self.error = exc
+            self.seconds += time.perf_counter() - t0
+            self.busy[slot].set()
+
+    def close(self) -> float:
+        self.jobs.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise KvmoveError(f"loading pulled bytes failed: {self.error}") from self.error
+        return self.seconds

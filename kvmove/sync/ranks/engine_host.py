@@ -1,0 +1,145 @@
+"""The engine rank's host: the engine's model on its device, its plan, its puller, behind typed commands.
+
+Subclasses host other engines (``ENGINES[kind].host``; the vLLM host runs a live vLLM): they override
+``build_model`` (the served model), ``target`` (the module pulls write into), ``make_plan``, ``pull`` and
+``verify``, and inherit the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch import nn
+
+from kvmove.engines import get_engine
+from kvmove.errors import KvmoveError
+from kvmove.models.tensors import hf_tensors, model_totals
+from kvmove.sync.planning.plan import ShardingPlan, plan_rank
+from kvmove.sync.ranks.broadcast import open_group, receive_all
+from kvmove.sync.ranks.control import (
+    BuildPlan,
+    EngineStats,
+    MeasureCopy,
+    OpenPuller,
+    PlanReport,
+    ReceiveBroadcast,
+    RunPulls,
+    VerifyResult,
+    VerifyWeights,
+)
+from kvmove.sync.ranks.host import Host, RankSpec, die_after, handles, release_freed_memory, rss_bytes
+from kvmove.sync.ranks.puller import Puller, open_puller
+from kvmove.sync.verify import VERIFY_LIMIT_BYTES, bits_equal, seeded_checkpoint, verify_streaming
+from kvmove.transport import EndpointInfo
+from kvmove.transport.bandwidth import copy_ceiling
+
+
+class EngineHost(Host):
+    """One engine rank of the reference engine (or, subclassed, another engine)."""
+
+    def __init__(self, spec: RankSpec) -> None:
+        super().__init__(spec)
+        c = self.config
+        self.adapter = get_engine(c.engine_kind)
+        self.coord = c.engine.coord(spec.rank)
+        self.transport = self.open_transport()
+        self.model = self.build_model()
+        self._plan: ShardingPlan | None = None
+        self._puller: Puller | None = None
+
+    # -- what an engine kind provides -------------------------------------------------------------------------
+    def build_model(self) -> nn.Module:
+        """The served model of this rank, on its device."""
+        c = self.config
+        return self.adapter.build(c.model, c.engine, self.coord, device=self.spec.device)
+
+    def target(self) -> nn.Module:
+        """The module whose parameters the pulls write (the plan's ``params``)."""
+        return self.model
+
+    def make_plan(self) -> ShardingPlan:
+        """Init step 3: dry-run this engine's own loader over recording tensors."""
+        c = self.config
+        return plan_rank(c.model, c.engine, self.coord, reuse=c.options.reuse, engine=self.adapter)
+
+    def pull(self, command: RunPulls) -> EngineStats:
+        """One sync's pulls into ``target()``."""
+        hook = die_after(command.die_after_pulls)
+        return self.puller.run(command.sync_id, command.strategy, command.delay_s, hook)
+
+    def verify(self, version: int, seed: int) -> VerifyResult:
+        """Bit-exact check against this engine's own loader fed the full checkpoint of ``version``; a checkpoint
+        too large to materialize here is checked tensor by tensor against the plan's op chains instead."""
+        c, weights = self.config, self.weights_device()
+        if model_totals(c.model).total_bytes > VERIFY_LIMIT_BYTES:
+            ok, bad = verify_streaming(c.model, self.plan, self.model, seed, version, weights)
+            return VerifyResult(ok, 1, len(self.plan.regions), tuple(bad))
+        ref = self.adapter.build(c.model, c.engine, self.coord, device=self.spec.device)
+        self.adapter.load_weights(ref, seeded_checkpoint(c.model, seed, version, weights).items())
+        want = dict(ref.named_parameters())
+        params = list(self.model.named_parameters())
+        bad = [n for n, p in params if not bits_equal(p.data, want[n].data)]
+        return VerifyResult(not bad, 1, len(params), tuple(bad))
+
+    def weights_device(self) -> str:
+        """Where to generate reference weights: seeded bits depend on the device kind, so on the trainer's kind."""
+        trainer = self.config.placement.trainer_device(0)
+        return self.spec.device if trainer.split(":")[0] == self.spec.device.split(":")[0] else trainer
+
+    # -- commands ---------------------------------------------------------------------------------------------
+    @property
+    def plan(self) -> ShardingPlan:
+        if self._plan is None:
+            raise KvmoveError(f"engine rank {self.spec.rank}: BuildPlan first")
+        return self._plan
+
+    @property
+    def puller(self) -> Puller:
+        if self._puller is None:
+            raise KvmoveError(f"engine rank {self.spec.rank}: OpenPuller first")
+        return self._puller
+
+    @handles(BuildPlan)
+    def build_plan(self, _: BuildPlan) -> PlanReport:
+        t0 = time.perf_counter()
+        self._plan = self.make_plan()
+        return PlanReport(self._plan, time.perf_counter() - t0, os.getpid())
+
+    @handles(OpenPuller)
+    def open_puller(self, command: OpenPuller) -> EndpointInfo:
+        if self._puller is not None:
+            self._puller.close()
+        device = self.spec.device
+        self._puller = open_puller(command.init, self.target(), self.plan, transport=self.transport, device=device)
+        return self._puller.endpoint_info()
+
+    @handles(RunPulls)
+    def run_pulls(self, command: RunPulls) -> EngineStats:
+        with torch.no_grad():
+            stats = self.pull(command)
+        self._synchronize()
+        return stats._replace(rss_bytes=rss_bytes())
+
+    @handles(ReceiveBroadcast)
+    def receive_broadcast(self, command: ReceiveBroadcast) -> EngineStats:
+        c, device = self.config, self.spec.device
+        _, pg = open_group(command.group, command.member, device, c.deadline_s)
+        stats = receive_all(hf_tensors(c.model), pg, self.adapter, self.model, self.spec.rank, device)
+        return stats._replace(rss_bytes=rss_bytes())
+
+    @handles(VerifyWeights)
+    def verify_weights(self, command: VerifyWeights) -> VerifyResult:
+        with torch.no_grad():
+            result = self.verify(command.version, command.seed)
+        release_freed_memory()
+        return result
+
+    @handles(MeasureCopy)
+    def measure_copy(self, command: MeasureCopy) -> float:
+        return copy_ceiling(command.source, self.spec.device, command.nbytes)
+
+    def _synchronize(self) -> None:
+        if self.spec.device.startswith("cuda"):
+            torch.cuda.synchronize(self.spec.device)

@@ -1,0 +1,157 @@
+"""An engine rank's puller, built from a picklable :class:`~kvmove.sync.ranks.control.PullerInit` in any process.
+
+``open_puller`` is init step 5 on the engine side: it allocates and registers the receive slots and the
+parameters direct pulls write, connects the transport to every source trainer rank and opens two control
+connections to each, by address (pack requests, answered in order; finish notes, on their own connection so
+a pack waiting for its group never holds up the note that releases an earlier one). Nothing here needs Ray,
+so a process that is not a launched rank (e.g. a worker inside an inference engine) can pull too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvmove.errors import KvmoveError
+from kvmove.sync.planning.plan import ShardingPlan
+from kvmove.sync.ranks.control import EngineStats, Finish, Pack, Packed, PullerInit, TrainerEndpoint
+from kvmove.sync.ranks.engine import EngineRank
+from kvmove.sync.ranks.wire import ControlClient
+from kvmove.sync.strategies import Strategy
+from kvmove.transport import BufferDesc, EndpointInfo, Transport, get_transport
+
+
+class TrainerLinks:
+    """The control half of a ``TrainerClient``: two authenticated connections per source trainer rank."""
+
+    def __init__(self, init: PullerInit) -> None:
+        self.engine, self.timeout_s = init.engine, init.deadline_s
+        self.packs: dict[int, ControlClient] = {}
+        self.notes: dict[int, ControlClient] = {}
+        try:
+            for t, link in init.trainers.items():
+                who = f"trainer rank {t}"
+                self.packs[t] = ControlClient(link.control, init.authkey, who, init.deadline_s + 5)
+                self.notes[t] = ControlClient(link.control, init.authkey, who, init.deadline_s + 5)
+        except BaseException:
+            self.close()
+            raise
+
+    def request(self, trainer: int, sync_id: int, strategy: str, pull_id: int) -> int:
+        self.packs[trainer].send(Pack(sync_id, strategy, self.engine, pull_id, self.timeout_s))
+        return trainer
+
+    def wait(self, handle: int) -> Packed:
+        reply = self.packs[handle].receive()  # NOTE: replies come back in request order on each connection
+        return Packed(*reply)
+
+    def finish(self, trainer: int, sync_id: int, strategy: str, group: int, slot: int) -> None:
+        self.notes[trainer].send(Finish(sync_id, strategy, group, self.engine, slot))
+
+    def close(self) -> None:
+        for conn in (*self.packs.values(), *self.notes.values()):
+            conn.close()
+
+
+class ByteReader:
+    """The data half of a ``TrainerClient``: reads trainer slots and arenas into registered local memory."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        trainers: Mapping[int, TrainerEndpoint],
+        recv: Mapping[str, Sequence[BufferDesc]],
+        params: Mapping[str, BufferDesc],
+    ) -> None:
+        self.transport, self.trainers, self.recv, self.params = transport, trainers, recv, params
+
+    def read(self, strategy: str, trainer: int, slot: int, recv: int, nbytes: int) -> float:
+        remote = self.trainers[trainer].slots[strategy][slot]
+        return self.transport.read(remote, self.recv[strategy][recv], [(0, 0, nbytes)]).seconds
+
+    def read_direct(self, trainer: int, spans: Sequence[tuple[str, Any]]) -> float:
+        arena = self.trainers[trainer].arena
+        if arena is None:
+            raise KvmoveError(f"trainer rank {trainer} registered no arena, so nothing can be read from it directly")
+        return sum(self.transport.read(arena, self.params[name], runs).seconds for name, runs in spans)
+
+
+class _Client:
+    """``TrainerClient`` of one sync: control links plus byte reads, for one strategy."""
+
+    def __init__(self, links: TrainerLinks, reader: ByteReader, strategy: str) -> None:
+        self.links, self.reader, self.strategy = links, reader, strategy
+
+    def request(self, trainer: int, sync_id: int, pull_id: int) -> Any:
+        return self.links.request(trainer, sync_id, self.strategy, pull_id)
+
+    def wait(self, handle: Any) -> Packed:
+        return self.links.wait(handle)
+
+    def read(self, trainer: int, slot: int, recv: int, nbytes: int) -> float:
+        return self.reader.read(self.strategy, trainer, slot, recv, nbytes)
+
+    def read_direct(self, trainer: int, spans: Sequence[tuple[str, Any]]) -> float:
+        return self.reader.read_direct(trainer, spans)
+
+    def finish(self, trainer: int, sync_id: int, group: int, slot: int) -> None:
+        self.links.finish(trainer, sync_id, self.strategy, group, slot)
+
+
+class Puller:
+    """One engine rank's receiving side after init: pulls a sync's regions into its parameters."""
+
+    def __init__(self, init: PullerInit, rank: EngineRank, reader: ByteReader, links: TrainerLinks) -> None:
+        self.init, self.rank, self.reader, self.links = init, rank, reader, links
+
+    def endpoint_info(self) -> EndpointInfo:
+        return self.reader.transport.endpoint_info()
+
+    def run(
+        self, sync_id: int, strategy: Strategy, delay_s: float = 0.0, pulled: Callable[[int], None] | None = None
+    ) -> EngineStats:
+        """This rank's pulls of sync ``sync_id`` under ``strategy``; ``pulled(n)`` after the n-th (fault hook)."""
+        client = _Client(self.links, self.reader, strategy.name)
+        pulls = self.init.pulls[strategy.name]
+        return self.rank.run_sync(sync_id, strategy, pulls, client, delay_s=delay_s, pulled=pulled)
+
+    def close(self) -> None:
+        self.links.close()
+
+
+def register_params(transport: Transport, model: nn.Module, names: Sequence[str]) -> dict[str, BufferDesc]:
+    """Register parameters ``names`` of ``model`` (as flat bytes) for direct pulls; once, at init."""
+    params = dict(model.named_parameters())
+    out = {}
+    for name in names:
+        data = params[name].data
+        if not data.is_contiguous():
+            raise KvmoveError(f"parameter {name} is not contiguous; it cannot receive direct pulls")
+        out[name] = transport.register(data.view(-1).view(torch.uint8))
+    return out
+
+
+def open_puller(
+    init: PullerInit,
+    model: nn.Module,
+    plan: ShardingPlan,
+    *,
+    transport: Transport | None = None,
+    device: str | torch.device = "cpu",
+) -> Puller:
+    """Init step 5 on the engine side, once (see the module docstring). ``model`` is what the pulls write (its
+    parameters are the plan's ``params``); ``transport``: this process's endpoint (None: open one from ``init``)."""
+    transport = transport or get_transport(init.transport).open(init.membership, str(device))
+    recv = {
+        s: [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(k)] for s, (k, n) in init.recv_sizes.items()
+    }
+    descs = {s: [transport.register(t) for t in ts] for s, ts in recv.items()}
+    params = register_params(transport, model, init.direct_params)
+    endpoints = {t: link.endpoint for t, link in init.trainers.items()}
+    for ep in endpoints.values():
+        transport.connect(ep.info)
+    reader = ByteReader(transport, endpoints, descs, params)
+    return Puller(init, EngineRank(model, plan, recv), reader, TrainerLinks(init))

@@ -1,0 +1,178 @@
+"""Weight sources: what a trainer rank offers a sync. An RL framework plugs its trainer in here.
+
+A trainer rank uses its :class:`WeightSource` through this interface only. kvmove's own :class:`ShardedSource`
+holds one Megatron rank's shards of a seeded model in one arena and materializes full HF tensors with
+all-gathers inside each gather group (the collectives a Megatron export runs); FSDP2/DTensor or Megatron
+sources implement the same few methods. The driver builds one per trainer rank with ``SyncConfig.source``, a
+picklable ``SourceContext -> WeightSource`` callable (default :func:`seeded_source`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+
+from kvmove.layout import TrainerLayout
+from kvmove.models.config import ModelConfig
+from kvmove.models.tensors import TensorMeta, hf_tensors
+from kvmove.sync.planning.direct import ArenaLayout, arena_layout, shard_views
+from kvmove.sync.planning.ownership import Ownership
+from kvmove.sync.planning.plan import Box
+from kvmove.sync.ranks.collectives import Collectives
+from kvmove.sync.ranks.control import Address
+from kvmove.sync.strategies import Gather
+from kvmove.sync.verify import seeded_tensor
+
+
+class SourceContext(NamedTuple):
+    """What a trainer rank's process knows when it builds its source."""
+
+    model: ModelConfig
+    layout: TrainerLayout
+    rank: int
+    device: str
+    seed: int
+    store: Address
+    """A TCP rendezvous every trainer rank reaches (trainer rank 0 may host a store there) for the source's
+    own process groups."""
+    timeout_s: float
+
+
+class Gathered(NamedTuple):
+    """One materialized tensor: the full HF tensor (None if this rank does not hold it after the gather) and
+    whether it is a new copy (it counts toward the sync's peak extra memory) or memory the source keeps anyway."""
+
+    name: str
+    tensor: torch.Tensor | None
+    copied: bool
+
+
+class WeightSource(ABC):
+    """A trainer rank's weights as a sync sees them.
+
+    Contract:
+    - ``metadata()`` describes the whole model (every HF tensor, in checkpoint order) identically on every rank,
+      without moving data.
+    - ``shards()`` names the raw shards this rank holds (HF name -> box of the HF tensor); the driver checks
+      them against the trainer layout at init (step 1).
+    - ``materialize(names, scope)`` is collective: every rank of the trainer calls it with the same names in the
+      same order (per scope: the ranks of one pipeline stage for ``Gather.STAGE``, all ranks otherwise) and
+      gets, per name, the full HF tensor if it holds it once that scope's gather ran, else None.
+      ``held_names(scope)`` lists those names (None: every name).
+    - ``step(version)`` runs before each sync: the weights of training step ``version`` must be in place (and
+      visible to other processes: synchronized) when it returns.
+    - ``arena()`` (optional) is this rank's raw shards in one persistent uint8 buffer laid out by
+      ``kvmove.sync.planning.direct.arena_layout`` and updated in place each step; engines then read regions
+      straight out of it (direct pulls). None: every region is packed.
+    """
+
+    @abstractmethod
+    def metadata(self) -> Sequence[TensorMeta]: ...
+
+    @abstractmethod
+    def shards(self) -> Mapping[str, Box]: ...
+
+    @abstractmethod
+    def held_names(self, scope: Gather) -> set[str] | None: ...
+
+    @abstractmethod
+    def materialize(self, names: Sequence[str], scope: Gather) -> Iterator[Gathered]: ...
+
+    def step(self, version: int) -> None:  # noqa: B027 - a framework's weights are usually in place already
+        """Bring the weights of training step ``version`` into place (default: nothing to do)."""
+
+    def arena(self) -> tuple[torch.Tensor, ArenaLayout] | None:
+        return None
+
+    @property
+    def collective_calls(self) -> int:
+        """Collectives run so far (reported per sync; 0 if the source does not count them)."""
+        return 0
+
+
+def seeded_source(ctx: SourceContext) -> WeightSource:
+    """kvmove's stand-in trainer: Megatron shards of seeded random weights, gathered over gloo/NCCL groups."""
+    collectives = Collectives(ctx.rank, ctx.layout.world, ctx.store.host, ctx.store.port, ctx.timeout_s, ctx.device)
+    return ShardedSource(ctx.model, ctx.layout, ctx.rank, collectives, ctx.seed, ctx.device)
+
+
+class ShardedSource(WeightSource):
+    """One trainer rank's Megatron shards of a seeded model, in one arena; ``step`` stands in for an optimizer step."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layout: TrainerLayout,
+        rank: int,
+        collectives: Collectives,
+        seed: int = 0,
+        device: str = "cpu",
+    ):
+        self.cfg, self.layout, self.rank, self.seed, self.device = cfg, layout, rank, seed, device
+        self.coll = collectives
+        self.ownership = Ownership(cfg, layout)
+        self.version = -1
+        self._metas = {t.name: t for t in hf_tensors(cfg)}
+        self._layout = arena_layout(self.ownership, self._metas.values(), rank)
+        self._arena = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=device)
+        self._shards = shard_views(self._arena, self._layout, {n: t.dtype for n, t in self._metas.items()})
+
+    def step(self, version: int) -> None:
+        """Weights of training step ``version`` (same seed and version: same bits everywhere), written in place into
+        the arena (as an optimizer step updates parameters in place)."""
+        for name, box in self._layout.boxes.items():
+            full = seeded_tensor(self._metas[name], self.seed, version, self.device)
+            self._shards[name].copy_(full[box.slices()])
+        if self._arena.is_cuda:  # peers read the arena from other processes: the bytes must be in place
+            torch.cuda.current_stream(self._arena.device).synchronize()
+        self.version = version
+
+    def arena(self) -> tuple[torch.Tensor, ArenaLayout]:
+        return self._arena, self._layout
+
+    def metadata(self) -> list[TensorMeta]:
+        return list(self._metas.values())
+
+    def shards(self) -> dict[str, Box]:
+        return dict(self._layout.boxes)
+
+    @property
+    def collective_calls(self) -> int:
+        return self.coll.collective_calls
+
+    def held_names(self, scope: Gather) -> set[str] | None:
+        if scope is Gather.STAGE:
+            return set(self._layout.boxes)
+        return None if scope is Gather.GLOBAL or self.rank == 0 else set()
+
+    def materialize(self, names: Sequence[str], scope: Gather) -> Iterator[Gathered]:
+        for name in names:
+            tensor = self._materialize(self._metas[name], scope)
+            yield Gathered(name, tensor, tensor is not None and tensor is not self._shards.get(name))
+
+    def _materialize(self, meta: TensorMeta, scope: Gather) -> torch.Tensor | None:
+        full = self._gather_in_group(meta) if meta.name in self._layout.boxes else None
+        if scope is Gather.STAGE:
+            return full
+        root = min(h.rank for h in self.ownership.slices(meta))
+        members = range(self.layout.world) if scope is Gather.GLOBAL else sorted({root, 0})
+        if self.rank not in members:
+            return None
+        if full is None:
+            full = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        return self.coll.broadcast(members, full, root)
+
+    def _gather_in_group(self, meta: TensorMeta) -> torch.Tensor:
+        shard = self._shards[meta.name]
+        rule_dim = _split_dim(self._layout.boxes[meta.name], meta.shape)
+        if rule_dim is None:
+            return shard
+        group = self.ownership.gather_group(meta, self.rank)
+        return self.coll.all_gather(group, shard, rule_dim)
+
+
+def _split_dim(box: Box, shape: tuple[int, ...]) -> int | None:
+    return next((d for d, (a, b) in enumerate(zip(box.start, box.stop, strict=True)) if b - a != shape[d]), None)

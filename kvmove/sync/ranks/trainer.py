@@ -1,0 +1,248 @@
+"""A trainer rank during syncs: materialize groups, serve packed pulls from registered slots, release groups.
+
+The sync loop (``run_sync``) gathers group after group, never holding more than ``lookahead + 1`` groups that
+some live consumer still needs. Pulls (``pack``) arrive from engine ranks on other threads and wait until
+their group is materialized. A group is released when every live engine rank that pulls from this rank has
+signalled ``done`` for it; an engine declared gone (``engine_gone``) no longer counts, so a dead engine never
+blocks the trainer. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmove.errors import KvmoveError
+from kvmove.sync.planning.blueprint import PullSpecs, TrainerSync
+from kvmove.sync.planning.packing import SliceSpec, pack
+from kvmove.sync.ranks.control import Packed, TrainerEndpoint, TrainerStats
+from kvmove.sync.ranks.source import Gathered, WeightSource
+from kvmove.transport import Transport
+
+
+class SyncTimeout(KvmoveError):
+    """A sync made no progress before its deadline (a peer died or hung)."""
+
+
+@dataclass
+class _State:
+    sync: TrainerSync
+    held: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    extra: dict[int, int] = field(default_factory=dict)
+    pending: dict[int, set[int]] = field(default_factory=dict)
+    released: set[int] = field(default_factory=set)
+    gone: set[int] = field(default_factory=set)
+    failed: str = ""
+
+
+def open_trainer_rank(
+    transport: Transport,
+    source: WeightSource,
+    sizes: Mapping[str, tuple[int, int]],
+    rank: int,
+    deadline_s: float = 60.0,
+    device: str = "cpu",
+) -> tuple[TrainerRank, TrainerEndpoint]:
+    """Init step 5 on the trainer side, once: allocate and register ``count`` serve slots of ``nbytes`` per
+    strategy, and the source's arena (if it has one) for direct pulls."""
+    slots = {s: [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(k)] for s, (k, n) in sizes.items()}
+    descs = {s: [transport.register(t) for t in ts] for s, ts in slots.items()}
+    arena = source.arena()
+    arena_desc = transport.register(arena[0]) if arena is not None else None
+    return TrainerRank(source, slots, rank, deadline_s), TrainerEndpoint(transport.endpoint_info(), descs, arena_desc)
+
+
+class TrainerRank:
+    """Serving side of one trainer rank; thread-safe for concurrent ``pack``/``done`` calls."""
+
+    def __init__(
+        self, source: WeightSource, slots: Mapping[str, Sequence[torch.Tensor]], rank: int, deadline_s: float = 60.0
+    ) -> None:
+        self.source, self.rank, self.deadline_s = source, rank, deadline_s
+        self.slots = {strategy: list(s) for strategy, s in slots.items()}
+        self._free_slots = {strategy: list(range(len(s))) for strategy, s in self.slots.items()}
+        self._slot_owner: dict[tuple[str, int], int] = {}
+        self._pulls: dict[tuple[str, int, int], tuple[int, tuple[SliceSpec, ...]]] = {}
+        self._cond = threading.Condition()
+        self._state: _State | None = None
+        self._extra = self._peak_extra = 0
+        self._served = self._pulls_served = 0
+        self._pack_seconds = 0.0
+
+    def slot_bytes(self, strategy: str) -> int:
+        return sum(s.numel() for s in self.slots.get(strategy, ()))
+
+    def register_pulls(self, strategy: str, engine: int, pulls: PullSpecs) -> None:
+        """Cache what engine rank ``engine`` will ask for under ``strategy``: pull id -> (group, slice specs)."""
+        with self._cond:
+            for pull_id, spec in pulls.items():
+                self._pulls[(strategy, engine, pull_id)] = spec
+
+    def forget_engine(self, engine: int) -> None:
+        with self._cond:
+            for key in [k for k in self._pulls if k[1] == engine]:
+                del self._pulls[key]
+
+    # -- the sync loop -------------------------------------------------------------------------------------
+    def run_sync(self, sync: TrainerSync, published: Callable[[int], None] | None = None) -> TrainerStats:
+        """Materialize and publish group after group; ``published(n)`` runs at the start (n=0) and after the n-th
+        group (a fault hook)."""
+        start = time.perf_counter()
+        calls0 = self.source.collective_calls
+        with self._cond:
+            self._state = _State(sync, pending={g: set(c) for g, c in sync.consumers.items()})
+            # NOTE: between syncs no read is in flight, so every slot is free again (a dead reader leaks none)
+            self._free_slots = {strategy: list(range(len(s))) for strategy, s in self.slots.items()}
+            self._slot_owner.clear()
+            self._extra = self._peak_extra = self.slot_bytes(sync.strategy.name)
+            self._served = self._pulls_served = 0
+            self._pack_seconds = 0.0
+        gather = wait = 0.0
+        if published is not None:
+            published(0)
+        for n, (group, names) in enumerate(sync.groups, start=1):
+            t0 = time.perf_counter()
+            self._wait(lambda: self._resident() <= sync.lookahead, f"release of groups before {group}")
+            t1 = time.perf_counter()
+            gathered = [g for g in self.source.materialize(names, sync.strategy.scope) if g.tensor is not None]
+            gather += time.perf_counter() - t1
+            wait += t1 - t0
+            self._publish(group, gathered)
+            if published is not None:
+                published(n)
+        t0 = time.perf_counter()
+        self._wait(lambda: self._resident() == 0, "release of the last groups")
+        wait += time.perf_counter() - t0
+        with self._cond:
+            stats = TrainerStats(
+                self.rank,
+                time.perf_counter() - start,
+                gather,
+                self._pack_seconds,
+                wait,
+                self._served,
+                self._pulls_served,
+                self._peak_extra,
+                self.source.collective_calls - calls0,
+            )
+            self._state = None
+            self._cond.notify_all()
+        return stats
+
+    def _resident(self) -> int:
+        assert self._state is not None
+        return len(self._state.held)
+
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.deadline_s
+        with self._cond:
+            while not ready():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._fail(f"trainer rank {self.rank}: no {what} within {self.deadline_s:.0f} s")
+                self._cond.wait(min(left, 0.5))
+
+    def _fail(self, message: str) -> None:
+        if self._state is not None:
+            self._state.failed = message
+            self._state = None
+        self._cond.notify_all()
+        raise SyncTimeout(message)
+
+    def _publish(self, group: int, gathered: list[Gathered]) -> None:
+        with self._cond:
+            state = self._state
+            assert state is not None
+            state.held[group] = {g.name: g.tensor for g in gathered if g.tensor is not None}
+            state.extra[group] = sum(_nbytes(g.tensor) for g in gathered if g.copied and g.tensor is not None)
+            self._extra += state.extra[group]
+            self._peak_extra = max(self._peak_extra, self._extra)
+            self._maybe_release(group)
+            self._cond.notify_all()
+
+    def _maybe_release(self, group: int) -> None:
+        state = self._state
+        assert state is not None
+        if group in state.held and not (state.pending.get(group, set()) - state.gone):
+            del state.held[group]
+            self._extra -= state.extra.pop(group, 0)
+            state.released.add(group)
+
+    # -- called by engine ranks (other threads) -------------------------------------------------------------
+    def pack(self, sync_id: int, strategy: str, engine: int, pull_id: int, timeout_s: float = 60.0) -> Packed:
+        """Pack pull ``pull_id`` of ``engine`` into a free slot once its group is materialized."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            key = (strategy, engine, pull_id)
+            if key not in self._pulls:
+                raise KvmoveError(f"trainer rank {self.rank}: engine rank {engine} never registered pull {key}")
+            group, specs = self._pulls[key]
+            while True:
+                state = self._state
+                if state is not None and state.sync.sync_id == sync_id:
+                    if engine in state.gone:
+                        raise KvmoveError(f"engine rank {engine} was dropped from sync {sync_id}")
+                    if group in state.released:
+                        raise KvmoveError(f"group {group} of sync {sync_id} was already released")
+                    if group in state.held and self._free_slots[strategy]:
+                        break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SyncTimeout(f"trainer rank {self.rank}: group {group} of sync {sync_id} not served in time")
+                self._cond.wait(min(left, 0.5))
+            slot = self._free_slots[strategy].pop()
+            self._slot_owner[(strategy, slot)] = engine
+            tensors = [state.held[group][s.hf_name] for s in specs]
+        t0 = time.perf_counter()
+        try:
+            layout = pack(self.slots[strategy][slot], specs, tensors)
+            if self.slots[strategy][slot].is_cuda:  # a reader in another process must see finished bytes
+                torch.cuda.current_stream(self.slots[strategy][slot].device).synchronize()
+        except Exception:
+            self.release_slot(strategy, slot)
+            raise
+        with self._cond:
+            self._pack_seconds += time.perf_counter() - t0
+            self._served += sum(s.nbytes for s in specs)
+            self._pulls_served += 1
+        return Packed(slot, layout.nbytes)
+
+    def release_slot(self, strategy: str, slot: int) -> None:
+        with self._cond:
+            self._slot_owner.pop((strategy, slot), None)
+            if slot not in self._free_slots[strategy]:
+                self._free_slots[strategy].append(slot)
+            self._cond.notify_all()
+
+    def done(self, sync_id: int, group: int, engine: int) -> None:
+        """Engine rank ``engine`` has everything it pulls of ``group`` from this rank."""
+        with self._cond:
+            state = self._state
+            if state is None or state.sync.sync_id != sync_id:
+                return
+            state.pending.get(group, set()).discard(engine)
+            self._maybe_release(group)
+            self._cond.notify_all()
+
+    def engine_gone(self, sync_id: int, engine: int) -> None:
+        """Stop waiting for ``engine`` (dead or dropped) in this sync."""
+        with self._cond:
+            state = self._state
+            if state is None or state.sync.sync_id != sync_id:
+                return
+            state.gone.add(engine)
+            for (strategy, slot), owner in list(self._slot_owner.items()):
+                if owner == engine:  # its reader is gone: the slot is free again
+                    del self._slot_owner[(strategy, slot)]
+                    self._free_slots[strategy].append(slot)
+            for group in list(state.held):
+                self._maybe_release(group)
+            self._cond.notify_all()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

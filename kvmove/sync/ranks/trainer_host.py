@@ -1,0 +1,126 @@
+"""The trainer rank's host: its WeightSource, transport endpoint and serving side, behind typed commands."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from kvmove.errors import KvmoveError
+from kvmove.sync.ranks.broadcast import open_group, send_all
+from kvmove.sync.ranks.collectives import free_port
+from kvmove.sync.ranks.control import (
+    Address,
+    ConnectPeers,
+    EngineGone,
+    Finish,
+    ForgetEngine,
+    OpenSlots,
+    OpenSource,
+    Pack,
+    Packed,
+    PickAddress,
+    RegisterPulls,
+    RunSync,
+    SendBroadcast,
+    StepWeights,
+    TrainerEndpoint,
+    TrainerHello,
+    TrainerStats,
+)
+from kvmove.sync.ranks.host import Host, RankSpec, die_after, handles, release_freed_memory, rss_bytes
+from kvmove.sync.ranks.source import SourceContext, WeightSource, seeded_source
+from kvmove.sync.ranks.trainer import TrainerRank, open_trainer_rank
+
+
+class TrainerHost(Host):
+    """One trainer rank (see ``kvmove.sync.ranks.control`` for what each command does)."""
+
+    def __init__(self, spec: RankSpec) -> None:
+        super().__init__(spec)
+        self.transport = self.open_transport()
+        self._source: WeightSource | None = None
+        self._serving: TrainerRank | None = None
+        self._lock = threading.Lock()
+        self._broadcast_group: Any = None  # kept until the next broadcast: rank 0 hosts its store
+
+    @property
+    def source(self) -> WeightSource:
+        if self._source is None:
+            raise KvmoveError(f"trainer rank {self.spec.rank}: OpenSource first")
+        return self._source
+
+    @property
+    def serving(self) -> TrainerRank:
+        if self._serving is None:
+            raise KvmoveError(f"trainer rank {self.spec.rank}: OpenSlots first")
+        return self._serving
+
+    @handles(PickAddress)
+    def pick_address(self, _: PickAddress) -> Address:
+        return Address(self.address.host, free_port(self.address.host))
+
+    @handles(OpenSource)
+    def open_source(self, command: OpenSource) -> TrainerHello:
+        c, s = self.config, self.spec
+        ctx = SourceContext(c.model, c.trainer, s.rank, s.device, c.seed, command.store, c.deadline_s)
+        self._source = (c.source or seeded_source)(ctx)
+        arena = self._source.arena()
+        shards = tuple(self._source.shards().items())
+        return TrainerHello(s.rank, os.getpid(), self.address, shards, arena[1] if arena is not None else None)
+
+    @handles(OpenSlots)
+    def open_slots(self, command: OpenSlots) -> TrainerEndpoint:
+        s = self.spec
+        self._serving, endpoint = open_trainer_rank(
+            self.transport, self.source, command.sizes, s.rank, self.config.deadline_s, s.device
+        )
+        return endpoint
+
+    @handles(ConnectPeers)
+    def connect_peers(self, command: ConnectPeers) -> None:
+        with self._lock:  # NOTE: a transport endpoint is used from one thread at a time
+            for peer in command.peers:
+                self.transport.connect(peer)
+
+    @handles(RegisterPulls)
+    def register_pulls(self, command: RegisterPulls) -> None:
+        self.serving.register_pulls(command.strategy, command.engine, command.specs)
+
+    @handles(ForgetEngine)
+    def forget_engine(self, command: ForgetEngine) -> None:
+        self.serving.forget_engine(command.engine)
+
+    @handles(StepWeights)
+    def step_weights(self, command: StepWeights) -> None:
+        self.source.step(command.version)
+        release_freed_memory()  # before the sync starts: the previous sync's and this step's temporaries
+
+    @handles(RunSync)
+    def run_sync(self, command: RunSync) -> TrainerStats:
+        stats = self.serving.run_sync(command.sync, die_after(command.die_after_groups))
+        return stats._replace(rss_bytes=rss_bytes())
+
+    @handles(EngineGone)
+    def engine_gone(self, command: EngineGone) -> None:
+        self.serving.engine_gone(command.sync_id, command.engine)
+
+    @handles(SendBroadcast)
+    def send_broadcast(self, command: SendBroadcast) -> TrainerStats:
+        pg = None
+        if self.spec.rank == 0:
+            self._broadcast_group = open_group(command.group, 0, self.spec.device, self.config.deadline_s)
+            pg = self._broadcast_group[1]
+        stats = send_all(self.source, self.spec.rank, pg, die_after(command.die_after_groups))
+        return stats._replace(rss_bytes=rss_bytes())
+
+    # -- from engine ranks, by address ------------------------------------------------------------------------
+    @handles(Pack)
+    def pack(self, command: Pack) -> Packed:
+        c = command
+        return self.serving.pack(c.sync_id, c.strategy, c.engine, c.pull_id, c.timeout_s)
+
+    @handles(Finish)
+    def finish(self, command: Finish) -> None:
+        self.serving.release_slot(command.strategy, command.slot)
+        self.serving.done(command.sync_id, command.group, command.engine)
