@@ -140,3 +140,46 @@ NoRecordOpt = Annotated[
     bool,
     typer.Option("--no-record", hidden=True, help="Kept for old scripts: rows are recorded only with --results."),
 ]
+
+# -- where the ranks of a sync run (sync-weights, run mode) --------------------------------------------------
+LauncherOpt = Annotated[
+    Launcher,
+    typer.Option(
+        "--launcher", help="Ranks as Ray actors, or as plain local processes (no Ray).", rich_help_panel=PANEL_RUN
+    ),
+]
+TrainerDevicesOpt = Annotated[
+    str,
+    typer.Option(
+        "--trainer-devices",
+        metavar="DEVICES",
+        help="Trainer ranks' devices, cycled: cpu, or cuda:0,cuda:1,...",
+        rich_help_panel=PANEL_RUN,
+    ),
+]
+EngineDevicesOpt = Annotated[
+    str,
+    typer.Option(
+        "--engine-devices",
+        metavar="DEVICES",
+        help="Engine ranks' devices, cycled: cpu, or cuda:1,...",
+        rich_help_panel=PANEL_RUN,
+    ),
+]
+PlacementOpt = Annotated[
+    PlacementMode,
+    typer.Option(
+        "--placement",
+        help="Trainer and engine ranks apart, or sharing devices (not built yet).",
+        rich_help_panel=PANEL_RUN,
+    ),
+]
+FailTrainerOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--fail-trainer",
+        metavar="T@S[:mid]",
+        help="Kill trainer rank T before sync S or during it (the run then ends, exit 1); repeatable.",
+        rich_help_panel=PANEL_FAULTS,
+    ),
+]

@@ -24,18 +24,23 @@ from kvmove.cli.options import (
     PANEL_RUN,
     PANEL_SIM,
     PANEL_TUNING,
+    EngineDevicesOpt,
     EngineKind,
     EngineOpt,
+    FailTrainerOpt,
     JsonOpt,
     Launcher,
+    LauncherOpt,
     ModelOpt,
     NoRecordOpt,
     OverrideOpt,
     PlacementMode,
+    PlacementOpt,
     ReplicasOpt,
     ResultsOpt,
     StrategyOpt,
     SyncTransport,
+    TrainerDevicesOpt,
     TrainerOpt,
 )
 from kvmove.errors import JobFailed, KvmoveError
@@ -98,38 +103,6 @@ RayAddressOpt = Annotated[
         rich_help_panel=PANEL_RUN,
     ),
 ]
-LauncherOpt = Annotated[
-    Launcher,
-    typer.Option(
-        "--launcher", help="Ranks as Ray actors, or as plain local processes (no Ray).", rich_help_panel=PANEL_RUN
-    ),
-]
-TrainerDevicesOpt = Annotated[
-    str,
-    typer.Option(
-        "--trainer-devices",
-        metavar="DEVICES",
-        help="Trainer ranks' devices, cycled: cpu, or cuda:0,cuda:1,...",
-        rich_help_panel=PANEL_RUN,
-    ),
-]
-EngineDevicesOpt = Annotated[
-    str,
-    typer.Option(
-        "--engine-devices",
-        metavar="DEVICES",
-        help="Engine ranks' devices, cycled: cpu, or cuda:1,...",
-        rich_help_panel=PANEL_RUN,
-    ),
-]
-PlacementOpt = Annotated[
-    PlacementMode,
-    typer.Option(
-        "--placement",
-        help="Trainer and engine ranks apart, or sharing devices (not built yet).",
-        rich_help_panel=PANEL_RUN,
-    ),
-]
 DryRunOpt = Annotated[
     bool, typer.Option("--dry-run", help="Build and summarize plans; move no bytes.", rich_help_panel=PANEL_DRY)
 ]
@@ -170,15 +143,6 @@ FailEngineOpt = Annotated[
         "--fail-engine",
         metavar="R@S[:mid]",
         help="Kill replica R before sync S (R@S) or during it (R@S:mid); repeatable.",
-        rich_help_panel=PANEL_FAULTS,
-    ),
-]
-FailTrainerOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--fail-trainer",
-        metavar="T@S[:mid]",
-        help="Kill trainer rank T before sync S or during it (the run then ends, exit 1); repeatable.",
         rich_help_panel=PANEL_FAULTS,
     ),
 ]
