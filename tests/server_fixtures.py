@@ -37,8 +37,9 @@ def start_server() -> Iterator[Callable[..., ServerThread]]:
         pytest.importorskip(module)
     import torch
 
+    from kvmove.ports import free_port
     from kvmove.server.config import ServerConfig
-    from kvmove.server.launch import ServerThread, free_port
+    from kvmove.server.launch import ServerThread
 
     torch.set_num_threads(1)
     started: list[ServerThread] = []

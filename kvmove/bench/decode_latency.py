@@ -28,8 +28,9 @@ from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import transfer_body
 from kvmove.migration.endpoint import choose_transport
+from kvmove.ports import free_port
 from kvmove.server.config import ServerConfig
-from kvmove.server.launch import LocalCluster, ServerThread, free_port
+from kvmove.server.launch import LocalCluster, ServerThread
 
 
 @dataclass(frozen=True)

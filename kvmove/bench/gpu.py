@@ -178,7 +178,7 @@ def _send_recv_peer(rank: int, devices: tuple[str, str], port: int, nbytes: int,
 def _send_recv(devices: tuple[str, str], nbytes: int, repeats: int) -> float:
     import torch.multiprocessing as mp
 
-    from kvmove.sync.ranks.collectives import free_port
+    from kvmove.ports import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

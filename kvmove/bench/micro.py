@@ -101,7 +101,7 @@ def _gather_peer(rank: int, port: int, nbytes: int, repeats: int, out: object, b
 def all_gather_row(nbytes: int, repeats: int, backend: str) -> Row:
     import torch.multiprocessing as mp
 
-    from kvmove.sync.ranks.collectives import free_port
+    from kvmove.ports import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

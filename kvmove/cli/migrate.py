@@ -141,7 +141,8 @@ def _workloads(servers: list[Any], cfg: Any, baseline: bool, say: Callable[[str]
     """The workload with migration (and without, as a baseline) on fresh loopback servers, one per config."""
     from kvmove.migration.client import WorkerClient
     from kvmove.migration.workload import run_workload
-    from kvmove.server.launch import LocalCluster, free_port
+    from kvmove.ports import free_port
+    from kvmove.server.launch import LocalCluster
 
     configs = [replace(c, port=free_port()) for c in servers]
     say(f"starting {len(configs)} workers ({configs[0].model}, KV over {configs[0].transport})")

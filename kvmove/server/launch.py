@@ -51,12 +51,6 @@ def _announce(server: uvicorn.Server, url: str, ready: Callable[[str], None]) ->
     ready(url)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 class ServerThread:
     """A server in a thread of this process; ``runtime`` is inspectable (integrity, pending migrations)."""
 

@@ -8,7 +8,6 @@ The process group is private to the transport (no global ``init_process_group``)
 
 from __future__ import annotations
 
-import socket
 import threading
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvmove.ports import free_port
 from kvmove.transport.base import BufferDesc, EndpointInfo, Membership, Transport, TransportError
 
 _READ, _STOP = 1, 2
@@ -39,10 +39,7 @@ class GlooGroup:
 
     @classmethod
     def local(cls, world_size: int, host: str = "127.0.0.1") -> GlooGroup:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        return cls(0, world_size, host, port)
+        return cls(0, world_size, host, free_port(host))
 
     def for_rank(self, rank: int) -> GlooGroup:
         return replace(self, rank=rank)

@@ -15,13 +15,13 @@ from dataclasses import replace
 from kvmove.engines import get_engine
 from kvmove.errors import KvmoveError
 from kvmove.models.tensors import hf_tensors
+from kvmove.ports import free_port
 from kvmove.sync.config import Side, SyncConfig
 from kvmove.sync.launchers.base import Launcher, RankHandle
 from kvmove.sync.planning.blueprint import Blueprint
 from kvmove.sync.planning.direct import arena_layouts
 from kvmove.sync.planning.ownership import Ownership
 from kvmove.sync.planning.plan import ShardingPlan
-from kvmove.sync.ranks.collectives import free_port
 from kvmove.sync.ranks.control import (
     BuildPlan,
     ConnectPeers,

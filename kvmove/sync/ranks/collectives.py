@@ -7,19 +7,12 @@ Collectives move raw bytes (uint8 views), so every dtype works.
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class Collectives:

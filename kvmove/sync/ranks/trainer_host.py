@@ -7,8 +7,8 @@ import threading
 from typing import Any
 
 from kvmove.errors import KvmoveError
+from kvmove.ports import free_port
 from kvmove.sync.ranks.broadcast import open_group, send_all
-from kvmove.sync.ranks.collectives import free_port
 from kvmove.sync.ranks.control import (
     Address,
     ConnectPeers,
