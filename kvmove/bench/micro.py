@@ -126,10 +126,7 @@ def run(out: Path, side: int, repeats: int, gather: bool = True) -> list[Row]:
     if gather:
         two_gpus = cuda and torch.cuda.device_count() >= 2
         rows.append(all_gather_row(4096, repeats * 10, "nccl" if two_gpus else "gloo"))
-    hardware = (
-        f"gpu:{torch.cuda.get_device_name(0).replace('NVIDIA ', '')} x{torch.cuda.device_count()}" if cuda else ""
-    )
-    labels = Labels(hardware or hardware_label(), versions(), git_commit())
+    labels = Labels(hardware_label(str(device)), versions(), git_commit())
     append_rows(out, "micro", rows, labels)
     return rows
 

@@ -76,7 +76,13 @@ class Labels:
         return cls(hardware_label(), versions(), git_commit())
 
 
-def hardware_label() -> str:
+def hardware_label(device: str = "cpu") -> str:
+    """``gpu:H200 x2`` (the first GPU's name, how many there are) for a CUDA device, else ``cpu:<model> x<cores>``."""
+    if device.startswith("cuda"):
+        import torch
+
+        name = torch.cuda.get_device_name(0).removeprefix("NVIDIA ")
+        return f"gpu:{name} x{torch.cuda.device_count()}"
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:

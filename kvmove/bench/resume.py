@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvmove.bench.results import Labels, Row, append_rows, git_commit, versions
+from kvmove.bench.results import Labels, Row, append_rows, git_commit, hardware_label, versions
 from kvmove.engines.reference import (
     ReferenceModel,
     Request,
@@ -313,8 +313,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         device=args.device,
         dtype=args.dtype,
     )
-    hardware = torch.cuda.get_device_name(0) if cfg.device.startswith("cuda") else "cpu"
-    labels = Labels(f"gpu:{hardware}" if cfg.device.startswith("cuda") else hardware, versions(), git_commit())
+    labels = Labels(hardware_label(cfg.device), versions(), git_commit())
     print(f"resume vs re-prefill: {cfg.model}, {cfg.layers} layers, {cfg.device}, {cfg.dtype}", flush=True)
     rows = run(cfg, lambda m: print(m, flush=True), lambda new: append_rows(args.out, "resume", new, labels))
     won = crossover(rows)

@@ -139,16 +139,14 @@ def _gpu_syncs(results: Path | None, transport: str, syncs: int, as_json: bool) 
     import torch
 
     from kvmove.bench.gpu import GpuSuite, gpu_suite
-    from kvmove.bench.results import Labels, append_rows, git_commit, versions
+    from kvmove.bench.results import Labels, append_rows, git_commit, hardware_label, versions
 
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         raise KvmoveError("this suite needs two CUDA GPUs (its CPU twin: kvmove.bench.gpu.GpuSuite.cpu_twin())")
     if results is None:
         raise KvmoveError("a GPU suite records its rows as it goes: give --results DIR (e.g. --results results/)")
     suite = GpuSuite(syncs=syncs) if transport == "auto" else replace(GpuSuite(syncs=syncs), transports=(transport,))
-    name = torch.cuda.get_device_name(0).replace("NVIDIA ", "")
-    hardware = f"gpu:{name} x{torch.cuda.device_count()}"
-    labels = Labels(hardware, {**versions(), "cuda": str(torch.version.cuda)}, git_commit())
+    labels = Labels(hardware_label("cuda"), {**versions(), "cuda": str(torch.version.cuda)}, git_commit())
     with streams.progress() as say:
         rows = gpu_suite(suite, lambda new: append_rows(results, "gpu", new, labels) if new else None, say)
     streams.note(f"{len(rows)} gpu rows appended to {results / 'gpu.parquet'}")
