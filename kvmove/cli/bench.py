@@ -111,6 +111,8 @@ def _show(suite: str, rows: list[Row], results: Path | None, as_json: bool) -> N
 
         where = append_rows(results, suite, rows)
         streams.note(f"{len(rows)} {suite} rows appended to {where}")
+    elif rows:
+        streams.note(f"{len(rows)} {suite} rows not recorded (rows are appended only with --results DIR)")
     if as_json:
         render.json_lines(asdict(r) for r in rows)
     else:

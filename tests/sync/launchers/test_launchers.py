@@ -18,9 +18,10 @@ from kvmove.sync.driver.run import run_syncs
 from kvmove.sync.strategies import parse_strategies
 from kvmove.transport import available_transports
 
-TIMINGS = {"timestamp", "seconds", "gbps", "link_limit_gbps"}
-"""Row columns that measure time (or carry the run's labels): they differ between any two runs."""
-EXTRA_TIMINGS = {"transfer_gbps", "fraction_of_link", "rss_bytes", "launcher"}
+TIMINGS = {"timestamp", "seconds", "gbps", "link_limit_gbps", "peak_memory_bytes"}
+"""Row columns that measure time (or carry the run's labels): they differ between any two runs. Peak memory
+counts the staging held at once, which depends on how the pulls of concurrent threads interleave."""
+EXTRA_TIMINGS = {"transfer_gbps", "fraction_of_link", "rss_bytes", "launcher", "peak_extra_bytes"}
 
 
 def _config(launcher: str, **kw: object) -> SyncConfig:
