@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from kvmove.ports import free_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -14,12 +14,6 @@ pytestmark = [
 ]
 
 N = 64 << 20
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _make(name: str, member: int, port: int):
@@ -63,7 +57,7 @@ def _member(name: str, member: int, port: int, to_peer, from_peer, results) -> N
 @pytest.mark.parametrize("name", ["cuda-ipc", "nccl"])
 def test_cuda_transport_bit_exact_between_gpus(name: str) -> None:
     ctx = mp.get_context("spawn")
-    port = _port()
+    port = free_port()
     a, b, results, done = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     procs = [
         ctx.Process(target=_member, args=(name, 0, port, a, b, done)),

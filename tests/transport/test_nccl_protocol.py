@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-
 import torch
 import torch.multiprocessing as mp
 
+from kvmove.ports import free_port
 from kvmove.transport.nccl import NcclGroup, NcclTransport
 
 N = 1 << 16
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _member(member: int, port: int, to_peer, from_peer, results) -> None:
@@ -40,7 +33,7 @@ def _member(member: int, port: int, to_peer, from_peer, results) -> None:
 
 def test_pull_protocol_bit_exact_between_processes() -> None:
     ctx = mp.get_context("spawn")
-    port = _port()
+    port = free_port()
     a_to_b, b_to_a, results, done = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     server = ctx.Process(target=_member, args=(0, port, a_to_b, b_to_a, done))
     reader = ctx.Process(target=_member, args=(1, port, b_to_a, a_to_b, results))

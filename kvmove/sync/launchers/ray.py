@@ -55,6 +55,9 @@ def start_ray(address: str | None) -> Any:
             )
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise KvmoveError(f"cannot reach a Ray cluster at {address or 'local'}: {exc}".splitlines()[0]) from None
+    except Exception as exc:  # NOTE: Ray raises a bare Exception when its local node misses its start-up deadline
+        ray.shutdown()
+        raise KvmoveError(f"Ray could not start ({address or 'a local instance'}): {exc}".splitlines()[0]) from None
     return ray
 
 

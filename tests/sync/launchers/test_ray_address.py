@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,21 +15,16 @@ from pathlib import Path
 import pytest
 
 from kvmove.cli.main import main
+from kvmove.ports import free_port
 
 LOOPBACK = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture()
 def ray_head(tmp_path: Path) -> Iterator[str]:
     """A Ray head on loopback in its own process group (ours to end), stopped by signalling that group."""
     pytest.importorskip("ray")
-    port = _free_port()
+    port = free_port()
     ray = Path(sys.executable).with_name("ray")
     cmd = [str(ray), "start", "--head", "--block", "--port", str(port), "--node-ip-address", "127.0.0.1"]
     cmd += ["--num-cpus", "2", "--include-dashboard=false", "--disable-usage-stats"]
@@ -66,7 +60,7 @@ def test_a_sync_joins_the_cluster_named_by_RAY_ADDRESS(ray_head: str) -> None:
 
 
 def _closed_port() -> str:
-    return f"127.0.0.1:{_free_port()}"
+    return f"127.0.0.1:{free_port()}"
 
 
 def test_ray_address_option_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
@@ -91,3 +85,20 @@ def test_the_processes_launcher_ignores_RAY_ADDRESS_and_refuses_ray_address(monk
     with pytest.raises(SystemExit) as exit_:
         main()
     assert exit_.value.code == 2 and "does not use" in capsys.readouterr().err
+
+
+def test_a_local_ray_that_misses_its_start_up_is_one_line_and_exit_2(monkeypatch, capsys) -> None:
+    import ray
+
+    def timed_out(*args: object, **kwargs: object) -> None:  # what Ray raises on a machine too loaded to start it
+        raise Exception("The current node timed out during startup.\nsecond line")
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", timed_out)
+    monkeypatch.setattr(sys, "argv", ["kvmove", "sync-weights"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Ray could not start (a local instance): The current node timed out" in err
+    assert "Traceback" not in err and "second line" not in err
