@@ -38,7 +38,7 @@ def hf_model(cfg: ModelConfig, seed: int, device: str = "cpu") -> torch.nn.Modul
     transformers = import_transformers()
     config = transformers.AutoConfig.for_model(**hf_config(cfg))
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     return model.to(device)
 
 
