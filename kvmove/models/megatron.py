@@ -54,7 +54,9 @@ class MegatronLayout:
         self.grouped = grouped
 
     # -- names and shapes ---------------------------------------------------------------------------------
-    def tensors(self, cfg: ModelConfig, trainer: TrainerLayout, layers: Iterable[int] | None = None) -> list[TensorMeta]:
+    def tensors(
+        self, cfg: ModelConfig, trainer: TrainerLayout, layers: Iterable[int] | None = None
+    ) -> list[TensorMeta]:
         """The full tensors, in megatron-core's state-dict order (see module docstring)."""
         _check(cfg)
         h, vp = cfg.hidden_size, vocab_padded(cfg, trainer.tp)
@@ -82,7 +84,10 @@ class MegatronLayout:
             out.append(TensorMeta(p + "mlp.linear_fc1.weight", (2 * cfg.intermediate_size, h)))
             out.append(TensorMeta(p + "mlp.linear_fc2.weight", (h, cfg.intermediate_size)))
             return out
-        out += [TensorMeta(p + "pre_mlp_layernorm.weight", (h,)), TensorMeta(p + "mlp.router.weight", (cfg.num_experts, h))]
+        out += [
+            TensorMeta(p + "pre_mlp_layernorm.weight", (h,)),
+            TensorMeta(p + "mlp.router.weight", (cfg.num_experts, h)),
+        ]
         inter = cfg.moe_intermediate_size
         for proj, shape in (("linear_fc1", (2 * inter, h)), ("linear_fc2", (h, inter))):
             out += [TensorMeta(self.expert_name(p, e, proj), shape) for e in range(cfg.num_experts)]
@@ -197,7 +202,11 @@ def _merge_qkv(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     tail = tuple(q.shape[1:])
     parts = []
     for i in range(g):
-        parts += [q.view(g * n, d, *tail)[i * n : (i + 1) * n], k.view(g, d, *tail)[i : i + 1], v.view(g, d, *tail)[i : i + 1]]
+        parts += [
+            q.view(g * n, d, *tail)[i * n : (i + 1) * n],
+            k.view(g, d, *tail)[i : i + 1],
+            v.view(g, d, *tail)[i : i + 1],
+        ]
     return torch.cat(parts).reshape(-1, *tail)
 
 

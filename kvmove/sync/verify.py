@@ -77,7 +77,9 @@ def saved_checkpoint(cfg: ModelConfig, directory: str, device: str = "cpu") -> d
         raise KvmoveError(f"the checkpoint in {directory} {where} {name}")
     for t in want.values():
         if tuple(out[t.name].shape) != t.shape or out[t.name].dtype != t.dtype:
-            raise KvmoveError(f"{t.name} in {directory} is {tuple(out[t.name].shape)} {out[t.name].dtype}, not {t.shape}")
+            raise KvmoveError(
+                f"{t.name} in {directory} is {tuple(out[t.name].shape)} {out[t.name].dtype}, not {t.shape}"
+            )
     return {t.name: out[t.name] for t in want.values()}
 
 

@@ -26,7 +26,8 @@ def _megatron(model: str, trainer: str, grouped: bool = True, **overrides: objec
 def test_names_and_shapes_are_megatron_cores() -> None:
     cfg, layout, _, mlayout, full = _megatron("qwen3-moe-tiny", "tp=2,pp=2,ep=2")
     shapes = {m.name: m.shape for m in mlayout.tensors(cfg, layout)}
-    assert list(shapes)[0] == "embedding.word_embeddings.weight" and list(shapes)[-1] == "output_layer.weight"
+    names = list(shapes)
+    assert names[0] == "embedding.word_embeddings.weight" and names[-1] == "output_layer.weight"
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     assert shapes["decoder.layers.0.self_attention.linear_qkv.weight"] == (qkv, cfg.hidden_size)
     assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == (2 * cfg.intermediate_size, cfg.hidden_size)
@@ -51,7 +52,7 @@ def test_conversion_to_hf_inverts_the_import_bit_exactly(trainer: str, grouped: 
 
 
 def test_qkv_interleave_and_fc1_shards_follow_bridges_rules() -> None:
-    cfg, layout, hf, _, full = _megatron("qwen3-moe-tiny", "tp=2,ep=2")
+    cfg, _, hf, _, full = _megatron("qwen3-moe-tiny", "tp=2,ep=2")
     g, d = cfg.num_key_value_heads, cfg.head_dim
     n = cfg.num_attention_heads // g
     qkv = full["decoder.layers.0.self_attention.linear_qkv.weight"]
@@ -60,7 +61,9 @@ def test_qkv_interleave_and_fc1_shards_follow_bridges_rules() -> None:
         at = group * (n + 2) * d
         assert bits_equal(qkv[at : at + n * d], hf[a + "q_proj.weight"][group * n * d : (group + 1) * n * d])
         assert bits_equal(qkv[at + n * d : at + (n + 1) * d], hf[a + "k_proj.weight"][group * d : (group + 1) * d])
-        assert bits_equal(qkv[at + (n + 1) * d : at + (n + 2) * d], hf[a + "v_proj.weight"][group * d : (group + 1) * d])
+        assert bits_equal(
+            qkv[at + (n + 1) * d : at + (n + 2) * d], hf[a + "v_proj.weight"][group * d : (group + 1) * d]
+        )
     fc1 = full["decoder.layers.0.mlp.linear_fc1.weight"]
     i = cfg.intermediate_size // 2  # tp=2: each TP shard is [gate_r; up_r]
     gate, up = hf["model.layers.0.mlp.gate_proj.weight"], hf["model.layers.0.mlp.up_proj.weight"]
@@ -70,7 +73,7 @@ def test_qkv_interleave_and_fc1_shards_follow_bridges_rules() -> None:
 
 
 def test_vocabulary_padding() -> None:
-    cfg, layout, hf, mlayout, full = _megatron("qwen3-moe-tiny", "tp=2,ep=2", vocab_size=200)
+    cfg, _, hf, _, full = _megatron("qwen3-moe-tiny", "tp=2,ep=2", vocab_size=200)
     assert vocab_padded(cfg, 2) == 208  # 200 = 8 * 25: padded to a multiple of 8 * tp
     emb = full["embedding.word_embeddings.weight"]
     assert emb.shape == (208, cfg.hidden_size) and not emb[200:].any()

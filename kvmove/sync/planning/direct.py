@@ -12,6 +12,7 @@ Both sides derive the arena's offsets from :func:`arena_layout` of the same owne
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
@@ -100,7 +101,7 @@ def check_arena(layout: ArenaLayout, shards: Mapping[str, Box], tensors: Iterabl
         if size:
             spans.append((off, off + size, name))
     spans.sort()
-    for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
+    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
         if start < end:
             raise PlanError(f"trainer rank {rank}: shards {a} and {b} overlap in its arena")
 

@@ -20,7 +20,7 @@ from kvmove.layout import TrainerLayout
 from kvmove.models import megatron
 from kvmove.models.config import ModelConfig
 from kvmove.models.tensors import TensorMeta, hf_tensors
-from kvmove.sync.planning.ownership import Owners, Ownership, megatron_rule
+from kvmove.sync.planning.ownership import Ownership, megatron_rule
 from kvmove.sync.planning.plan import SourceTensors
 
 Named = Iterable[tuple[str, torch.Tensor]]
@@ -34,7 +34,7 @@ class CheckpointFormat:
     those decoder layers, plus the tensors outside layers). ``to_hf(cfg, trainer, named)`` turns them into HF
     tensors with view ops only. ``from_hf(cfg, trainer, hf)`` builds them from a full HF checkpoint (the
     import direction, allowed to copy). ``ownership(cfg, trainer)`` places them on trainer ranks by the
-    framework's own rules (``kvmove.sync.planning.ownership.Owners``).
+    framework's own rules (a rule-based ``kvmove.sync.planning.ownership.Ownership``).
     """
 
     name: str
@@ -42,7 +42,7 @@ class CheckpointFormat:
     tensors: Callable[..., list[TensorMeta]]
     to_hf: Callable[[ModelConfig, TrainerLayout, Named], Iterator[tuple[str, torch.Tensor]]]
     from_hf: Callable[[ModelConfig, TrainerLayout, Callable[[str], torch.Tensor], TensorMeta], torch.Tensor]
-    ownership: Callable[[ModelConfig, TrainerLayout], Owners]
+    ownership: Callable[[ModelConfig, TrainerLayout], Ownership]
 
     def source_tensors(self, cfg: ModelConfig, trainer: TrainerLayout) -> SourceTensors:
         """What a dry run records: this format's tensors, converted to HF by view ops."""

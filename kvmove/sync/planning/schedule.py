@@ -29,7 +29,7 @@ from kvmove.transport.base import coalesce
 class _Slot(NamedTuple):
     """One tensor as a grouping sees it."""
 
-    index: int
+    position: int
     name: str
     before_layers: bool
     stage: Callable[[str], int]
@@ -45,7 +45,7 @@ def _by_blocks(t: _Slot) -> int:
 
 
 GROUP_KEYS: dict[Grouping, Callable[[_Slot], int]] = {
-    Grouping.TENSOR: lambda t: t.index,
+    Grouping.TENSOR: lambda t: t.position,
     Grouping.STAGE: lambda t: t.stage(t.name),
     Grouping.BLOCKS: _by_blocks,
 }

@@ -129,7 +129,8 @@ class FsdpSource(WeightSource):
         box = local_box(self.params[piece.param])
         if piece.expert is None:
             return box
-        if any(a != 0 or b != n for a, b, n in zip(box.start[1:], box.stop[1:], self.params[piece.param].shape[1:])):
+        rest = zip(box.start[1:], box.stop[1:], self.params[piece.param].shape[1:], strict=True)
+        if any(a != 0 or b != n for a, b, n in rest):
             raise KvmoveError(f"{piece.param}: fused experts must be sharded by whole experts (dim 0 only)")
         return Box.full(meta.shape) if box.start[0] <= piece.expert < box.stop[0] else None
 
@@ -168,9 +169,9 @@ class FsdpSource(WeightSource):
         with torch.no_grad():
             for name, off in self._layout.offsets.items():
                 local = self._local(name)
-                self._arena[off : off + local.numel() * local.element_size()].view(local.dtype).view(
-                    local.shape
-                ).copy_(local)
+                self._arena[off : off + local.numel() * local.element_size()].view(local.dtype).view(local.shape).copy_(
+                    local
+                )
         if self._arena.is_cuda:
             torch.cuda.current_stream(self._arena.device).synchronize()
         self.last_copy_seconds = time.perf_counter() - t0

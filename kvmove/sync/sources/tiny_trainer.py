@@ -27,7 +27,9 @@ def import_transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise MissingDependencyError("the FSDP2 trainer builds transformers models: pip install 'kvmove[train]'") from None
+        raise MissingDependencyError(
+            "the FSDP2 trainer builds transformers models: pip install 'kvmove[train]'"
+        ) from None
     return transformers
 
 
@@ -61,7 +63,8 @@ def shard(model: torch.nn.Module, world: int, device: str) -> Any:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.split(":")[0], (world,))
-    for layer in model.model.layers:
+    decoder: Any = model.get_submodule("model")
+    for layer in decoder.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return mesh

@@ -78,7 +78,7 @@ def test_saved_checkpoint_refuses_a_foreign_one(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     save_file({"model.embed_tokens.weight": torch.zeros(3, 3, dtype=torch.bfloat16)}, str(tmp_path / "m.safetensors"))
-    with pytest.raises(KvmoveError, match="lacks|not in the model|is \\("):
+    with pytest.raises(KvmoveError, match=r"lacks|not in the model|is \("):
         saved_checkpoint(resolve_model("qwen3-moe-tiny"), str(tmp_path))
-    with pytest.raises(KvmoveError, match="no \\*.safetensors"):
+    with pytest.raises(KvmoveError, match=r"no \*\.safetensors"):
         saved_checkpoint(resolve_model("qwen3-moe-tiny"), str(tmp_path / "empty"))
