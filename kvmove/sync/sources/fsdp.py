@@ -214,6 +214,8 @@ class FsdpSource(WeightSource):
             return (full, True) if keep else (None, False)
         owner = self._owner[name]
         if scope is Gather.STAGE:
+            if owner != self.rank:
+                raise KvmoveError(f"trainer rank {self.rank} does not hold {name} (rank {owner} does)")
             return self._local(name), False
         return self._broadcast(name, owner, keep)
 
