@@ -52,3 +52,24 @@ def test_megatron_layout_every_strategy_verified(fmt: str) -> None:
     for r in results:
         assert r.verified is True and r.live_engines == 2, (r.strategy, r.mismatches)
     assert direct > 0  # experts, embedding, linear_proj... read straight from the Megatron shards
+
+
+@pytest.mark.parametrize(
+    ("model", "fmt", "match"),
+    [("qwen3-moe-tiny", "nope", "unknown checkpoint format"), ("kimi-k2-tiny", "megatron", "GQA")],
+)
+def test_bad_formats_are_refused_up_front(model: str, fmt: str, match: str) -> None:
+    from kvmove.errors import KvmoveError
+    from kvmove.sync.driver.checks import checked
+
+    config = SyncConfig(
+        model=resolve_model(model),
+        trainer=TrainerLayout.parse("tp=2"),
+        engine=EngineLayout.parse("tp=2"),
+        strategies=tuple(parse_strategies("v3")),
+        transport="gloo",
+        tensor_format=fmt,
+        placement=Placement(launcher="processes"),
+    )
+    with pytest.raises(KvmoveError, match=match):
+        checked(config)
