@@ -118,8 +118,8 @@ def region_data(region: Region, held: torch.Tensor, full: torch.Tensor) -> torch
         local = held[region.box.slices()].contiguous()
         data = relative_view(region.src, tuple(full.shape), region.box).apply(local)
     else:
-        data = replay(region.ops, held)
-    if not bits_equal(data.contiguous(), replay(region.ops, full).contiguous()):
+        data = replay(region.ops, held).reshape(region.dst.shape)
+    if not bits_equal(data.contiguous(), replay(region.ops, full).reshape(region.dst.shape).contiguous()):
         raise PlanError(f"region {region.param} <- {region.hf_name}: strided view disagrees with the op chain")
     return data
 
@@ -128,7 +128,7 @@ def apply_regions(model: nn.Module, regions: Iterable[tuple[Region, torch.Tensor
     """Write region payloads into ``model``'s parameters at their recorded offset/shape/stride."""
     params = dict(model.named_parameters())
     for region, data in regions:
-        region.dst.apply(params[region.param].data).copy_(data)
+        region.dst.apply(params[region.param].data).copy_(data.reshape(region.dst.shape))
 
 
 def verify_plans(
@@ -195,6 +195,8 @@ def verify_streaming(
         bad += [
             f"{r.param} <- {meta.name}"
             for r in regions
-            if not bits_equal(r.dst.apply(params[r.param].data), replay(r.ops, full).to(params[r.param].device))
+            if not bits_equal(
+                r.dst.apply(params[r.param].data), replay(r.ops, full).reshape(r.dst.shape).to(params[r.param].device)
+            )
         ]
     return not bad, bad

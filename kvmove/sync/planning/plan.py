@@ -61,15 +61,29 @@ def _unravel(flat: int, shape: Sequence[int]) -> list[int]:
 
 
 def view_box(view: StridedView, shape: Sequence[int]) -> Box | None:
-    """The box of a contiguous tensor of ``shape`` that ``view`` reads, or None if it reads no box."""
+    """The smallest box of a contiguous tensor of ``shape`` holding every element ``view`` reads (the view may
+    skip elements inside it, e.g. the query rows of a fused QKV tensor), or None if a view dim walks no single
+    tensor dim."""
     if view.numel == 0:
         return None
-    last = view.offset + sum((n - 1) * s for n, s in zip(view.shape, view.stride, strict=True))
-    lo, hi = _unravel(view.offset, shape), _unravel(last, shape)
-    box = Box(tuple(lo), tuple(h + 1 for h in hi))
-    if any(a >= b for a, b in zip(box.start, box.stop, strict=True)) or box.numel != view.numel:
+    strides = _contiguous_strides(shape)
+    start = _unravel(view.offset, shape)
+    stop = [a + 1 for a in start]
+    for n, st in zip(view.shape, view.stride, strict=True):
+        if n == 1:
+            continue
+        dim = _walked_dim(st, n, shape, strides)
+        if dim is None:
+            return None
+        stop[dim] += (st // strides[dim]) * (n - 1)
+    if any(b > n for b, n in zip(stop, shape, strict=True)):
         return None
-    return box
+    return Box(tuple(start), tuple(stop))
+
+
+def _walked_dim(stride: int, n: int, shape: Sequence[int], strides: Sequence[int]) -> int | None:
+    """The tensor dim a view dim of ``n`` elements and ``stride`` walks along (None: it mixes dims)."""
+    return next((d for d, fs in enumerate(strides) if stride % fs == 0 and (stride // fs) * (n - 1) < shape[d]), None)
 
 
 def relative_view(view: StridedView, shape: Sequence[int], box: Box) -> StridedView:
@@ -88,7 +102,7 @@ def relative_view(view: StridedView, shape: Sequence[int], box: Box) -> StridedV
         if n == 1:
             strides.append(0)
             continue
-        dim = next((d for d, fs in enumerate(full_strides) if s % fs == 0 and (s // fs) * (n - 1) < shape[d]), None)
+        dim = _walked_dim(s, n, shape, full_strides)
         if dim is None:
             raise PlanError(
                 f"view {view} of a {tuple(shape)} tensor mixes tensor dims; it cannot be served from a shard"

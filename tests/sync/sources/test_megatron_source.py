@@ -12,21 +12,38 @@ from kvmove.sync.config import Placement, SyncConfig
 from kvmove.sync.driver.faults import FaultHooks
 from kvmove.sync.driver.run import start
 from kvmove.sync.driver.step import run_sync
+from kvmove.sync.planning.direct import DirectPlanner
 from kvmove.sync.planning.formats import get_format
 from kvmove.sync.planning.plan import plan_rank
 from kvmove.sync.strategies import parse_strategies
 
 
-def test_plan_records_the_conversion_as_views_of_megatron_tensors() -> None:
-    cfg, trainer, engine = resolve_model("qwen3-moe-tiny"), TrainerLayout.parse("tp=2,ep=2"), EngineLayout.parse("tp=2")
-    source = get_format("megatron").source_tensors(cfg, trainer)
-    plan = plan_rank(cfg, engine, engine.coord(0), source=source)
+@pytest.mark.parametrize(
+    ("trainer", "engine", "all_direct"),
+    [("tp=2,pp=2,ep=2", "tp=2,ep=2", True), ("tp=2,ep=2", "tp=4", False), ("tp=1", "tp=1", False)],
+)
+def test_plan_records_the_conversion_as_views_of_megatron_tensors(trainer: str, engine: str, all_direct: bool) -> None:
+    cfg, tl, el = resolve_model("qwen3-moe-tiny"), TrainerLayout.parse(trainer), EngineLayout.parse(engine)
+    source = get_format("megatron").source_tensors(cfg, tl)
+    plan = plan_rank(cfg, el, el.coord(0), source=source)
     names = {r.hf_name for r in plan.regions}
     assert names <= {t.name for t in source.tensors(None)} and not any(n.startswith("model.") for n in names)
-    experts = [r for r in plan.regions if ".experts.linear_fc1.weight" in r.hf_name]
-    assert experts and all(r.src is not None for r in experts)  # gate/up: narrows of the grouped weight
-    embed = next(r for r in plan.regions if r.hf_name == "embedding.word_embeddings.weight")
-    assert embed.src is not None
+    # every region is a strided view of a Megatron tensor: q/k/v out of the per-group interleave, gate/up out of
+    # fc1's per-TP-shard halves, the embedding without its padding (recorded over a finer shape where needed)
+    assert all(r.src is not None for r in plan.regions)
+    qkv = [r for r in plan.regions if r.hf_name.endswith("linear_qkv.weight")]
+    # engine tp=1 reads both query groups' q rows: one view over (group, row, column)
+    assert qkv and any(len(r.dst.shape) > 2 for r in qkv) is (el.tp == 1)
+    own = get_format("megatron").ownership(cfg, tl)
+    direct = DirectPlanner(own, source.tensors(None))
+    dtypes = {p.name: p.dtype for p in plan.params}
+    served = [
+        r
+        for r in plan.regions
+        if any(direct.spans(r, t, dtypes[r.param]) is not None for t in direct.shard_holders(r, range(tl.world)))
+    ]
+    assert any(r.hf_name.endswith("linear_qkv.weight") for r in served)  # q/k/v read straight from a TP shard
+    assert (len(served) == len(plan.regions)) is all_direct
 
 
 @pytest.mark.parametrize("fmt", ["megatron", pytest.param("megatron-sequential", marks=pytest.mark.slow)])
