@@ -135,12 +135,16 @@ class FsdpSource(WeightSource):
         return Box.full(meta.shape) if box.start[0] <= piece.expert < box.stop[0] else None
 
     def _expert_owners(self) -> dict[str, int]:
-        """Expert tensors -> the rank holding each (all ranks agree: every rank computes every rank's rows)."""
-        out = {}
-        for name, piece in self.pieces.items():
-            if piece.expert is not None:
-                n = self.params[piece.param].shape[0]
-                out[name] = piece.expert // -(-n // self.world)  # FSDP2 chunks dim 0 like torch.chunk
+        """Expert tensors -> the lowest rank holding each (the ranks exchange which experts they hold, once)."""
+        import torch.distributed as dist
+
+        mine = sorted(n for n, p in self.pieces.items() if p.expert is not None and n in self._shards)
+        every: list[list[str] | None] = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        out: dict[str, int] = {}
+        for rank, names in enumerate(every):
+            for name in names or ():
+                out.setdefault(name, rank)
         return out
 
     def metadata(self) -> list[TensorMeta]:
@@ -183,12 +187,9 @@ class FsdpSource(WeightSource):
         local = param.to_local() if hasattr(param, "to_local") else param
         if piece.expert is None:
             return local.detach()
-        e = piece.expert - self._boxes_of_param(piece.param)
+        e = piece.expert - local_box(param).start[0]
         out = local.detach()[e]
         return out if piece.rows is None else out[piece.rows]
-
-    def _boxes_of_param(self, param: str) -> int:
-        return local_box(self.params[param]).start[0]
 
     # -- gathers ---------------------------------------------------------------------------------------------
     def held_names(self, scope: Gather) -> set[str] | None:

@@ -57,17 +57,25 @@ def init_group(ctx: SourceContext) -> Any:
     return dist.group.WORLD
 
 
-def shard(model: torch.nn.Module, world: int, device: str) -> Any:
-    """FSDP2 over a 1-D data-parallel mesh: each decoder layer, then the root."""
+def shard(model: torch.nn.Module, world: int, device: str, tp: int = 1) -> Any:
+    """FSDP2 over the data-parallel ranks: each decoder layer, then the root. With ``tp`` > 1 the mesh is 2-D
+    (dp, tp) and each dense MLP is tensor-parallel first (gate/up column-wise, down row-wise), FSDP2 then
+    sharding those DTensors over dp."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh(device.split(":")[0], (world,))
+    kind = device.split(":")[0]
+    mesh = init_device_mesh(kind, (world // tp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 else None
+    dp = mesh["dp"] if mesh is not None else init_device_mesh(kind, (world,))
     decoder: Any = model.get_submodule("model")
     for layer in decoder.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return mesh
+        if mesh is not None and hasattr(layer.mlp, "gate_proj"):
+            plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
+            parallelize_module(layer.mlp, mesh["tp"], plan)
+        fully_shard(layer, mesh=dp)
+    fully_shard(model, mesh=dp)
+    return mesh or dp
 
 
 @dataclass(frozen=True)
@@ -80,11 +88,13 @@ class TinyFsdpTrainer:
     batch: int = 2
     seq_len: int = 16
     arena: bool = True
+    tp: int = 1
+    """Tensor-parallel ranks of a 2-D (dp, tp) mesh (dense MLPs only; 1: a 1-D data-parallel mesh)."""
 
     def __call__(self, ctx: SourceContext) -> FsdpSource:
         group = init_group(ctx)
         model = hf_model(ctx.model, ctx.seed, ctx.device)
-        shard(model, ctx.layout.world, ctx.device)
+        shard(model, ctx.layout.world, ctx.device, self.tp)
         optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr)
         run = _Steps(self, ctx, model, optimizer)
         order = [t.name for t in hf_tensors(ctx.model)]
@@ -92,7 +102,8 @@ class TinyFsdpTrainer:
 
 
 class _Steps:
-    """One optimizer step on this rank's synthetic batch, then the checkpoint (every rank joins its gather)."""
+    """One optimizer step on this data-parallel replica's synthetic batch, then the checkpoint (every rank joins
+    its gather)."""
 
     def __init__(self, spec: TinyFsdpTrainer, ctx: SourceContext, model: torch.nn.Module, optimizer: Any) -> None:
         self.spec, self.ctx, self.model, self.optimizer = spec, ctx, model, optimizer
@@ -100,7 +111,8 @@ class _Steps:
 
     def __call__(self, version: int) -> None:
         c, spec = self.ctx, self.spec
-        g = torch.Generator().manual_seed(c.seed * 7919 + version * 131 + c.rank)
+        dp_rank = c.rank // spec.tp  # tensor-parallel ranks of one data-parallel replica see the same batch
+        g = torch.Generator().manual_seed(c.seed * 7919 + version * 131 + dp_rank)
         tokens = torch.randint(0, c.model.vocab_size, (spec.batch, spec.seq_len), generator=g).to(c.device)
         loss = self.model(input_ids=tokens, labels=tokens).loss
         loss.backward()

@@ -66,6 +66,22 @@ def test_fsdp_trainer_every_strategy_verified_against_its_own_checkpoint(tmp_pat
         assert not bits_equal(steps[2][name], steps[3][name])
 
 
+def test_fsdp_with_tensor_parallel_mlps_on_a_2d_mesh(tmp_path: Path) -> None:
+    # 4 trainer ranks as (dp=2, tp=2): MLP weights are TP DTensors sharded again by FSDP2 (_StridedShard on dp)
+    from kvmove.sync.sources.tiny_trainer import TinyFsdpTrainer
+
+    config = _config(
+        tmp_path,
+        "qwen3-tiny",
+        trainer=TrainerLayout(dp=4),
+        strategies=tuple(parse_strategies("v1,v3")),
+        source=TinyFsdpTrainer(save_dir=str(tmp_path), tp=2),
+    )
+    results, direct = _run(config)
+    assert all(r.verified is True for r in results), [(r.strategy, r.mismatches) for r in results]
+    assert direct["v3"] > 0
+
+
 def test_verification_uses_the_trainers_checkpoint(tmp_path: Path) -> None:
     # the same run verified against the seeded checkpoint instead: the trained weights are not those
     config = _config(tmp_path, strategies=tuple(parse_strategies("v2")), reference=None)
