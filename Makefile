@@ -18,7 +18,7 @@ VSTAMP := $(VLLM_VENV)/.kvmove-installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,serve,plots,nixl]" "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev,serve,plots,nixl,train]" "$(TORCH)"
 	# NIXL's `nixl._api` import path (used by kvmove, Ray and vLLM) lives in the `nixl` meta package;
 	# without --no-deps it would also pull nixl-cu12.
 	$(PY) -m pip install -q --no-deps "nixl==1.5.1"

@@ -10,8 +10,10 @@ import torch
 
 from kvmove.models.config import ModelConfig
 
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.")
+_LAYER_RE = re.compile(r"^(model|decoder)\.layers\.(\d+)\.")
+"""Decoder layers in HF (``model.layers.N.``) and megatron-core (``decoder.layers.N.``) names."""
+_EXPERT_RE = re.compile(r"\.mlp\.experts\.(?:local_experts\.)?(\d+)\.|\.mlp\.experts\.linear_fc[12]\.weight(\d+)$")
+"""Routed experts: HF ``mlp.experts.E.``, megatron-core ``mlp.experts.local_experts.E.`` or grouped ``weightE``."""
 
 
 class TensorMeta(NamedTuple):
@@ -43,17 +45,17 @@ class TensorMeta(NamedTuple):
 
 def layer_of(name: str) -> int | None:
     m = _LAYER_RE.match(name)
-    return int(m.group(1)) if m else None
+    return int(m.group(2)) if m else None
 
 
 def expert_of(name: str) -> int | None:
     m = _EXPERT_RE.search(name)
-    return int(m.group(1)) if m else None
+    return int(m.group(1) or m.group(2)) if m else None
 
 
 def with_layer(name: str, layer: int) -> str:
     """``model.layers.3.x`` -> ``model.layers.{layer}.x``; names outside layers are returned unchanged."""
-    return _LAYER_RE.sub(f"model.layers.{layer}.", name, count=1)
+    return _LAYER_RE.sub(lambda m: f"{m.group(1)}.layers.{layer}.", name, count=1)
 
 
 def hf_tensors(cfg: ModelConfig, layers: Iterable[int] | None = None) -> list[TensorMeta]:

@@ -138,3 +138,9 @@ class SyncConfig:
     engine_kind: str = "reference"
     source: SourceFactory | None = None
     """Builds each trainer rank's WeightSource (None: kvmove's seeded Megatron shards, ``ShardedSource``)."""
+    tensor_format: str = "hf"
+    """How the source names and shapes its tensors (a key of ``kvmove.sync.planning.formats.FORMATS``): "hf", or
+    "megatron"/"megatron-sequential" (megatron-core's own tensors, converted to HF names by the engines' plans)."""
+    reference: str | None = None
+    """Verification reference: a directory template (``{version}`` is the training step) of HF safetensors
+    checkpoints the trainer saved itself (None: the seeded checkpoint of ``seed`` and the step)."""

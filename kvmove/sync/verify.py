@@ -56,6 +56,33 @@ def seeded_checkpoint(cfg: ModelConfig, seed: int, version: int = 0, device: str
     return {t.name: seeded_tensor(t, seed, version, device) for t in hf_tensors(cfg)}
 
 
+def saved_checkpoint(cfg: ModelConfig, directory: str, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The HF checkpoint a trainer saved in ``directory`` (``*.safetensors``, as ``save_pretrained`` writes them),
+    checked to hold exactly the tensors of ``cfg`` with their shapes and dtypes."""
+    from pathlib import Path
+
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        raise KvmoveError("reading a saved checkpoint needs safetensors: pip install 'kvmove[train]'") from None
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise KvmoveError(f"no *.safetensors checkpoint in {directory}")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f), device=device))
+    want = {t.name: t for t in hf_tensors(cfg)}
+    for name in sorted(set(want) ^ set(out))[:1]:
+        where = "lacks" if name in want else "has a tensor not in the model:"
+        raise KvmoveError(f"the checkpoint in {directory} {where} {name}")
+    for t in want.values():
+        if tuple(out[t.name].shape) != t.shape or out[t.name].dtype != t.dtype:
+            raise KvmoveError(
+                f"{t.name} in {directory} is {tuple(out[t.name].shape)} {out[t.name].dtype}, not {t.shape}"
+            )
+    return {t.name: out[t.name] for t in want.values()}
+
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN-safe, -0.0 != 0.0)."""
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -91,8 +118,8 @@ def region_data(region: Region, held: torch.Tensor, full: torch.Tensor) -> torch
         local = held[region.box.slices()].contiguous()
         data = relative_view(region.src, tuple(full.shape), region.box).apply(local)
     else:
-        data = replay(region.ops, held)
-    if not bits_equal(data.contiguous(), replay(region.ops, full).contiguous()):
+        data = replay(region.ops, held).reshape(region.dst.shape)
+    if not bits_equal(data.contiguous(), replay(region.ops, full).reshape(region.dst.shape).contiguous()):
         raise PlanError(f"region {region.param} <- {region.hf_name}: strided view disagrees with the op chain")
     return data
 
@@ -101,7 +128,7 @@ def apply_regions(model: nn.Module, regions: Iterable[tuple[Region, torch.Tensor
     """Write region payloads into ``model``'s parameters at their recorded offset/shape/stride."""
     params = dict(model.named_parameters())
     for region, data in regions:
-        region.dst.apply(params[region.param].data).copy_(data)
+        region.dst.apply(params[region.param].data).copy_(data.reshape(region.dst.shape))
 
 
 def verify_plans(
@@ -168,6 +195,8 @@ def verify_streaming(
         bad += [
             f"{r.param} <- {meta.name}"
             for r in regions
-            if not bits_equal(r.dst.apply(params[r.param].data), replay(r.ops, full).to(params[r.param].device))
+            if not bits_equal(
+                r.dst.apply(params[r.param].data), replay(r.ops, full).reshape(r.dst.shape).to(params[r.param].device)
+            )
         ]
     return not bad, bad

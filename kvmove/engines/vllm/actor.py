@@ -25,11 +25,11 @@ from kvmove.engines.vllm.session import Received, open_session, staging_plan
 from kvmove.engines.vllm.verify import computed_state, mismatches
 from kvmove.errors import KvmoveError
 from kvmove.models.config import ModelConfig
+from kvmove.sync.planning.formats import get_format
 from kvmove.sync.planning.plan import ShardingPlan
 from kvmove.sync.ranks.control import EngineStats, RunPulls, VerifyResult
 from kvmove.sync.ranks.engine_host import EngineHost
 from kvmove.sync.ranks.host import RankSpec
-from kvmove.sync.verify import seeded_checkpoint
 
 __all__ = ["VllmEngineHost", "check_layout", "start_llm"]
 
@@ -103,7 +103,9 @@ class VllmEngineHost(EngineHost):
 
     def make_plan(self) -> ShardingPlan:
         """Init step 3: dry-run vLLM's own ``load_weights`` on the (unprocessed) staging model."""
-        self.session.plan = staging_plan(self.config.model, self.target(), self.config.engine, self.spec.rank)
+        c = self.config
+        source = get_format(c.tensor_format).source_tensors(c.model, c.trainer)
+        self.session.plan = staging_plan(c.model, self.target(), c.engine, self.spec.rank, source=source)
         return self.session.plan
 
     def pull(self, command: RunPulls) -> EngineStats:
@@ -143,7 +145,7 @@ class VllmEngineHost(EngineHost):
         checkpoint of ``version`` on a fresh model."""
         live, _ = self.session.require()
         assert self.session.reference is not None
-        want = computed_state(self.session.reference(seeded_checkpoint(self.config.model, seed, version).items()))
+        want = computed_state(self.session.reference(self.reference(version, seed, "cpu").items()))
         got = computed_state(live)
         bad = mismatches(got, want)
         return VerifyResult(not bad, 1, len(got), tuple(bad))

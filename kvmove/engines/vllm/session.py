@@ -21,7 +21,7 @@ from torch import nn
 from kvmove.errors import KvmoveError
 from kvmove.layout import EngineLayout
 from kvmove.models.config import ModelConfig
-from kvmove.sync.planning.plan import ShardingPlan
+from kvmove.sync.planning.plan import ShardingPlan, SourceTensors
 
 
 class BackendError(KvmoveError, RuntimeError):
@@ -106,12 +106,17 @@ def close_session(key: str) -> None:
 
 
 def staging_plan(
-    cfg: ModelConfig, staging: nn.Module, layout: EngineLayout | None = None, rank: int = 0
+    cfg: ModelConfig,
+    staging: nn.Module,
+    layout: EngineLayout | None = None,
+    rank: int = 0,
+    source: SourceTensors | None = None,
 ) -> ShardingPlan:
-    """Dry-run vLLM's own ``load_weights`` over recording tensors on the (unprocessed) staging model."""
+    """Dry-run vLLM's own ``load_weights`` over recording tensors on the (unprocessed) staging model; ``source``:
+    the trainer's tensors and their conversion to HF (default: the HF checkpoint itself)."""
     from kvmove.engines import EngineAdapter
     from kvmove.sync.planning.plan import plan_rank
 
     adapter = EngineAdapter("vllm", lambda *_a, **_k: staging, lambda m, ws: m.load_weights(ws))  # type: ignore[operator]
     layout = layout or EngineLayout()
-    return plan_rank(cfg, layout, layout.coord(rank), reuse=False, engine=adapter)
+    return plan_rank(cfg, layout, layout.coord(rank), reuse=False, engine=adapter, source=source)

@@ -23,6 +23,7 @@ def checked(config: SyncConfig) -> SyncConfig:
     check_placement(config)
     check_faults(config)
     check_engine_kind(config)
+    check_format(config)
     config = replace(config, transport=check_transport(config))
     check_memory(config)
     return config
@@ -67,6 +68,17 @@ def check_engine_kind(config: SyncConfig) -> None:
     adapter.check(config.engine)
     if not adapter.broadcast and any(s.delivery is Delivery.BROADCAST for s in config.strategies):
         raise KvmoveError(f"the broadcast baseline is not built for --engine-kind {adapter.name} (use v1, v2 or v3)")
+
+
+def check_format(config: SyncConfig) -> None:
+    """An unknown checkpoint format, or a model that format cannot hold (e.g. MLA in megatron-core's layout)."""
+    from kvmove.errors import ModelError
+    from kvmove.sync.planning.formats import get_format
+
+    try:
+        get_format(config.tensor_format).tensors(config.model, config.trainer, ())
+    except ModelError as exc:
+        raise KvmoveError(str(exc)) from None
 
 
 def check_transport(config: SyncConfig) -> str:

@@ -11,16 +11,18 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable
 from dataclasses import replace
+from typing import NamedTuple
 
 from kvmove.engines import get_engine
-from kvmove.errors import KvmoveError
-from kvmove.models.tensors import hf_tensors
+from kvmove.errors import KvmoveError, PlanError
+from kvmove.models.tensors import TensorMeta
 from kvmove.ports import free_port
 from kvmove.sync.config import Side, SyncConfig
 from kvmove.sync.launchers.base import Launcher, RankHandle
 from kvmove.sync.planning.blueprint import Blueprint
-from kvmove.sync.planning.direct import arena_layouts
-from kvmove.sync.planning.ownership import Ownership
+from kvmove.sync.planning.direct import ArenaLayout, check_arena
+from kvmove.sync.planning.formats import get_format
+from kvmove.sync.planning.ownership import DeclaredOwnership
 from kvmove.sync.planning.plan import ShardingPlan
 from kvmove.sync.ranks.control import (
     BuildPlan,
@@ -86,13 +88,25 @@ class Cluster:
         c, call = self.config, self.launcher.call
         (store,) = call(self.trainers[:1], PickAddress(), INIT_TIMEOUT_S)
         hellos: list[TrainerHello] = call(self.trainers, OpenSource(store), INIT_TIMEOUT_S)
-        direct = check_ownership(c, hellos)
+        declared = check_ownership(c, hellos)
+        direct = declared.arenas is not None
         if not direct and c.options.direct:
             self.notes.append("a trainer rank's source has no arena: every region is packed (no direct pulls)")
+        self.tensors, self.ownership = declared.tensors, declared.ownership
         self.controls = {h.rank: h.control for h in hellos}
         self.plans = self._build_plans(range(c.engine.world))
         options = c.options if direct or not c.options.direct else replace(c.options, direct=False)
-        self.blueprint = Blueprint(c.model, c.trainer, c.engine, self.plans, c.strategies, options)
+        self.blueprint = Blueprint(
+            c.model,
+            c.trainer,
+            c.engine,
+            self.plans,
+            c.strategies,
+            options,
+            self.tensors,
+            self.ownership,
+            declared.arenas,
+        )
         sizes = self.blueprint.slot_sizes()
         slots = [t.submit(OpenSlots(sizes[r])) for r, t in enumerate(self.trainers)]
         self.endpoints = dict(enumerate(self.launcher.gather(slots, INIT_TIMEOUT_S)))
@@ -183,20 +197,44 @@ class Cluster:
         self.launcher.close()
 
 
-def check_ownership(config: SyncConfig, hellos: list[TrainerHello]) -> bool:
-    """Init step 1: every trainer rank holds exactly what the layout gives it, else a KvmoveError naming the first
-    difference. Returns whether every rank offers an arena laid out as direct pulls expect (else all is packed)."""
-    ownership, tensors = Ownership(config.model, config.trainer), hf_tensors(config.model)
-    want = {(h.rank, t.name, h.box) for t in tensors for h in ownership.slices(t)}
+class Declared(NamedTuple):
+    """What init step 1 learns from the trainer ranks: the source's tensors, who holds which shard, and the
+    arenas direct pulls read (None when some rank offers no arena: every region is then packed)."""
+
+    tensors: list[TensorMeta]
+    ownership: DeclaredOwnership
+    arenas: dict[int, ArenaLayout] | None
+
+
+def check_ownership(config: SyncConfig, hellos: list[TrainerHello]) -> Declared:
+    """Init step 1: the shards the trainer ranks report tile every tensor of the source's format (kvmove's own
+    seeded source: exactly as the layout's rules place them), and each arena holds its rank's shards; else a
+    KvmoveError naming the first problem."""
+    fmt = get_format(config.tensor_format)
+    tensors = fmt.tensors(config.model, config.trainer)
+    if len(hellos) != config.trainer.world:
+        raise KvmoveError(f"{len(hellos)} trainer ranks answered; the layout has {config.trainer.world}")
     got = {(hello.rank, name, box) for hello in hellos for name, box in hello.shards}
-    for rank, name, box in sorted(got ^ want, key=str)[:1]:
-        verb = "holds" if (rank, name, box) in got else "does not hold"
-        raise KvmoveError(
-            f"trainer rank {rank} {verb} the shard {tuple(box.start)}..{tuple(box.stop)} of {name}, "
-            "unlike the trainer layout"
-        )
-    layouts = arena_layouts(ownership, tensors)
-    for hello in hellos:
-        if hello.arena is not None and hello.arena != layouts[hello.rank]:
-            raise KvmoveError(f"trainer rank {hello.rank} offers an arena not laid out by arena_layout")
-    return all(h.arena is not None for h in hellos)
+    if config.source is None:
+        rules = fmt.ownership(config.model, config.trainer)
+        want = {(h.rank, t.name, h.box) for t in tensors for h in rules.slices(t)}
+        for rank, name, box in sorted(got ^ want, key=str)[:1]:
+            verb = "holds" if (rank, name, box) in got else "does not hold"
+            raise KvmoveError(
+                f"trainer rank {rank} {verb} the shard {tuple(box.start)}..{tuple(box.stop)} of {name}, "
+                "unlike the trainer layout"
+            )
+    known = {t.name for t in tensors}
+    stray = sorted(name for _, name, _ in got if name not in known)
+    if stray:
+        raise KvmoveError(f"a trainer rank reports {stray[0]!r}, not a tensor of the {fmt.name} checkpoint")
+    ownership = DeclaredOwnership({h.rank: dict(h.shards) for h in hellos}, config.trainer)
+    try:
+        ownership.check_tiles(tensors)
+        for hello in hellos:
+            if hello.arena is not None:
+                check_arena(hello.arena, dict(hello.shards), tensors, hello.rank)
+    except PlanError as exc:
+        raise KvmoveError(str(exc)) from None
+    arenas = {h.rank: h.arena for h in hellos if h.arena is not None}
+    return Declared(tensors, ownership, arenas if len(arenas) == len(hellos) else None)

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmove.errors import JobFailed, KvmoveError
-from kvmove.models.tensors import hf_tensors
 from kvmove.sync.config import Side
 from kvmove.sync.driver.cluster import Cluster
 from kvmove.sync.driver.faults import FaultHooks
@@ -102,7 +101,7 @@ def _plan_work(cluster: Cluster, hooks: FaultHooks, step: Step) -> None:
         trainer_work = {t: len(loop.groups) for t, loop in enumerate(step.loops)}
         engine_work = {e: len(bp.pulls[name][e].pulls) for e in step.live}
     else:  # broadcast: every trainer rank takes part in every tensor's gather
-        trainer_work, engine_work = dict.fromkeys(range(c.trainer.world), len(hf_tensors(c.model))), {}
+        trainer_work, engine_work = dict.fromkeys(range(c.trainer.world), len(cluster.tensors)), {}
     step.engine_deaths = hooks.engine_deaths(step.index, set(step.live), engine_work)
     step.trainer_deaths = hooks.trainer_deaths(step.index, trainer_work)
 

@@ -9,15 +9,15 @@ itself), so no two places can disagree on who sends what.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models.config import ModelConfig
-from kvmove.models.tensors import hf_tensors
+from kvmove.models.tensors import TensorMeta, hf_tensors
 from kvmove.sync.config import SyncOptions
-from kvmove.sync.planning.direct import DirectPlanner
-from kvmove.sync.planning.ownership import Ownership
+from kvmove.sync.planning.direct import ArenaLayout, DirectPlanner
+from kvmove.sync.planning.ownership import Owners, Ownership
 from kvmove.sync.planning.packing import SliceSpec, pack_layout
 from kvmove.sync.planning.plan import ShardingPlan
 from kvmove.sync.planning.routing import route
@@ -42,18 +42,23 @@ class Blueprint:
         plans: Sequence[ShardingPlan],
         strategies: Sequence[Strategy],
         options: SyncOptions,
+        tensors: Sequence[TensorMeta] | None = None,
+        ownership: Owners | None = None,
+        arenas: Mapping[int, ArenaLayout] | None = None,
     ) -> None:
+        """``tensors``, ``ownership``, ``arenas``: the source's tensors, who holds them and its arenas as the
+        trainer ranks declared them (defaults: the HF checkpoint's tensors placed by Megatron's rules)."""
         self.cfg, self.trainer, self.engine, self.plans, self.options = cfg, trainer, engine, tuple(plans), options
-        tensors = hf_tensors(cfg)
+        tensors = hf_tensors(cfg) if tensors is None else list(tensors)
         self.shapes = {t.name: t.shape for t in tensors}
-        self.ownership = Ownership(cfg, trainer)
-        self.direct = DirectPlanner(self.ownership, tensors) if options.direct else None
+        self.ownership: Owners = Ownership(cfg, trainer) if ownership is None else ownership
+        self.direct = DirectPlanner(self.ownership, tensors, arenas) if options.direct else None
         self.strategies = {s.name: s for s in strategies if s.pulls}
         self.pulls: dict[str, tuple[PullPlan, ...]] = {}
         self.groups: dict[str, dict[int, list[str]]] = {}
         self.needed: dict[str, set[str]] = {}
         for s in self.strategies.values():
-            groups = tensor_groups(cfg, trainer, s, options)
+            groups = tensor_groups(cfg, trainer, s, options, tensors, self.ownership.stage_of)
             direct = self.direct if s.direct else None
             smap = route(self.plans, engine, self.ownership, s, direct)
             self.pulls[s.name] = pull_plans(self.plans, engine, smap, groups, direct)

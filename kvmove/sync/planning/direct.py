@@ -12,8 +12,9 @@ Both sides derive the arena's offsets from :func:`arena_layout` of the same owne
 
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch
 
 from kvmove.errors import PlanError
 from kvmove.models.tensors import TensorMeta
-from kvmove.sync.planning.ownership import Ownership
+from kvmove.sync.planning.ownership import Owners
 from kvmove.sync.planning.plan import Box, Region, relative_view
 from kvmove.sync.planning.recording import StridedView
 
@@ -65,16 +66,16 @@ def arena_order(tensors: Iterable[TensorMeta]) -> list[TensorMeta]:
     return sorted(ts, key=lambda t: keys[t.name])
 
 
-def arena_layout(ownership: Ownership, tensors: Iterable[TensorMeta], rank: int) -> ArenaLayout:
+def arena_layout(ownership: Owners, tensors: Iterable[TensorMeta], rank: int) -> ArenaLayout:
     """The arena of trainer rank ``rank``: its raw shards in :func:`arena_order`, each ``ARENA_ALIGN``-aligned."""
     return arena_layouts(ownership, tensors, ranks=(rank,))[rank]
 
 
 def arena_layouts(
-    ownership: Ownership, tensors: Iterable[TensorMeta], ranks: Iterable[int] | None = None
+    ownership: Owners, tensors: Iterable[TensorMeta], ranks: Iterable[int] | None = None
 ) -> dict[int, ArenaLayout]:
     """:func:`arena_layout` of every rank in ``ranks`` (default: all), in one pass over the tensors."""
-    wanted = set(range(ownership.layout.world) if ranks is None else ranks)
+    wanted = set(range(ownership.world) if ranks is None else ranks)
     offsets: dict[int, dict[str, int]] = {r: {} for r in wanted}
     boxes: dict[int, dict[str, Box]] = {r: {} for r in wanted}
     at = dict.fromkeys(wanted, 0)
@@ -84,6 +85,25 @@ def arena_layouts(
                 offsets[h.rank][t.name], boxes[h.rank][t.name] = at[h.rank], h.box
                 at[h.rank] += -(-h.box.numel * t.dtype.itemsize // ARENA_ALIGN) * ARENA_ALIGN
     return {r: ArenaLayout(offsets[r], boxes[r], max(at[r], ARENA_ALIGN)) for r in wanted}
+
+
+def check_arena(layout: ArenaLayout, shards: Mapping[str, Box], tensors: Iterable[TensorMeta], rank: int) -> None:
+    """A source's own arena layout holds exactly its shards, each aligned to its dtype, inside the arena,
+    without overlap (engines read its bytes at these offsets); PlanError naming the first problem otherwise."""
+    dtypes = {t.name: t.dtype for t in tensors}
+    if layout.boxes != dict(shards):
+        raise PlanError(f"trainer rank {rank} offers an arena whose shards differ from the shards it reports")
+    spans = []
+    for name, off in layout.offsets.items():
+        size = layout.boxes[name].numel * dtypes[name].itemsize
+        if off < 0 or off + size > layout.nbytes or off % dtypes[name].itemsize:
+            raise PlanError(f"trainer rank {rank}: shard {name} at byte {off} does not fit its arena")
+        if size:
+            spans.append((off, off + size, name))
+    spans.sort()
+    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+        if start < end:
+            raise PlanError(f"trainer rank {rank}: shards {a} and {b} overlap in its arena")
 
 
 def shard_views(arena: torch.Tensor, layout: ArenaLayout, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
@@ -131,11 +151,14 @@ def _contiguous(view: StridedView) -> bool:
 class DirectPlanner:
     """Decides, per (region, serving trainer rank), whether the region is read straight from the arena."""
 
-    def __init__(self, ownership: Ownership, tensors: Sequence[TensorMeta]) -> None:
+    def __init__(
+        self, ownership: Owners, tensors: Sequence[TensorMeta], arenas: Mapping[int, ArenaLayout] | None = None
+    ) -> None:
+        """``arenas``: each rank's arena as its source laid it out (default: :func:`arena_layout` of each)."""
         self.ownership = ownership
         self.shapes = {t.name: t.shape for t in tensors}
-        layouts = arena_layouts(ownership, tensors)
-        self.arenas = [layouts[r] for r in range(ownership.layout.world)]
+        layouts = arena_layouts(ownership, tensors) if arenas is None else arenas
+        self.arenas = [layouts[r] for r in range(ownership.world)]
 
     def spans(self, region: Region, trainer: int, param_dtype: torch.dtype) -> np.ndarray | None:
         """Byte spans (arena offset, parameter offset, nbytes) of ``region`` served by ``trainer``, or None."""

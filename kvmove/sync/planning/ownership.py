@@ -4,16 +4,22 @@
 holds them (what it would all-gather), and ``Ownership.holders`` what each rank holds once a strategy's
 gather scope has run (kvmove.sync.strategies): ``stage`` gathers TP (and ETP for experts) inside a pipeline
 stage, ``global`` gathers everything everywhere, ``root`` gathers onto rank 0 only.
+
+:class:`DeclaredOwnership` answers the same questions from the shards the trainer ranks *report* (init step 1),
+for sources whose placement follows no Megatron rule (FSDP2's dim-0 shards over the data-parallel ranks, or
+Megatron-named tensors): a tensor's stage gather runs among the ranks that hold a piece of it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from functools import lru_cache
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
-from kvmove.errors import PlanError
+from kvmove.errors import ModelError, PlanError
 from kvmove.layout import TrainerLayout
 from kvmove.models.config import ModelConfig
+from kvmove.models.megatron import megatron_split
 from kvmove.models.tensors import TensorMeta, expert_of, layer_of
 from kvmove.sync.planning.plan import Box
 from kvmove.sync.strategies import Gather
@@ -67,6 +73,23 @@ def shard_rule(cfg: ModelConfig, layout: TrainerLayout, name: str) -> ShardRule:
     return ShardRule(stage, dim, "etp" if expert is not None else "tp", expert)
 
 
+def megatron_rule(cfg: ModelConfig, layout: TrainerLayout, name: str) -> ShardRule:
+    """megatron-core's sharding of its own tensor ``name`` (``kvmove.models.megatron``) under ``layout``."""
+    layer = layer_of(name)
+    if layer is None:
+        stage = 0 if name == "embedding.word_embeddings.weight" else layout.pp - 1
+    else:
+        stage = _stage_of_layer(cfg.num_hidden_layers, layout.pp, layer)
+    try:
+        dim, group = megatron_split(cfg, name)
+    except ModelError as exc:
+        raise PlanError(str(exc)) from None
+    return ShardRule(stage, dim, group, expert_of(name))
+
+
+Rule = Callable[[ModelConfig, TrainerLayout, str], ShardRule]
+
+
 @lru_cache(maxsize=256)
 def _stage_of_layer(num_layers: int, pp: int, layer: int) -> int:
     from kvmove.layout import split_layers
@@ -77,11 +100,27 @@ def _stage_of_layer(num_layers: int, pp: int, layer: int) -> int:
     raise PlanError(f"layer {layer} is outside the model's {num_layers} layers")
 
 
+class Owners(Protocol):
+    """What planning reads of a trainer's ownership (rule-based :class:`Ownership` or :class:`DeclaredOwnership`)."""
+
+    @property
+    def world(self) -> int: ...
+
+    def slices(self, t: TensorMeta) -> tuple[Holding, ...]: ...
+
+    def holders(self, name: str, scope: Gather) -> tuple[int, ...]: ...
+
+    def stage_of(self, name: str) -> int: ...
+
+
 class Ownership:
     """Answers which trainer ranks hold which box of each tensor, before and after a gather."""
 
-    def __init__(self, cfg: ModelConfig, layout: TrainerLayout) -> None:
+    def __init__(self, cfg: ModelConfig, layout: TrainerLayout, rule: Rule | None = None) -> None:
+        """``rule``: Megatron's split of each tensor by name (default: :func:`shard_rule` of HF names)."""
         self.cfg, self.layout = cfg, layout
+        self.world = layout.world
+        self.rule: Rule = rule or shard_rule
         self.coords = [layout.coord(r) for r in range(layout.world)]
         self._experts_per_rank = cfg.num_experts // layout.ep if cfg.is_moe else 0
         self._groups: dict[tuple[str, int, int | None], tuple[int, ...]] = {}
@@ -97,7 +136,7 @@ class Ownership:
 
     def slices(self, t: TensorMeta) -> tuple[Holding, ...]:
         """Raw shards: every (rank, box) as the trainer holds them (the all-gathered ownership metadata)."""
-        rule = shard_rule(self.cfg, self.layout, t.name)
+        rule = self.rule(self.cfg, self.layout, t.name)
         out = []
         for rank in self._owners(rule):
             box = Box.full(t.shape)
@@ -115,12 +154,15 @@ class Ownership:
         """Ranks holding the *full* tensor once a gather of ``scope`` ran."""
         scope = Gather(scope)
         if scope is Gather.STAGE:
-            return self._owners(shard_rule(self.cfg, self.layout, name))
+            return self._owners(self.rule(self.cfg, self.layout, name))
         return tuple(range(self.layout.world)) if scope is Gather.GLOBAL else (0,)
+
+    def stage_of(self, name: str) -> int:
+        return self.rule(self.cfg, self.layout, name).stage
 
     def gather_group(self, t: TensorMeta, rank: int) -> tuple[int, ...]:
         """The ranks whose shards ``rank`` all-gathers to materialize ``t`` inside its stage (its tp or etp group)."""
-        rule = shard_rule(self.cfg, self.layout, t.name)
+        rule = self.rule(self.cfg, self.layout, t.name)
         if rule.dim is None:
             return (rank,)
         c = self.coords[rank]
@@ -128,3 +170,53 @@ class Ownership:
         if rule.group == "etp":
             return tuple(r for r in owners if self.coords[r].edp == c.edp)
         return tuple(r for r in owners if self.coords[r].dp == c.dp)
+
+
+class DeclaredOwnership:
+    """Ownership as the trainer ranks declare it: ``shards[rank]`` maps each tensor name to the box it holds.
+
+    ``holders(name, STAGE)`` are the ranks holding a piece of ``name`` (its gather runs among them and leaves
+    each with the full tensor); a tensor's stage is the pipeline stage of its first holder in ``layout``.
+    """
+
+    def __init__(self, shards: Mapping[int, Mapping[str, Box]], layout: TrainerLayout) -> None:
+        self.layout, self.world = layout, layout.world
+        self._slices: dict[str, list[Holding]] = {}
+        for rank in sorted(shards):
+            for name, box in shards[rank].items():
+                self._slices.setdefault(name, []).append(Holding(rank, box))
+        self._owners = {name: tuple(h.rank for h in hs) for name, hs in self._slices.items()}
+
+    def names(self) -> Iterable[str]:
+        return self._slices.keys()
+
+    def slices(self, t: TensorMeta) -> tuple[Holding, ...]:
+        try:
+            return tuple(self._slices[t.name])
+        except KeyError:
+            raise PlanError(f"no trainer rank holds tensor {t.name}") from None
+
+    def holders(self, name: str, scope: Gather) -> tuple[int, ...]:
+        if scope is Gather.STAGE:
+            return self._owners[name]
+        return tuple(range(self.world)) if scope is Gather.GLOBAL else (0,)
+
+    def stage_of(self, name: str) -> int:
+        return self.layout.coord(self._owners[name][0]).pp
+
+    def check_tiles(self, tensors: Iterable[TensorMeta]) -> None:
+        """Every tensor is covered exactly by the distinct boxes held of it (replicas of a box count once)."""
+        for t in tensors:
+            boxes = sorted({h.box for h in self._slices.get(t.name, ())})
+            if not boxes:
+                raise PlanError(f"no trainer rank holds tensor {t.name}")
+            full = Box.full(t.shape)
+            if any(not full.contains(b) for b in boxes) or sum(b.numel for b in boxes) != t.numel:
+                raise PlanError(f"the shards trainer ranks hold of {t.name} {t.shape} do not tile it: {boxes}")
+            for i, a in enumerate(boxes):
+                if any(_overlap(a, b) for b in boxes[i + 1 :] if a.numel and b.numel):
+                    raise PlanError(f"trainer shards {a} and the others of {t.name} overlap")
+
+
+def _overlap(a: Box, b: Box) -> bool:
+    return all(max(s1, s2) < min(e1, e2) for s1, e1, s2, e2 in zip(a.start, a.stop, b.start, b.stop, strict=True))

@@ -9,7 +9,7 @@ reuse); ``reuse=False`` runs the loader over every layer, and tests check that b
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -20,7 +20,7 @@ from kvmove.errors import PlanError
 from kvmove.layout import EngineCoord, EngineLayout
 from kvmove.models.checkpoint import engine_tensors
 from kvmove.models.config import ModelConfig
-from kvmove.models.tensors import layer_of
+from kvmove.models.tensors import TensorMeta, layer_of
 from kvmove.sync.planning.recording import Capture, Op, StridedView, dry_run
 
 
@@ -61,15 +61,29 @@ def _unravel(flat: int, shape: Sequence[int]) -> list[int]:
 
 
 def view_box(view: StridedView, shape: Sequence[int]) -> Box | None:
-    """The box of a contiguous tensor of ``shape`` that ``view`` reads, or None if it reads no box."""
+    """The smallest box of a contiguous tensor of ``shape`` holding every element ``view`` reads (the view may
+    skip elements inside it, e.g. the query rows of a fused QKV tensor), or None if a view dim walks no single
+    tensor dim."""
     if view.numel == 0:
         return None
-    last = view.offset + sum((n - 1) * s for n, s in zip(view.shape, view.stride, strict=True))
-    lo, hi = _unravel(view.offset, shape), _unravel(last, shape)
-    box = Box(tuple(lo), tuple(h + 1 for h in hi))
-    if any(a >= b for a, b in zip(box.start, box.stop, strict=True)) or box.numel != view.numel:
+    strides = _contiguous_strides(shape)
+    start = _unravel(view.offset, shape)
+    stop = [a + 1 for a in start]
+    for n, st in zip(view.shape, view.stride, strict=True):
+        if n == 1:
+            continue
+        dim = _walked_dim(st, n, shape, strides)
+        if dim is None:
+            return None
+        stop[dim] += (st // strides[dim]) * (n - 1)
+    if any(b > n for b, n in zip(stop, shape, strict=True)):
         return None
-    return box
+    return Box(tuple(start), tuple(stop))
+
+
+def _walked_dim(stride: int, n: int, shape: Sequence[int], strides: Sequence[int]) -> int | None:
+    """The tensor dim a view dim of ``n`` elements and ``stride`` walks along (None: it mixes dims)."""
+    return next((d for d, fs in enumerate(strides) if stride % fs == 0 and (stride // fs) * (n - 1) < shape[d]), None)
 
 
 def relative_view(view: StridedView, shape: Sequence[int], box: Box) -> StridedView:
@@ -88,7 +102,7 @@ def relative_view(view: StridedView, shape: Sequence[int], box: Box) -> StridedV
         if n == 1:
             strides.append(0)
             continue
-        dim = next((d for d, fs in enumerate(full_strides) if s % fs == 0 and (s // fs) * (n - 1) < shape[d]), None)
+        dim = _walked_dim(s, n, shape, full_strides)
         if dim is None:
             raise PlanError(
                 f"view {view} of a {tuple(shape)} tensor mixes tensor dims; it cannot be served from a shard"
@@ -105,8 +119,24 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
     return out[::-1]
 
 
+class SourceTensors(NamedTuple):
+    """The trainer's tensors as a dry run sees them: ``tensors(layers)`` lists them (only those decoder layers,
+    plus the tensors outside layers), ``to_hf`` converts named ones to HF names with view ops only."""
+
+    tensors: Callable[[Sequence[int] | None], list[TensorMeta]]
+    to_hf: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]]
+
+    @classmethod
+    def hf(cls, cfg: ModelConfig) -> SourceTensors:
+        """The checkpoint this engine loads, as is (FP8 engines' carry scales: kvmove.models.checkpoint)."""
+        return cls(lambda layers: engine_tensors(cfg, layers), lambda named: named)
+
+
 class Region(NamedTuple):
-    """One destination region of an engine parameter and the HF slice that fills it."""
+    """One destination region of an engine parameter and the slice of a source tensor that fills it.
+
+    ``hf_name`` names the source tensor: an HF checkpoint tensor, or the trainer's own tensor when its format
+    is another (megatron-core's ``linear_qkv``...), whose conversion to HF is then part of ``ops``."""
 
     hf_name: str
     ops: tuple[Op, ...]
@@ -169,18 +199,24 @@ def plan_rank(
     *,
     reuse: bool = True,
     engine: EngineAdapter | None = None,
+    source: SourceTensors | None = None,
 ) -> ShardingPlan:
-    """Dry-run the engine's loader for one engine rank and return its sharding plan."""
+    """Dry-run the engine's loader for one engine rank and return its sharding plan.
+
+    ``source``: the trainer's tensors and their conversion to HF (default: the HF checkpoint itself); the
+    loader then reads the conversion's views of recording tensors of the trainer's own tensors.
+    """
     engine = engine or get_engine("reference")
+    source = source or SourceTensors.hf(cfg)
     held = list(layout.stage_layers(cfg)[coord.pp])
     templates: dict[str, int] = {}
     for i in held:
         templates.setdefault(cfg.layer_kind(i), i)
     run_layers = sorted(templates.values()) if reuse else held
     model = engine.build(cfg, layout, coord, layers=run_layers, device="meta")
-    tensors = engine_tensors(cfg, layers=run_layers)  # the checkpoint this engine loads (FP8 ones carry scales)
+    tensors = source.tensors(run_layers)
     shapes = {t.name: t.shape for t in tensors}
-    captures = dry_run(model, tensors, lambda ws: engine.load_weights(model, ws))
+    captures = dry_run(model, tensors, lambda ws: engine.load_weights(model, source.to_hf(ws)))
     params = [ParamMeta(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
     regions = [_region(c, shapes) for c in captures]
     if reuse:
@@ -231,9 +267,15 @@ def _check_coverage(coord: EngineCoord, params: list[ParamMeta], regions: list[R
 
 
 def plan_engine(
-    cfg: ModelConfig, layout: EngineLayout, *, reuse: bool = True, engine: EngineAdapter | None = None
+    cfg: ModelConfig,
+    layout: EngineLayout,
+    *,
+    reuse: bool = True,
+    engine: EngineAdapter | None = None,
+    source: SourceTensors | None = None,
 ) -> tuple[ShardingPlan, ...]:
     """Plans of the ranks of one replica (replicas are identical; index plans by ``coord.local``)."""
     return tuple(
-        plan_rank(cfg, layout, layout.coord(r), reuse=reuse, engine=engine) for r in range(layout.ranks_per_replica)
+        plan_rank(cfg, layout, layout.coord(r), reuse=reuse, engine=engine, source=source)
+        for r in range(layout.ranks_per_replica)
     )

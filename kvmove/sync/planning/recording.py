@@ -131,12 +131,18 @@ class StridedView(NamedTuple):
 
 
 class Capture(NamedTuple):
-    """One ``copy_`` seen by the sink: recording ``source`` (after ``ops``) into parameter ``param``."""
+    """One ``copy_`` seen by the sink: recording ``source`` (after ``ops``) into parameter ``param``.
+
+    When an op of the chain copied (a reshape no view can express, e.g. merging query groups that are strided
+    in a fused tensor), the copied elements may still be one strided view of the source over a finer shape:
+    ``src`` and ``dst`` are then both expressed over that shape (each dim of the copy split into factors, in
+    row-major order, so the payload's bytes are the same).
+    """
 
     source: str
     ops: tuple[Op, ...]
     src: StridedView | None
-    """The copied data as a view of the source tensor; None when an op copied (non-view reshape)."""
+    """The copied data as a view of the source tensor; None when no strided view expresses it."""
     src_dtype: torch.dtype
     param: str
     dst: StridedView
@@ -159,8 +165,12 @@ class RecordingSink:
         param = self._params.get(dst.untyped_storage()._cdata)
         if param is None:
             raise PlanError(f"loader copied {src.source} into a tensor that is not a parameter of the model")
-        view = StridedView.of(src.meta) if src.meta.untyped_storage()._cdata == src.base_id else None
-        self.captures.append(Capture(src.source, src.chain, view, src.dtype, param, StridedView.of(dst), dst.dtype))
+        view, into = None, StridedView.of(dst)
+        if src.meta.untyped_storage()._cdata == src.base_id:
+            view = StridedView.of(src.meta)
+        elif (refined := refine(src.root_shape, src.chain, into)) is not None:
+            view, into = refined
+        self.captures.append(Capture(src.source, src.chain, view, src.dtype, param, into, dst.dtype))
 
 
 class RecordingTensor(torch.Tensor):
@@ -171,6 +181,7 @@ class RecordingTensor(torch.Tensor):
     meta: torch.Tensor
     base_id: int
     sink: RecordingSink
+    root_shape: tuple[int, ...]
     _allowed: ClassVar[tuple[str, ...]] = VIEW_OPS
 
     @staticmethod
@@ -187,6 +198,7 @@ class RecordingTensor(torch.Tensor):
             requires_grad=False,
         )
         out.meta, out.source, out.chain, out.sink, out.base_id = meta, source, chain, sink, base_id
+        out.root_shape = tuple(meta.shape)
         return out
 
     @classmethod
@@ -199,7 +211,9 @@ class RecordingTensor(torch.Tensor):
         return f"RecordingTensor({self.source}{'.' + chain if chain else ''}, shape={tuple(self.shape)})"
 
     def _child(self, meta: torch.Tensor, op: Op) -> RecordingTensor:
-        return RecordingTensor(meta, self.source, (*self.chain, op), self.sink, self.base_id)
+        child = RecordingTensor(meta, self.source, (*self.chain, op), self.sink, self.base_id)
+        child.root_shape = self.root_shape
+        return child
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -257,6 +271,63 @@ def _freeze_index(index: Any) -> Any:
         if not (item is None or item is Ellipsis or isinstance(item, (int, slice))):
             raise UnrecordableOpError(f"indexing a recording tensor with {item!r} (only ints, slices, None, ...)")
     return index
+
+
+REFINE_LIMIT = 1 << 26
+"""Source tensors with more elements than this are not searched for a strided view after a copying op."""
+
+
+def refine(shape: tuple[int, ...], chain: tuple[Op, ...], dst: StridedView) -> tuple[StridedView, StridedView] | None:
+    """(src, dst) over a common finer shape when the elements ``chain`` picks out of a tensor of ``shape`` form
+    one strided view of it, else None. Found by replaying the chain on the tensor's element offsets and
+    splitting each dim of the result into (size, stride) factors; checked exactly against the replay."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel == 0 or numel > REFINE_LIMIT:
+        return None
+    x = replay(chain, torch.arange(numel, dtype=torch.int64).view(shape)).contiguous()
+    if tuple(x.shape) != dst.shape or x.numel() == 0:
+        return None
+    base = int(x.reshape(-1)[0])
+    sizes: list[int] = []
+    src_strides: list[int] = []
+    dst_strides: list[int] = []
+    for d, step in enumerate(dst.stride):
+        line = x[tuple(slice(None) if k == d else 0 for k in range(x.dim()))] - base
+        factors = _factors(line.tolist())
+        if factors is None:
+            return None
+        inner = 1
+        outs = []
+        for size, _ in reversed(factors):
+            outs.append(step * inner)
+            inner *= size
+        sizes += [f[0] for f in factors]
+        src_strides += [f[1] for f in factors]
+        dst_strides += outs[::-1]
+    src = StridedView(base, tuple(sizes), tuple(src_strides))
+    if not torch.equal(src.apply(torch.arange(numel, dtype=torch.int64)), x.view(src.shape)):
+        return None
+    return src, StridedView(dst.offset, tuple(sizes), tuple(dst_strides))
+
+
+def _factors(line: list[int]) -> list[tuple[int, int]] | None:
+    """Split offsets ``line`` (``line[0] == 0``) into (size, stride) factors, outermost first, if affine per factor."""
+    out: list[tuple[int, int]] = []
+    rest = line
+    while len(rest) > 1:
+        step = rest[1]
+        run = 2
+        while run < len(rest) and rest[run] == run * step:
+            run += 1
+        while len(rest) % run:
+            run -= 1
+        if run == 1:
+            return None
+        out.append((run, step))
+        rest = rest[::run]
+    return out[::-1] or [(1, 0)]
 
 
 def dry_run(

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from kvmove.layout import EngineLayout
 from kvmove.sync.planning.direct import DirectPlanner
-from kvmove.sync.planning.ownership import Ownership
+from kvmove.sync.planning.ownership import Owners
 from kvmove.sync.planning.plan import Box, ShardingPlan
 from kvmove.sync.strategies import Strategy
 
@@ -39,7 +39,7 @@ class SourceMap(NamedTuple):
 def route(
     plans: Sequence[ShardingPlan],
     layout: EngineLayout,
-    ownership: Ownership,
+    ownership: Owners,
     strategy: Strategy,
     direct: DirectPlanner | None = None,
 ) -> SourceMap:
@@ -61,7 +61,7 @@ def route(
                 cands[(region.hf_name, region.box)] = c
             jobs.append((-region.nbytes, e, i, c))
     jobs.sort(key=lambda j: (len(j[3]) > 1, j[0], j[1], j[2]))
-    loads = [0] * ownership.layout.world
+    loads = [0] * ownership.world
     heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     sources = [[0] * len(plans[layout.coord(e).local].regions) for e in range(layout.world)]
     for neg_bytes, e, i, c in jobs:

@@ -9,7 +9,7 @@ rank, the pulls of each group: a trainer rank and the indices of the plan region
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -26,19 +26,30 @@ from kvmove.sync.strategies import Grouping, Strategy
 from kvmove.transport.base import coalesce
 
 
-def _by_blocks(cfg: ModelConfig, trainer: TrainerLayout, options: SyncOptions, index: int, name: str) -> int:
-    layer = layer_of(name)
+class _Slot(NamedTuple):
+    """One tensor as a grouping sees it."""
+
+    position: int
+    name: str
+    before_layers: bool
+    stage: Callable[[str], int]
+    options: SyncOptions
+    num_layers: int
+
+
+def _by_blocks(t: _Slot) -> int:
+    layer = layer_of(t.name)
     if layer is None:
-        return -1 if name == "model.embed_tokens.weight" else cfg.num_hidden_layers
-    return layer // options.group_size
+        return -1 if t.before_layers else t.num_layers
+    return layer // t.options.group_size
 
 
-GROUP_KEYS = {
-    Grouping.TENSOR: lambda cfg, trainer, options, index, name: index,
-    Grouping.STAGE: lambda cfg, trainer, options, index, name: shard_rule(cfg, trainer, name).stage,
+GROUP_KEYS: dict[Grouping, Callable[[_Slot], int]] = {
+    Grouping.TENSOR: lambda t: t.position,
+    Grouping.STAGE: lambda t: t.stage(t.name),
     Grouping.BLOCKS: _by_blocks,
 }
-"""Grouping -> key of the ``index``-th HF tensor ``name`` (groups are processed in increasing key order)."""
+"""Grouping -> key of one tensor (groups are processed in increasing key order)."""
 
 
 class Pull(NamedTuple):
@@ -64,13 +75,26 @@ class PullPlan(NamedTuple):
 
 
 def tensor_groups(
-    cfg: ModelConfig, trainer: TrainerLayout, strategy: Strategy, options: SyncOptions
+    cfg: ModelConfig,
+    trainer: TrainerLayout,
+    strategy: Strategy,
+    options: SyncOptions,
+    tensors: Sequence[TensorMeta] | None = None,
+    stage_of: Callable[[str], int] | None = None,
 ) -> dict[int, list[TensorMeta]]:
-    """Group -> tensors in checkpoint order, by the strategy's grouping."""
+    """Group -> tensors in checkpoint order, by the strategy's grouping.
+
+    ``tensors`` (default: the HF checkpoint's) are the source's tensors in its order; ``stage_of`` names each one's
+    pipeline stage (default: Megatron's rule for HF names). Tensors outside decoder layers form the first group
+    when they come before the first layer (embeddings), else the last (final norm, head).
+    """
+    tensors = hf_tensors(cfg) if tensors is None else tensors
+    stage = stage_of or (lambda name: shard_rule(cfg, trainer, name).stage)
+    first_layer = next((i for i, t in enumerate(tensors) if layer_of(t.name) is not None), len(tensors))
     key = GROUP_KEYS[strategy.grouping]
     groups: dict[int, list[TensorMeta]] = defaultdict(list)
-    for i, t in enumerate(hf_tensors(cfg)):
-        groups[key(cfg, trainer, options, i, t.name)].append(t)
+    for i, t in enumerate(tensors):
+        groups[key(_Slot(i, t.name, i < first_layer, stage, options, cfg.num_hidden_layers))].append(t)
     return dict(sorted(groups.items()))
 
 

@@ -4,7 +4,7 @@ whole model, then run their own loader over it (each keeps its slice and drops t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -70,9 +70,16 @@ def send_all(
 
 
 def receive_all(
-    metas: Sequence[TensorMeta], pg: Any, adapter: EngineAdapter, model: nn.Module, rank: int, device: str = "cpu"
+    metas: Sequence[TensorMeta],
+    pg: Any,
+    adapter: EngineAdapter,
+    model: nn.Module,
+    rank: int,
+    device: str = "cpu",
+    to_hf: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]] = lambda ws: ws,
 ) -> EngineStats:
-    """Receive every full tensor (the whole model is materialized here), then load it with the engine's loader."""
+    """Receive every full tensor (the whole model is materialized here), then load it with the engine's loader
+    (``to_hf`` converts tensors of another checkpoint format to HF ones first, by views)."""
     start = time.perf_counter()
     received: list[tuple[str, torch.Tensor]] = []
     transfer = 0.0
@@ -85,7 +92,7 @@ def receive_all(
         transfer += time.perf_counter() - t0
         received.append((meta.name, buf))
     t1 = time.perf_counter()
-    adapter.load_weights(model, received)
+    adapter.load_weights(model, to_hf(received))
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
     load = time.perf_counter() - t1

@@ -15,7 +15,8 @@ from torch import nn
 
 from kvmove.engines import get_engine
 from kvmove.errors import KvmoveError
-from kvmove.models.tensors import hf_tensors, model_totals
+from kvmove.models.tensors import model_totals
+from kvmove.sync.planning.formats import get_format
 from kvmove.sync.planning.plan import ShardingPlan, plan_rank
 from kvmove.sync.ranks.broadcast import open_group, receive_all
 from kvmove.sync.ranks.control import (
@@ -31,7 +32,7 @@ from kvmove.sync.ranks.control import (
 )
 from kvmove.sync.ranks.host import Host, RankSpec, die_after, handles, release_freed_memory, rss_bytes
 from kvmove.sync.ranks.puller import Puller, open_puller
-from kvmove.sync.verify import VERIFY_LIMIT_BYTES, bits_equal, seeded_checkpoint, verify_streaming
+from kvmove.sync.verify import VERIFY_LIMIT_BYTES, bits_equal, saved_checkpoint, seeded_checkpoint, verify_streaming
 from kvmove.transport import EndpointInfo
 from kvmove.transport.bandwidth import copy_ceiling
 
@@ -62,7 +63,8 @@ class EngineHost(Host):
     def make_plan(self) -> ShardingPlan:
         """Init step 3: dry-run this engine's own loader over recording tensors."""
         c = self.config
-        return plan_rank(c.model, c.engine, self.coord, reuse=c.options.reuse, engine=self.adapter)
+        source = get_format(c.tensor_format).source_tensors(c.model, c.trainer)
+        return plan_rank(c.model, c.engine, self.coord, reuse=c.options.reuse, engine=self.adapter, source=source)
 
     def pull(self, command: RunPulls) -> EngineStats:
         """One sync's pulls into ``target()``."""
@@ -73,15 +75,23 @@ class EngineHost(Host):
         """Bit-exact check against this engine's own loader fed the full checkpoint of ``version``; a checkpoint
         too large to materialize here is checked tensor by tensor against the plan's op chains instead."""
         c, weights = self.config, self.weights_device()
-        if model_totals(c.model).total_bytes > VERIFY_LIMIT_BYTES:
+        if model_totals(c.model).total_bytes > VERIFY_LIMIT_BYTES and c.reference is None:
             ok, bad = verify_streaming(c.model, self.plan, self.model, seed, version, weights)
             return VerifyResult(ok, 1, len(self.plan.regions), tuple(bad))
         ref = self.adapter.build(c.model, c.engine, self.coord, device=self.spec.device)
-        self.adapter.load_weights(ref, seeded_checkpoint(c.model, seed, version, weights).items())
+        self.adapter.load_weights(ref, self.reference(version, seed, weights).items())
         want = dict(ref.named_parameters())
         params = list(self.model.named_parameters())
         bad = [n for n, p in params if not bits_equal(p.data, want[n].data)]
         return VerifyResult(not bad, 1, len(params), tuple(bad))
+
+    def reference(self, version: int, seed: int, device: str) -> dict[str, torch.Tensor]:
+        """The full HF checkpoint of training step ``version``: saved by the trainer (``SyncConfig.reference``)
+        or seeded."""
+        c = self.config
+        if c.reference is not None:
+            return saved_checkpoint(c.model, c.reference.format(version=version), device)
+        return seeded_checkpoint(c.model, seed, version, device)
 
     def weights_device(self) -> str:
         """Where to generate reference weights: seeded bits depend on the device kind, so on the trainer's kind."""
@@ -126,7 +136,10 @@ class EngineHost(Host):
     def receive_broadcast(self, command: ReceiveBroadcast) -> EngineStats:
         c, device = self.config, self.spec.device
         _, pg = open_group(command.group, command.member, device, c.deadline_s)
-        stats = receive_all(hf_tensors(c.model), pg, self.adapter, self.model, self.spec.rank, device)
+        fmt = get_format(c.tensor_format)
+        metas = fmt.tensors(c.model, c.trainer)
+        to_hf = fmt.source_tensors(c.model, c.trainer).to_hf
+        stats = receive_all(metas, pg, self.adapter, self.model, self.spec.rank, device, to_hf)
         return stats._replace(rss_bytes=rss_bytes())
 
     @handles(VerifyWeights)

@@ -19,7 +19,7 @@ from kvmove.layout import TrainerLayout
 from kvmove.models.config import ModelConfig
 from kvmove.models.tensors import TensorMeta, hf_tensors
 from kvmove.sync.planning.direct import ArenaLayout, arena_layout, shard_views
-from kvmove.sync.planning.ownership import Ownership
+from kvmove.sync.planning.formats import get_format
 from kvmove.sync.planning.plan import Box
 from kvmove.sync.ranks.collectives import Collectives
 from kvmove.sync.ranks.control import Address
@@ -39,6 +39,8 @@ class SourceContext(NamedTuple):
     """A TCP rendezvous every trainer rank reaches (trainer rank 0 may host a store there) for the source's
     own process groups."""
     timeout_s: float
+    tensor_format: str = "hf"
+    """How the source must name and shape its tensors (``SyncConfig.tensor_format``)."""
 
 
 class Gathered(NamedTuple):
@@ -96,11 +98,16 @@ class WeightSource(ABC):
 def seeded_source(ctx: SourceContext) -> WeightSource:
     """kvmove's stand-in trainer: Megatron shards of seeded random weights, gathered over gloo/NCCL groups."""
     collectives = Collectives(ctx.rank, ctx.layout.world, ctx.store.host, ctx.store.port, ctx.timeout_s, ctx.device)
-    return ShardedSource(ctx.model, ctx.layout, ctx.rank, collectives, ctx.seed, ctx.device)
+    return ShardedSource(ctx.model, ctx.layout, ctx.rank, collectives, ctx.seed, ctx.device, ctx.tensor_format)
 
 
 class ShardedSource(WeightSource):
-    """One trainer rank's Megatron shards of a seeded model, in one arena; ``step`` stands in for an optimizer step."""
+    """One trainer rank's Megatron shards of a seeded model, in one arena; ``step`` stands in for an optimizer step.
+
+    ``tensor_format`` "hf" holds slices of HF tensors cut the way Megatron would; "megatron" holds megatron-core's
+    own tensors (fused, interleaved, vocabulary-padded: ``kvmove.models.megatron``), built from the same seeded
+    HF checkpoint the way Megatron-Bridge imports one, so engines verify against that checkpoint either way.
+    """
 
     def __init__(
         self,
@@ -110,12 +117,14 @@ class ShardedSource(WeightSource):
         collectives: Collectives,
         seed: int = 0,
         device: str = "cpu",
+        tensor_format: str = "hf",
     ):
         self.cfg, self.layout, self.rank, self.seed, self.device = cfg, layout, rank, seed, device
         self.coll = collectives
-        self.ownership = Ownership(cfg, layout)
+        self.format = get_format(tensor_format)
+        self.ownership = self.format.ownership(cfg, layout)
         self.version = -1
-        self._metas = {t.name: t for t in hf_tensors(cfg)}
+        self._metas = {t.name: t for t in self.format.tensors(cfg, layout)}
         self._layout = arena_layout(self.ownership, self._metas.values(), rank)
         self._arena = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=device)
         self._shards = shard_views(self._arena, self._layout, {n: t.dtype for n, t in self._metas.items()})
@@ -123,12 +132,21 @@ class ShardedSource(WeightSource):
     def step(self, version: int) -> None:
         """Weights of training step ``version`` (same seed and version: same bits everywhere), written in place into
         the arena (as an optimizer step updates parameters in place)."""
-        for name, box in self._layout.boxes.items():
-            full = seeded_tensor(self._metas[name], self.seed, version, self.device)
-            self._shards[name].copy_(full[box.slices()])
+        for name, full in self._full_tensors(version):
+            self._shards[name].copy_(full[self._layout.boxes[name].slices()])
         if self._arena.is_cuda:  # peers read the arena from other processes: the bytes must be in place
             torch.cuda.current_stream(self._arena.device).synchronize()
         self.version = version
+
+    def _full_tensors(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full tensors this rank holds a shard of, at ``version`` (built from the seeded HF checkpoint)."""
+        hf_metas = {t.name: t for t in hf_tensors(self.cfg)}
+
+        def hf(name: str) -> torch.Tensor:
+            return seeded_tensor(hf_metas[name], self.seed, version, self.device)
+
+        for name in self._layout.boxes:
+            yield name, self.format.from_hf(self.cfg, self.layout, hf, self._metas[name])
 
     def arena(self) -> tuple[torch.Tensor, ArenaLayout]:
         return self._arena, self._layout

@@ -63,7 +63,7 @@ class TrainerHost(Host):
     @handles(OpenSource)
     def open_source(self, command: OpenSource) -> TrainerHello:
         c, s = self.config, self.spec
-        ctx = SourceContext(c.model, c.trainer, s.rank, s.device, c.seed, command.store, c.deadline_s)
+        ctx = SourceContext(c.model, c.trainer, s.rank, s.device, c.seed, command.store, c.deadline_s, c.tensor_format)
         self._source = (c.source or seeded_source)(ctx)
         arena = self._source.arena()
         shards = tuple(self._source.shards().items())

@@ -103,5 +103,9 @@ def test_view_box_and_relative_view(shape: list[int], data) -> None:
     assert torch.equal(sv.apply(full), view)
 
 
-def test_view_box_rejects_non_box() -> None:
-    assert view_box(StridedView(0, (3,), (2,)), (6,)) is None  # every other element
+def test_view_box_bounds_strided_views() -> None:
+    # every other element: the smallest box holding them (the view reads inside it)
+    assert view_box(StridedView(0, (3,), (2,)), (6,)) == Box((0,), (5,))
+    # query rows of two groups of a fused [q, q, k, v] x 2 tensor (rows of 4): rows 0-1 and 4-5
+    assert view_box(StridedView(0, (2, 2, 4), (16, 4, 1)), (8, 4)) == Box((0, 0), (6, 4))
+    assert view_box(StridedView(1, (2,), (5,)), (3, 3)) is None  # a view dim mixing tensor dims

@@ -93,3 +93,19 @@ def test_dry_run_of_a_loader_that_peeks_at_values_fails() -> None:
 
     with pytest.raises(UnrecordableOpError, match="'mul'"):
         dry_run(holder, [TensorMeta("x.weight", (6, 4))], bad_loader)
+
+
+def test_a_copying_reshape_is_refined_into_one_strided_view() -> None:
+    from kvmove.sync.planning.recording import Op, StridedView, refine
+
+    # q rows out of a [q, q, k, v] x 2 interleave (rows of 4): view into groups, narrow, reshape (copies)
+    chain = (Op("view", (2, 4, 4)), Op("__getitem__", ((slice(None), slice(0, 2)),)), Op("reshape", (4, 4)))
+    src, dst = refine((8, 4), chain, StridedView(0, (4, 4), (4, 1)))
+    assert src == StridedView(0, (2, 2, 4), (16, 4, 1)) and dst == StridedView(0, (2, 2, 4), (8, 4, 1))
+    x = torch.arange(32).view(8, 4)
+    assert torch.equal(src.apply(x).reshape(4, 4), x.view(2, 4, 4)[:, :2].reshape(4, 4))
+    # three of those rows across the group boundary (rows 1, 4, 5 of the tensor): no strided view
+    assert refine((8, 4), (*chain, Op("narrow", (0, 1, 3))), StridedView(0, (3, 4), (4, 1))) is None
+    # a transpose flattened by a copying reshape is one
+    flat = refine((6,), (Op("view", (3, 2)), Op("t"), Op("reshape", (6,))), StridedView(0, (6,), (1,)))
+    assert flat is not None and flat[0] == StridedView(0, (2, 3), (1, 2))

@@ -1,11 +1,12 @@
 """The WeightSource seam: a second source, written here from scratch (a plain dict of torch tensors sharded by
 hand, its own torch.distributed process group), syncs and verifies through both launchers; init step 1 refuses
-a source whose shards differ from the trainer layout."""
+a source whose shards do not tile a tensor (kvmove's own source: whose shards differ from the trainer layout)."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 
 import pytest
 import torch
@@ -110,16 +111,21 @@ def test_a_second_weight_source_syncs_and_verifies(launcher: str, request: pytes
     assert len({r.bytes for r in results[:3]}) == 1
 
 
-def test_a_source_whose_shards_differ_from_the_layout_is_refused() -> None:
+def test_a_source_whose_shards_do_not_tile_a_tensor_is_refused() -> None:
     config = _config("processes")
     address = Address("127.0.0.1", 0)
     hellos = [
         TrainerHello(r, 0, address, tuple((t.name, shard_box(t, r, 2)) for t in hf_tensors(config.model)), None)
         for r in range(2)
     ]
-    assert check_ownership(config, hellos) is False  # the layout's shards, no arena: valid, every region packed
+    declared = check_ownership(config, hellos)
+    assert declared.arenas is None  # no arena: valid, every region packed
+    assert declared.ownership.slices(hf_tensors(config.model)[0])  # the shards as the ranks declared them
     (name, box), *rest = hellos[1].shards
     wrong = Box((0, *box.start[1:]), (box.stop[0] - box.start[0], *box.stop[1:]))  # rank 0's half, not its own
     hellos[1] = hellos[1]._replace(shards=((name, wrong), *rest))
-    with pytest.raises(KvmoveError, match=rf"trainer rank 1 (does not )?hold.* {name}, unlike the trainer layout"):
+    with pytest.raises(KvmoveError, match=rf"the shards trainer ranks hold of {name} .* do not tile it"):
         check_ownership(config, hellos)
+    # kvmove's own seeded source (no SyncConfig.source) must hold exactly what the layout's rules give each rank
+    with pytest.raises(KvmoveError, match=rf"trainer rank 1 (does not )?hold.* {name}, unlike the trainer layout"):
+        check_ownership(replace(config, source=None), hellos)
