@@ -40,7 +40,7 @@ def test_irregular_spans_stay_1d_and_mixed_runs_fold_only_where_regular() -> Non
     irregular = np.array([[0, 0, 10], [100, 10, 7], [300, 17, 3]], dtype=np.int64)
     plan = plan_copies(irregular)
     assert plan.ncopies == 3 and (plan.copies[:, HEIGHT] == 1).all()
-    mixed = np.concatenate([irregular, _column_block(8, 64, 0, 16) + [1000, 20, 0]])
+    mixed = np.concatenate([irregular, _column_block(8, 64, 0, 16) + np.array([1000, 20, 0])])
     plan = plan_copies(mixed)
     assert plan.ncopies == 4 and plan.strided.tolist() == [[1000, 20, 32, 8, 128, 32]]
     np.testing.assert_array_equal(expand(plan), mixed)
