@@ -69,6 +69,11 @@ def ceiling_seconds(split: LinkBytes, copy_gbps: float, link_gbps: float) -> flo
     device's memory share that memory's bandwidth, and this is the ceiling the issue states (local bytes at the
     device-copy rate, crossing bytes at the P2P rate, each link direction once).
     """
-    local = split.local_max / (copy_gbps * 1e9) if split.local_max else 0.0
-    cross = split.cross_max / (link_gbps * 1e9) if split.cross_max else 0.0
+    return seconds_at(split.local_max, split.cross_max, copy_gbps, link_gbps)
+
+
+def seconds_at(local_max: int, cross_max: int, copy_gbps: float, link_gbps: float) -> float:
+    """:func:`ceiling_seconds` of a split given by its busiest device's and busiest link direction's bytes."""
+    local = local_max / (copy_gbps * 1e9) if local_max else 0.0
+    cross = cross_max / (link_gbps * 1e9) if cross_max else 0.0
     return local + cross
