@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvmove.bench.results import Row
 from kvmove.errors import JobFailed, KvmoveError
 from kvmove.sync.planning.ceiling import seconds_at
 
 if TYPE_CHECKING:
-    from kvmove.bench.gpu import GpuSuite
     from kvmove.models.config import ModelConfig
     from kvmove.sync.config import Placement, SyncConfig
     from kvmove.sync.driver.result import SyncResult
@@ -54,6 +53,37 @@ LAYOUTS = (
     Layout("tp=2,ep=2", "tp=1", 2),
 )
 """The issue's four resharding layouts and the 1->1 one (Qwen3-235B-A22B slices at full layer width)."""
+
+
+class GpuSuite(Protocol):
+    """What the matrix reads of ``kvmove.bench.gpu.GpuSuite`` (read-only)."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def layers(self) -> int: ...
+
+    @property
+    def syncs(self) -> int: ...
+
+    @property
+    def transports(self) -> tuple[str, ...]: ...
+
+    @property
+    def strategies(self) -> str: ...
+
+    @property
+    def layouts(self) -> tuple[Layout, ...]: ...
+
+    @property
+    def devices(self) -> tuple[str, ...]: ...
+
+    @property
+    def deadline_s(self) -> float: ...
+
+    @property
+    def cuda(self) -> bool: ...
 
 
 class Rates(NamedTuple):

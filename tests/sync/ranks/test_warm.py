@@ -10,8 +10,8 @@ import pytest
 
 from kvmove.layout import TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.ports import free_port
 from kvmove.sync.planning.schedule import Pull
-from kvmove.sync.ranks.collectives import free_port
 from kvmove.sync.ranks.control import Address
 from kvmove.sync.ranks.engine import interleaved
 from kvmove.sync.ranks.source import SourceContext, seeded_source
