@@ -24,8 +24,10 @@ def test_warm_creates_every_group_a_sync_then_uses(scope: Gather) -> None:
     store = Address("127.0.0.1", free_port())
     out: dict[int, Any] = {}
     errors: list[BaseException] = []
+    done = threading.Barrier(layout.world)
 
     def rank(r: int) -> None:
+        source = None
         try:
             source = seeded_source(SourceContext(cfg, layout, r, "cpu", 0, store, 60.0))
             source.warm({scope})
@@ -37,6 +39,9 @@ def test_warm_creates_every_group_a_sync_then_uses(scope: Gather) -> None:
             out[r] = (warmed, set(source.coll._groups), calls, source.collective_calls)  # type: ignore[attr-defined]
         except BaseException as exc:
             errors.append(exc)
+        finally:  # NOTE: rank 0's source hosts the store: it stays alive until every rank is done with it
+            done.wait(120)
+            del source
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(layout.world)]
     for t in threads:
