@@ -1,11 +1,12 @@
-"""The GPU suite (``kvmove bench run --suite gpu``): link ceilings, weight syncs between two devices, KV copies.
+"""The GPU suite (``kvmove bench run --suite gpu``): link ceilings, a matrix of weight syncs, KV copies.
 
-No Ray: the syncs run on the processes launcher (one process per rank, trainer on ``devices[0]``, engine on
-``devices[1]``), through ``run_syncs`` and ``sync_row`` like every other sync row. One run measures:
-1. ceilings: peer-to-peer copy, send/recv (NCCL on GPUs, gloo on CPU), device copy, pinned and pageable
-   host<->device copies (GPU only); every later figure is held to one of these (``link_limit_gbps``);
-2. weight syncs of a Qwen3-235B-A22B slice at full layer width (all 128 experts per layer, ``layers`` decoder
-   layers plus embedding and head), every strategy and transport, every sync verified;
+No Ray: the syncs run on the processes launcher (one process per rank), through ``run_syncs`` and ``sync_row``
+like every other sync row. It runs on one GPU or more (``devices``). One run measures:
+1. ceilings: device copy, pinned and pageable host<->device copies (GPU only) and, with two devices, peer-to-peer
+   copy and send/recv (NCCL on GPUs, gloo on CPU);
+2. the weight-sync matrix (``kvmove.bench.matrix``) of a Qwen3-235B-A22B slice at full layer width (all 128
+   experts per layer, ``layers`` decoder layers plus embedding and head): every layout, placement, strategy and
+   transport, every sync verified, and each cell's ceiling from the device-copy and P2P rates measured in step 1;
 3. KV-migration copies of Qwen3-235B-A22B-shaped KV (94 layers, 4 KV heads, head_dim 128): device pool ->
    host pool -> host pool -> device pool, per prompt length.
 On CPU devices the same code is its own CI twin (a tiny model, gloo/nixl, small buffers).
@@ -13,7 +14,6 @@ On CPU devices the same code is its own CI twin (a tiny model, gloo/nixl, small 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import statistics
 import time
@@ -23,10 +23,11 @@ from functools import partial
 
 import torch
 
+from kvmove.bench import matrix
+from kvmove.bench.matrix import LAYOUTS, Layout, Rates
 from kvmove.bench.results import Row
-from kvmove.errors import JobFailed, KvmoveError
+from kvmove.errors import KvmoveError
 from kvmove.kvcache import HostKVPool, KVGeometry, KVPool
-from kvmove.models.config import ModelConfig
 
 GiB = 1 << 30
 Say = Callable[[str], None]
@@ -41,10 +42,12 @@ class GpuSuite:
     layers: int = 8
     syncs: int = 3
     transports: tuple[str, ...] = ("cuda-ipc", "nixl", "nccl")
-    """Pull transports; one not installed here is skipped (and said so)."""
-    variants: str = "v1,v2,v3,broadcast"
-    """Strategies, ``strategy[:packed]`` (``:packed`` turns direct pulls off)."""
-    devices: tuple[str, str] = ("cuda:0", "cuda:1")
+    """Pull transports; one not installed here is not run (and said so)."""
+    strategies: str = "v1,v2,v3,broadcast"
+    """Strategies of every cell (the broadcast baseline only where ranks do not share devices)."""
+    layouts: tuple[Layout, ...] = LAYOUTS
+    devices: tuple[str, ...] = ("cuda:0", "cuda:1")
+    """One device: every rank colocated on it; two: the disaggregated 1->1 cell too, and the P2P ceiling."""
     prompt_lens: tuple[int, ...] = (1024, 4096, 16384, 32768)
     kv_layers: int = 94
     ceiling_bytes: int = 2 * GiB
@@ -73,8 +76,8 @@ class GpuSuite:
 
 def gpu_suite(suite: GpuSuite, record: Record, say: Say) -> list[Row]:
     """Run ``suite`` (ceilings, then KV copies, then syncs); ``record`` gets each batch of rows as it lands."""
-    if suite.cuda and torch.cuda.device_count() < 2:
-        raise KvmoveError("the gpu suite needs two CUDA GPUs (its CPU twin: GpuSuite.cpu_twin())")
+    if suite.cuda and torch.cuda.device_count() < len(suite.devices):
+        raise KvmoveError(f"the gpu suite on {', '.join(suite.devices)} needs {len(suite.devices)} CUDA GPU(s)")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared machines
     rows: list[Row] = []
     if "ceilings" in suite.parts:
@@ -82,9 +85,17 @@ def gpu_suite(suite: GpuSuite, record: Record, say: Say) -> list[Row]:
     if "kv" in suite.parts:
         rows += _recorded(record, kv_migration(suite, say))
     if "sync" in suite.parts:
-        p2p = next((r.gbps for r in rows if r.name.startswith("ceiling p2p")), 0.0)
-        rows += weight_syncs(suite, p2p, record, say)
+        rows += matrix.weight_syncs(suite, rates(rows), record, say)
     return rows
+
+
+def rates(ceiling_rows: list[Row]) -> Rates:
+    """Copy rates of this run: inside a device (half the read+write figure) and over the P2P link (0: none)."""
+    copy = next((r.gbps / 2 for r in ceiling_rows if r.name.startswith("ceiling device copy")), 0.0)
+    p2p = next((r.gbps for r in ceiling_rows if r.name.startswith("ceiling p2p")), 0.0)
+    if not copy:
+        raise KvmoveError("the weight-sync matrix needs this run's device-copy ceiling: run the ceilings part too")
+    return Rates(copy, p2p)
 
 
 def _recorded(record: Record, rows: list[Row]) -> list[Row]:
@@ -117,27 +128,29 @@ def _row(name: str, nbytes: int, seconds: float) -> Row:
 
 
 def ceilings(suite: GpuSuite, say: Say, repeats: int = 5) -> list[Row]:
-    """Copy and send/recv ceilings between ``suite.devices``, and host<->device copies on GPUs."""
-    n, (d0, d1) = suite.ceiling_bytes, suite.devices
+    """Copy ceilings (device copy; with two devices P2P copy and send/recv), and host<->device copies on GPUs."""
+    n, d0, d1 = suite.ceiling_bytes, suite.devices[0], suite.devices[-1]
     rows = _copy_ceilings(suite, repeats)
     if suite.cuda:
         torch.cuda.empty_cache()
     backend = "nccl" if suite.cuda else "gloo"
-    rows.append(_row(f"ceiling {backend} send/recv {d0}->{d1}", n, _send_recv(suite.devices, n, repeats)))
+    if len(suite.devices) > 1:
+        rows.append(_row(f"ceiling {backend} send/recv {d0}->{d1}", n, _send_recv((d0, d1), n, repeats)))
+    else:
+        say("one device: no peer-to-peer or send/recv ceiling (every rank is colocated on it)")
     for r in rows:
         say(f"{r.name}: {r.gbps:.1f} GB/s")
     return rows
 
 
 def _copy_ceilings(suite: GpuSuite, repeats: int) -> list[Row]:
-    n, (d0, d1) = suite.ceiling_bytes, suite.devices
+    n, d0, d1 = suite.ceiling_bytes, suite.devices[0], suite.devices[-1]
     a = torch.empty(n, dtype=torch.uint8, device=d0)
-    b = torch.empty(n, dtype=torch.uint8, device=d1)
     a2 = torch.empty_like(a)
-    rows = [
-        _row(f"ceiling p2p copy {d0}->{d1}", n, _timed(lambda: b.copy_(a), repeats)),
-        _row("ceiling device copy (read+write)", 2 * n, _timed(lambda: a2.copy_(a), repeats)),
-    ]
+    rows = [_row("ceiling device copy (read+write)", 2 * n, _timed(lambda: a2.copy_(a), repeats))]
+    if len(suite.devices) > 1:
+        b = torch.empty(n, dtype=torch.uint8, device=d1)
+        rows.insert(0, _row(f"ceiling p2p copy {d0}->{d1}", n, _timed(lambda: b.copy_(a), repeats)))
     if suite.cuda:
         pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         pageable = torch.empty(n, dtype=torch.uint8)
@@ -193,85 +206,12 @@ def _send_recv(devices: tuple[str, str], nbytes: int, repeats: int) -> float:
             p.join(60)
 
 
-# -- weight syncs ----------------------------------------------------------------------------------------------
-def parse_variants(text: str) -> list[tuple[str, bool]]:
-    """``"v3,v3:packed"`` -> [("v3", True), ("v3", False)]: (strategy, direct pulls)."""
-    out = []
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        name, _, mode = item.partition(":")
-        if mode not in ("", "packed", "direct"):
-            raise KvmoveError(f"unknown variant {item!r} (strategy[:packed|:direct])")
-        out.append((name, mode != "packed"))
-    return out
-
-
-def weight_syncs(suite: GpuSuite, p2p_gbps: float, record: Record, say: Say) -> list[Row]:
-    """Every (transport, variant): its own rank processes, ``suite.syncs`` verified syncs, one row each."""
-    from kvmove.models import model_totals, resolve_model
-    from kvmove.sync.strategies import parse_strategies
-    from kvmove.transport import TRANSPORTS
-
-    cfg = resolve_model(suite.model, {"num_hidden_layers": suite.layers})
-    say(f"weight sync: {cfg.name} with {suite.layers} layers, {model_totals(cfg).total_bytes / 1e9:.1f} GB per sync")
-    rows: list[Row] = []
-    transports = [t for t in suite.transports if t in TRANSPORTS and TRANSPORTS[t].is_available()]
-    for skipped in sorted(set(suite.transports) - set(transports)):
-        say(f"{skipped}: not installed here, skipped")
-    for transport in transports:
-        for strategy, direct in parse_variants(suite.variants):
-            if not parse_strategies(strategy)[0].pulls and transport != transports[0]:
-                continue  # the baseline is one collective whatever the pull transport
-            rows += _recorded(record, _variant(suite, cfg, transport, strategy, direct, p2p_gbps, say))
-            if suite.cuda:
-                torch.cuda.empty_cache()
-    return rows
-
-
-def _variant(
-    suite: GpuSuite, cfg: ModelConfig, transport: str, strategy: str, direct: bool, p2p_gbps: float, say: Say
-) -> list[Row]:
-    from kvmove.bench.syncs import sync_row
-    from kvmove.layout import EngineLayout, TrainerLayout
-    from kvmove.sync.config import Placement, SyncConfig, SyncOptions
-    from kvmove.sync.driver.run import run_syncs
-    from kvmove.sync.strategies import parse_strategies
-
-    say(f"{transport} {strategy} ({'direct' if direct else 'packed'} pulls)")
-    config = SyncConfig(
-        model=cfg,
-        trainer=TrainerLayout(),  # NOTE: NCCL refuses two ranks of one communicator on one GPU: one rank per side
-        engine=EngineLayout(),
-        strategies=tuple(parse_strategies(strategy)),
-        transport=transport,
-        syncs=suite.syncs,
-        verify=True,
-        options=SyncOptions(direct=direct),
-        placement=Placement("processes", (suite.devices[0],), (suite.devices[1],)),
-        deadline_s=suite.deadline_s,
-    )
-    rows = []
-    try:
-        for r in run_syncs(config, progress=say):
-            head = f"  {r.transport} {r.strategy} sync {r.sync}: {r.seconds:.4f} s, {r.gbps:.1f} GB/s"
-            say(f"{head}, verified={r.verified}")
-            extra: dict[str, object] = {
-                "p2p_gbps": p2p_gbps,
-                "fraction_of_p2p": r.gbps / p2p_gbps if p2p_gbps else None,
-                "model_overrides": {"num_hidden_layers": suite.layers},  # the simulator rebuilds the slice
-            }
-            row = sync_row(config, r, suite="gpu", extra=extra)
-            rows.append(dataclasses.replace(row, link_limit_gbps=p2p_gbps or row.link_limit_gbps))
-    except (KvmoveError, JobFailed) as exc:  # one failed transport must not lose the others' rows
-        say(f"  {transport} {strategy} FAILED: {exc}")
-    return rows
-
-
 # -- KV migration copies ---------------------------------------------------------------------------------------
 def kv_migration(suite: GpuSuite, say: Say, repeats: int = 3) -> list[Row]:
     """Device -> host -> host -> device copies of Qwen3-235B-A22B-shaped KV, per prompt length."""
     geo = KVGeometry(num_layers=suite.kv_layers, num_kv_heads=4, head_dim=128, page_size=16, dtype=torch.bfloat16)
     pages = -(-max(suite.prompt_lens) // geo.page_size)
-    src, dst = KVPool(geo, pages, device=suite.devices[0]), KVPool(geo, pages, device=suite.devices[1])
+    src, dst = KVPool(geo, pages, device=suite.devices[0]), KVPool(geo, pages, device=suite.devices[-1])
     host_a, host_b = HostKVPool(geo, pages, pin_memory=suite.cuda), HostKVPool(geo, pages, pin_memory=suite.cuda)
     for pool in (src, dst, host_a, host_b):
         pool.alloc(pages)  # a fresh allocator hands out 0..pages-1: each migration below is one run of pages

@@ -58,7 +58,9 @@ def sync_row(config: SyncConfig, r: SyncResult, suite: str = "sync", extra: dict
             "engine_kind": config.engine_kind,
             "launcher": r.launcher,
             "trainer_devices": list(config.placement.trainer_devices),
-            "engine_devices": list(config.placement.engine_devices),
+            "engine_devices": list(config.placement.used_engine_devices()),
+            "placement": config.placement.mode,
+            **r.link_bytes,
             **(extra or {}),
         },
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, NamedTuple
 
 import typer
 
@@ -64,6 +64,15 @@ def run(
         typer.Option("--transport", help="Transport of the sync, vllm (pulls) and decode-latency (KV) suites."),
     ] = BenchTransport.auto,
     syncs: Annotated[int, typer.Option("--syncs", min=1, help="Syncs per strategy in the sync suite.")] = 3,
+    layers: Annotated[
+        int,
+        typer.Option(
+            "--layers", min=0, help="gpu suite: decoder layers of the synced slice (0: 8 on two GPUs, 2 on one)."
+        ),
+    ] = 0,
+    gpus: Annotated[
+        int, typer.Option("--gpus", min=0, max=2, help="gpu suite: GPUs to use (0: all, at most two).")
+    ] = 0,
     as_json: JsonOpt = False,
 ) -> None:
     """Run a benchmark suite; print its rows and, with --results DIR, append them to DIR/<suite>.parquet.
@@ -73,7 +82,7 @@ def run(
     Example: kvmove bench run --suite sync --syncs 3 --results results/   # the rows the README quotes
     """
     if suite is Suite.gpu:
-        _gpu_syncs(results, transport.value, syncs, as_json)
+        _gpu_syncs(results, transport.value, GpuShape(syncs, layers, gpus), as_json)
         return
     if suite is Suite.migration_gpu:
         _gpu(results, gpus=1, module="kvmove.bench.resume")  # NOTE: one GPU, plain torch
@@ -133,9 +142,18 @@ def _gpu(results: Path | None, gpus: int, module: str) -> None:
     importlib.import_module(module).main(["--out", str(results)])
 
 
-def _gpu_syncs(results: Path | None, transport: str, syncs: int, as_json: bool) -> None:
-    """Two GPUs, no Ray (kvmove.bench.gpu): ceilings, every strategy and transport (``auto``: cuda-ipc, nixl where
-    installed, nccl; or the one given), KV copies; rows recorded as they land, labelled with the GPU."""
+class GpuShape(NamedTuple):
+    """What ``--syncs``, ``--layers`` and ``--gpus`` ask of the gpu suite (0: the default)."""
+
+    syncs: int
+    layers: int
+    gpus: int
+
+
+def _gpu_syncs(results: Path | None, transport: str, shape: GpuShape, as_json: bool) -> None:
+    """One or two GPUs, no Ray (kvmove.bench.gpu): ceilings, the weight-sync matrix (every layout, placement,
+    strategy and transport: ``auto`` is cuda-ipc, nixl where installed, nccl; or the one given) with a ceiling per
+    cell, KV copies; rows recorded as they land, labelled with the GPU."""
     from dataclasses import replace
 
     import torch
@@ -143,12 +161,21 @@ def _gpu_syncs(results: Path | None, transport: str, syncs: int, as_json: bool) 
     from kvmove.bench.gpu import GpuSuite, gpu_suite
     from kvmove.bench.results import Labels, append_rows, git_commit, hardware_label, versions
 
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        raise KvmoveError("this suite needs two CUDA GPUs (its CPU twin: kvmove.bench.gpu.GpuSuite.cpu_twin())")
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = shape.gpus or min(have, 2)
+    if have < max(gpus, 1):
+        raise KvmoveError(
+            f"this suite needs {max(gpus, 1)} CUDA GPU(s), {have} visible (its CPU twin: GpuSuite.cpu_twin())"
+        )
     if results is None:
         raise KvmoveError("a GPU suite records its rows as it goes: give --results DIR (e.g. --results results/)")
-    suite = GpuSuite(syncs=syncs) if transport == "auto" else replace(GpuSuite(syncs=syncs), transports=(transport,))
-    labels = Labels(hardware_label("cuda"), {**versions(), "cuda": str(torch.version.cuda)}, git_commit())
+    devices = tuple(f"cuda:{i}" for i in range(gpus))
+    layers = shape.layers or (8 if gpus > 1 else 2)  # NOTE: one GPU holds the trainer's and the engine's copies
+    suite = GpuSuite(syncs=shape.syncs, layers=layers, devices=devices)
+    if transport != "auto":
+        suite = replace(suite, transports=(transport,))
+    hardware = f"{hardware_label('cuda').rsplit(' x', 1)[0]} x{gpus}"  # the GPUs this run used
+    labels = Labels(hardware, {**versions(), "cuda": str(torch.version.cuda)}, git_commit())
     with streams.progress() as say:
         rows = gpu_suite(suite, lambda new: append_rows(results, "gpu", new, labels) if new else None, say)
     streams.note(f"{len(rows)} gpu rows appended to {results / 'gpu.parquet'}")

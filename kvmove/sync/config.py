@@ -89,13 +89,17 @@ def parse_devices(text: str, flag: str) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Placement:
     """Where the ranks run: the launcher that starts them (a key of ``kvmove.sync.launchers.LAUNCHERS``), the
-    device of each rank (``*_devices`` are cycled over the ranks of that side) and the Ray cluster to join."""
+    device of each rank (``*_devices`` are cycled over the ranks of that side) and the Ray cluster to join.
+
+    ``colocated``: trainer and engine ranks share devices, as hybrid engines run RL (verl and the like): engine rank
+    i runs on trainer rank i's device (``trainer_devices`` cycled), and ``engine_devices`` is not used.
+    Disaggregated (the default): each side on its own devices.
+    """
 
     launcher: str = "ray"
     trainer_devices: tuple[str, ...] = ("cpu",)
     engine_devices: tuple[str, ...] = ("cpu",)
     colocated: bool = False
-    """Trainer and engine ranks sharing devices (not built yet: refused up front)."""
     ray_address: str | None = None
     """Ray launcher: the cluster to join (None: a local Ray on loopback)."""
 
@@ -103,7 +107,17 @@ class Placement:
         return self.trainer_devices[rank % len(self.trainer_devices)]
 
     def engine_device(self, rank: int) -> str:
+        if self.colocated:
+            return self.trainer_device(rank)
         return self.engine_devices[rank % len(self.engine_devices)]
+
+    @property
+    def mode(self) -> str:
+        return "colocated" if self.colocated else "disaggregated"
+
+    def used_engine_devices(self) -> tuple[str, ...]:
+        """The devices engine ranks run on (the trainer's where colocated)."""
+        return self.trainer_devices if self.colocated else self.engine_devices
 
     @property
     def loopback(self) -> bool:

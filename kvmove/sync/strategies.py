@@ -62,6 +62,11 @@ class Overlap:
     """Trainer serve slots per consuming engine rank (more: packs ahead of reads)."""
     gather_ahead: bool = False
     """Trainer ranks gather up to ``SyncOptions.lookahead`` groups ahead of the oldest unreleased one."""
+    direct_ahead: bool = False
+    """Engine ranks start every direct pull of the sync at once and keep them in flight during the packed pulls
+    (otherwise each direct pull is read, as one batch, in its group's turn)."""
+    interleave: bool = False
+    """Engine ranks alternate packed pulls between trainer ranks (pipeline stages pack at once, not in turn)."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,13 @@ class Strategy:
 
 
 PIPELINED = Overlap(
-    requests_ahead=1, receive_slots=2, background_load=True, serve_slots_per_engine=2, gather_ahead=True
+    requests_ahead=1,
+    receive_slots=2,
+    background_load=True,
+    serve_slots_per_engine=2,
+    gather_ahead=True,
+    direct_ahead=True,
+    interleave=True,
 )
 
 STRATEGIES: dict[str, Strategy] = {

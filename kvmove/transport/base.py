@@ -12,7 +12,7 @@ import importlib
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -73,6 +73,15 @@ class EndpointInfo:
     payload: Any = None
 
 
+class ReadItem(NamedTuple):
+    """A checked read: the peer, the remote buffer, the local tensor and the validated spans."""
+
+    peer: EndpointInfo
+    remote: BufferDesc
+    local: torch.Tensor
+    spans: np.ndarray
+
+
 def import_optional(module: str, extra: str, what: str) -> Any:
     """Import ``module`` or raise MissingDependencyError naming the pip extra that provides it."""
     try:
@@ -121,6 +130,30 @@ def coalesce(spans: np.ndarray) -> np.ndarray:
     return merged
 
 
+class Read(NamedTuple):
+    """One read of a batch: ``ranges`` of ``remote`` into ``local`` (as :meth:`Transport.read` takes them)."""
+
+    remote: BufferDesc
+    local: BufferDesc
+    ranges: Sequence[Range] | np.ndarray
+
+
+class PendingReads:
+    """Reads started by :meth:`Transport.start_reads`; :meth:`wait` returns once every byte is in place."""
+
+    def __init__(self, nbytes: int, started: float, finish: Callable[[], None] | None = None) -> None:
+        self.nbytes, self.started, self._finish = nbytes, started, finish
+        self._stats = None if finish is not None else TransferStats(nbytes, time.perf_counter() - started)
+
+    def wait(self) -> TransferStats:
+        """Block until done; the seconds run from the start of the batch. Idempotent."""
+        if self._stats is None:
+            assert self._finish is not None
+            self._finish()
+            self._stats = TransferStats(self.nbytes, time.perf_counter() - self.started)
+        return self._stats
+
+
 class Transport(ABC):
     """One endpoint of a point-to-point byte mover; one per process, used from one thread.
 
@@ -132,6 +165,10 @@ class Transport(ABC):
     - ``read(remote, local, ranges)`` pulls ``remote[ro:ro+n]`` into ``local[lo:lo+n]`` for every range, all in
       one go, and returns when the bytes are in ``local``. The server does nothing per read (one-sided) or
       answers from a background thread / actor method; it may overwrite a buffer once every read of it returned.
+    - ``start_reads(reads)`` starts a batch of reads at once and returns a :class:`PendingReads` (transports that
+      can leave them in flight do; the others read before returning); ``prepare(reads)`` does, once, at init,
+      whatever a later batch of the same reads would otherwise do the first time (so a first sync costs what the
+      next ones do). The local buffers of a batch must not be touched until it was waited for.
     - ``close()`` releases registrations and connections; the endpoint is unusable afterwards.
     """
 
@@ -149,6 +186,11 @@ class Transport(ABC):
     """The endpoint must live in a Ray actor that mixes in ``ServesSlots`` (Ray-object transports)."""
     actor_group: ClassVar[str | None] = None
     """Backend of the Ray collective group the launcher creates over every rank actor first (``rdt-gloo``)."""
+    strided: ClassVar[bool] = False
+    """Reads run 2-D copy plans (``kvmove.transport.copies``): a strided region costs a copy per pattern, not per
+    row, so planners may read regions of many short rows directly."""
+    shares_devices: ClassVar[bool] = True
+    """Two endpoints may live on one GPU (trainer and engine ranks colocated); NCCL's cannot."""
 
     def __init__(self) -> None:
         self.endpoint = f"{self.name}-{uuid.uuid4().hex[:12]}"
@@ -211,6 +253,37 @@ class Transport(ABC):
             self._read(peer, remote, self._buffers[local.buffer_id], spans)
         return TransferStats(int(spans[:, 2].sum()), time.perf_counter() - start)
 
+    def start_reads(self, reads: Sequence[Read]) -> PendingReads:
+        """Start every read of ``reads`` (checked as :meth:`read` checks one); wait on the result for the bytes."""
+        start = time.perf_counter()
+        items = self._items(reads)
+        finish = self._start(items) if items else None
+        return PendingReads(sum(int(i.spans[:, 2].sum()) for i in items), start, finish)
+
+    def prepare(self, reads: Sequence[Read]) -> None:
+        """Do at init what the first batch of these reads would do (peer access, copy plans, NIXL requests)."""
+        items = self._items(reads)
+        if items:
+            self._prepare(items)
+
+    def _items(self, reads: Sequence[Read]) -> list[ReadItem]:
+        self._check_open()
+        out = []
+        for r in reads:
+            peer = self._peers.get(r.remote.endpoint)
+            if peer is None:
+                raise TransportError(
+                    f"remote buffer belongs to {r.remote.endpoint!r}, which this endpoint never connected"
+                )
+            if r.local.endpoint != self.endpoint or r.local.buffer_id not in self._buffers:
+                raise TransportError(
+                    f"local buffer {r.local.endpoint}#{r.local.buffer_id} is not registered with this endpoint"
+                )
+            spans = check_ranges(r.remote, r.local, r.ranges)
+            if len(spans):
+                out.append(ReadItem(peer, r.remote, self._buffers[r.local.buffer_id], spans))
+        return out
+
     def close(self) -> None:
         """Release registrations and connections; idempotent."""
         if not self._closed:
@@ -238,6 +311,16 @@ class Transport(ABC):
     @abstractmethod
     def _read(self, peer: EndpointInfo, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> None:
         """Move ``spans`` (validated ``(n, 3)`` int64, non-empty) from ``remote`` into ``local``."""
+
+    def _start(self, items: list[ReadItem]) -> Callable[[], None] | None:
+        """Start the (checked, non-empty) reads; return what finishes them, or None when they are done already
+        (the default: one :meth:`_read` after another)."""
+        for i in items:
+            self._read(i.peer, i.remote, i.local, i.spans)
+        return None
+
+    def _prepare(self, items: list[ReadItem]) -> None:  # noqa: B027 - most transports need nothing here
+        pass
 
     def _close(self) -> None:  # noqa: B027
         pass

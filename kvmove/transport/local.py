@@ -2,7 +2,8 @@
 one process: the GPU resume benchmark on a machine without NIXL, and its CPU twin.
 
 Endpoints find each other by name in a process-wide table (weak: a closed or collected endpoint is gone); a read
-copies each span with one tensor copy. It never crosses a process, so servers never pick it.
+runs its spans as a 2-D copy plan with torch strided-view copies (``kvmove.transport.copies``: the CPU twin of
+the CUDA transports' 2-D copies). It never crosses a process, so servers never pick it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from kvmove.transport.base import BufferDesc, EndpointInfo, Transport, TransportError
+from kvmove.transport.copies import copy_views, plan_copies
 
 _ENDPOINTS: weakref.WeakValueDictionary[str, LocalTransport] = weakref.WeakValueDictionary()
 _TABLE_LOCK = threading.Lock()
@@ -21,6 +23,7 @@ _TABLE_LOCK = threading.Lock()
 
 class LocalTransport(Transport):
     name = "local"
+    strided = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -49,8 +52,7 @@ class LocalTransport(Transport):
         src = None if owner is None else owner._buffers.get(remote.buffer_id)
         if src is None:
             raise TransportError(f"local buffer {remote.endpoint}#{remote.buffer_id} is gone")
-        for r, lo, n in spans.tolist():
-            local[lo : lo + n].copy_(src[r : r + n])
+        copy_views(src, local, plan_copies(spans))
 
     def _close(self) -> None:
         with _TABLE_LOCK:

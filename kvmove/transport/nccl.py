@@ -43,6 +43,7 @@ class NcclTransport(Transport):
     two_sided = True
     group_member = True
     rejoinable = False
+    shares_devices = False
 
     def __init__(self, *, group: NcclGroup, device: str = "cuda", backend: str = "nccl") -> None:
         import torch.distributed as dist

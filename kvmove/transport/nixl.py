@@ -12,6 +12,7 @@ import torch
 from kvmove.transport.base import (
     BufferDesc,
     EndpointInfo,
+    ReadItem,
     Transport,
     TransportError,
     can_import,
@@ -30,14 +31,16 @@ class NixlTransport(Transport):
     """One NIXL agent per endpoint; ``read`` is a one-sided READ of many descriptors in one request.
 
     A READ request is prepared once per (remote buffer, local buffer, ranges) and re-posted by later reads
-    with the same ranges (a sync plan repeats every sync); at most ``max_prepared`` are kept.
+    with the same ranges (a sync plan repeats every sync); at most ``max_prepared`` are kept. A batch
+    (``start_reads``) posts one request per remote buffer, whatever the number of local buffers it fills (a
+    descriptor may point into any registered local memory), and polls them all until done.
     """
 
     name = "nixl"
     extra = "nixl"
     devices = frozenset({"cpu", "cuda"})
 
-    def __init__(self, *, backends: tuple[str, ...] = ("UCX",), timeout_s: float = 120.0, max_prepared: int = 64):
+    def __init__(self, *, backends: tuple[str, ...] = ("UCX",), timeout_s: float = 120.0, max_prepared: int = 1024):
         api = import_nixl()
         super().__init__()
         self._agent = _quiet_agent(api, self.endpoint, list(backends))
@@ -68,39 +71,61 @@ class NixlTransport(Transport):
         self._remote_agents[peer.endpoint] = self._agent.add_remote_agent(peer.payload)
 
     def _read(self, peer: EndpointInfo, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> None:
-        handle = self._prepare(remote, local, spans)
-        state = self._agent.transfer(handle)
-        deadline = time.monotonic() + self._timeout_s
-        while state == "PROC":
-            if time.monotonic() > deadline:
-                raise TransportError(f"NIXL READ from {remote.endpoint} still running after {self._timeout_s:.0f} s")
-            time.sleep(0)  # NOTE: yield the GIL between polls: a pull must not starve the decode loop's thread
-            state = self._agent.check_xfer_state(handle)
-        if state != "DONE":
-            self._prepared.pop(self._key(remote, local, spans), None)
-            raise TransportError(f"NIXL READ from {remote.endpoint} failed (state {state})")
+        self._finish(self._post([ReadItem(peer, remote, local, spans)]))
 
-    def _prepare(self, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> Any:
-        key = self._key(remote, local, spans)
+    def _start(self, items: list[ReadItem]) -> Any:
+        posted = self._post(items)
+        return lambda: self._finish(posted)
+
+    def _prepare(self, items: list[ReadItem]) -> None:
+        for group in _by_remote(items):
+            self._handle(group)
+
+    def _post(self, items: list[ReadItem]) -> list[tuple[tuple[Any, ...], Any, str, str]]:
+        """One READ per remote buffer of ``items``, posted: (key, handle, remote endpoint, state) of each."""
+        posted = []
+        for group in _by_remote(items):
+            key, handle = self._handle(group)
+            state = self._agent.transfer(handle)
+            if state not in ("PROC", "DONE"):
+                self._prepared.pop(key, None)
+                raise TransportError(f"NIXL READ from {group[0].remote.endpoint} could not start (state {state})")
+            posted.append((key, handle, group[0].remote.endpoint, state))
+        return posted
+
+    def _finish(self, posted: list[tuple[tuple[Any, ...], Any, str, str]]) -> None:
+        deadline = time.monotonic() + self._timeout_s
+        for key, handle, endpoint, state in posted:
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TransportError(f"NIXL READ from {endpoint} still running after {self._timeout_s:.0f} s")
+                time.sleep(0)  # NOTE: yield the GIL between polls: a pull must not starve the decode loop's thread
+                state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                self._prepared.pop(key, None)
+                raise TransportError(f"NIXL READ from {endpoint} failed (state {state})")
+
+    def _handle(self, group: list[ReadItem]) -> tuple[tuple[Any, ...], Any]:
+        """The prepared READ of ``group`` (reads of one remote buffer), made once and then reused."""
+        remote = group[0].remote
+        key = (remote.endpoint, remote.buffer_id, *((i.local.data_ptr(), i.spans.tobytes()) for i in group))
         handle = self._prepared.get(key)
         if handle is not None:
             self._prepared.move_to_end(key)
-            return handle
-        local_descs = self._agent.get_xfer_descs(
-            _descs(local.data_ptr(), max(local.get_device(), 0), spans, 1), _memory(local.device.type)
+            return key, handle
+        local = np.concatenate([_descs(i.local.data_ptr(), max(i.local.get_device(), 0), i.spans, 1) for i in group])
+        remote_descs = np.concatenate([_descs(remote.address, remote.device_id, i.spans, 0) for i in group])
+        kind = group[0].local.device.type
+        handle = self._agent.initialize_xfer(
+            "READ",
+            self._agent.get_xfer_descs(local, _memory(kind)),
+            self._agent.get_xfer_descs(remote_descs, _memory(remote.device)),
+            self._remote_agents[remote.endpoint],
         )
-        remote_descs = self._agent.get_xfer_descs(
-            _descs(remote.address, remote.device_id, spans, 0), _memory(remote.device)
-        )
-        handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, self._remote_agents[remote.endpoint])
         self._prepared[key] = handle
         if len(self._prepared) > self._max_prepared:
             self._agent.release_xfer_handle(self._prepared.popitem(last=False)[1])
-        return handle
-
-    @staticmethod
-    def _key(remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> tuple[Any, ...]:
-        return (remote.endpoint, remote.buffer_id, local.data_ptr(), spans.tobytes())
+        return key, handle
 
     def _drop_prepared(self, endpoint: str) -> None:
         for key in [k for k in self._prepared if k[0] == endpoint]:
@@ -148,6 +173,14 @@ def _descs(base: int, device_id: int, spans: np.ndarray, column: int) -> np.ndar
     out[:, 1] = spans[:, 2]
     out[:, 2] = device_id
     return out
+
+
+def _by_remote(items: list[ReadItem]) -> list[list[ReadItem]]:
+    """Reads grouped by remote buffer and local device kind (one NIXL request each), in first-seen order."""
+    groups: dict[tuple[str, int, str], list[ReadItem]] = {}
+    for i in items:
+        groups.setdefault((i.remote.endpoint, i.remote.buffer_id, i.local.device.type), []).append(i)
+    return list(groups.values())
 
 
 def _memory(device_type: str) -> str:

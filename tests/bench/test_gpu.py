@@ -33,14 +33,22 @@ from dataclasses import replace
 from pathlib import Path
 import sys
 from kvmove.bench.gpu import GpuSuite, gpu_suite
+from kvmove.bench.matrix import LAYOUTS
 from kvmove.bench.results import append_rows
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
-    suite = replace(GpuSuite.cpu_twin(), transports=("nixl", "nccl"), variants="v3,broadcast")
+    layouts = (LAYOUTS[0], LAYOUTS[3])  # 1->1 (disaggregated and colocated) and pp=2 -> tp=2 (colocated)
+    suite = replace(GpuSuite.cpu_twin(), transports=("nixl", "nccl"), strategies="v3,broadcast", layouts=layouts)
     gpu_suite(suite, lambda rows: append_rows(out, "gpu", rows) if rows else None, print)
     print("imported:", sorted({m.split(".")[0] for m in sys.modules} & set(sys.argv[2].split(","))))
 """
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _rows(results: Path) -> list[dict[str, object]]:
@@ -50,19 +58,28 @@ def _rows(results: Path) -> list[dict[str, object]]:
     return rows
 
 
-def _check(rows: list[dict[str, object]], transports: set[str], strategies: set[str]) -> None:
-    ceilings = [r for r in rows if str(r["name"]).startswith("ceiling")]
+def _check(rows: list[dict[str, object]], transports: set[str], strategies: set[str], cells: int) -> None:
+    ceilings = [r for r in rows if str(r["name"]).startswith("ceiling ")]
     syncs = [r for r in rows if str(r["name"]).startswith("sync")]
     kv = [r for r in rows if r["name"] == "kv migration copy"]
-    p2p = next(float(r["gbps"]) for r in ceilings if str(r["name"]).startswith("ceiling p2p"))  # type: ignore[arg-type]
-    assert any("send/recv" in str(r["name"]) for r in ceilings) and p2p > 0
+    assert any("device copy" in str(r["name"]) for r in ceilings)
     assert kv and all(r["extra"]["verified"] for r in kv)  # type: ignore[index]
     assert {r["transport"] for r in syncs if r["strategy"] != "broadcast"} == transports
     assert {r["strategy"] for r in syncs} == strategies
+    per_cell = [r for r in ceilings if str(r["name"]).startswith("ceiling sync")]
+    assert len(per_cell) == cells, [r["name"] for r in per_cell]
     for r in syncs:
         extra = r["extra"]
         assert extra["verified"] is True and extra["launcher"] == "processes", r  # type: ignore[index]
-        assert r["link_limit_gbps"] == p2p and extra["fraction_of_p2p"] == pytest.approx(r["gbps"] / p2p)  # type: ignore[index,operator]
+        ceiling = extra["ceiling_seconds"]  # type: ignore[index]
+        assert ceiling > 0 and extra["fraction_of_ceiling"] == pytest.approx(ceiling / r["seconds"])  # type: ignore[index,operator]
+        assert r["link_limit_gbps"] == pytest.approx(r["bytes"] / ceiling / 1e9)  # type: ignore[operator]
+    for r in per_cell:  # the bytes that stay on a device at the device-copy rate, those crossing at the P2P rate
+        e = r["extra"]
+        want = e["local_max_bytes"] / (e["copy_gbps"] * 1e9)  # type: ignore[index,operator]
+        if e["cross_max_bytes"]:  # type: ignore[index]
+            want += e["cross_max_bytes"] / (e["p2p_gbps"] * 1e9)  # type: ignore[index,operator]
+        assert r["seconds"] == pytest.approx(want)
 
 
 def test_cpu_twin_runs_the_gpu_suite_without_ray_or_web_packages(tmp_path: Path) -> None:
@@ -79,25 +96,32 @@ def test_cpu_twin_runs_the_gpu_suite_without_ray_or_web_packages(tmp_path: Path)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "imported: []" in done.stdout
-    _check(_rows(tmp_path / "results"), transports, {"v3", "broadcast"})
+    # cells: 1->1 disaggregated x each transport, 1->1 and pp=2 -> tp=2 colocated x each transport (CPU ranks share)
+    _check(_rows(tmp_path / "results"), transports, {"v3", "broadcast"}, cells=3 * len(transports))
 
 
 @pytest.mark.gpu
-def test_gpu_suite_on_two_gpus(tmp_path: Path) -> None:
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_gpu_suite_matrix_on_this_machines_gpus(tmp_path: Path) -> None:
     import torch
 
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two CUDA GPUs")
+    from kvmove.bench.matrix import LAYOUTS
+    from kvmove.bench.results import append_rows
+
+    gpus = min(torch.cuda.device_count(), 2)
+    transports = ("cuda-ipc", "nccl") if gpus > 1 else ("cuda-ipc",)
     suite = replace(
         GpuSuite(),
         layers=1,
         syncs=2,
-        transports=("cuda-ipc", "nccl"),
-        variants="v2,v3,broadcast",
+        transports=transports,
+        strategies="v2,v3,broadcast",
+        layouts=(LAYOUTS[0], LAYOUTS[3]),
+        devices=tuple(f"cuda:{i}" for i in range(gpus)),
         prompt_lens=(1024,),
         ceiling_bytes=256 << 20,
     )
-    from kvmove.bench.results import append_rows
-
     gpu_suite(suite, lambda rows: append_rows(tmp_path, "gpu", rows) if rows else None, print)
-    _check(_rows(tmp_path), {"cuda-ipc", "nccl"}, {"v2", "v3", "broadcast"})
+    strategies = {"v2", "v3", "broadcast"} if gpus > 1 else {"v2", "v3"}
+    cells = 2 + len(transports) if gpus > 1 else 2  # colocated cells run cuda-ipc only (NCCL cannot share a GPU)
+    _check(_rows(tmp_path), set(transports), strategies, cells)

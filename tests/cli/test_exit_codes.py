@@ -103,7 +103,7 @@ def fake_syncs(monkeypatch) -> FakeRun:
         (["migrate", "--transport", "gloo"], "--transport"),
         (["serve", "--port", "70000"], "--port"),
         (["bench", "run", "--suite", "everything"], "--suite"),
-        (["bench", "run", "--suite", "gpu"], "needs two CUDA GPUs"),
+        (["bench", "run", "--suite", "gpu"], "needs 1 CUDA GPU(s), 0 visible"),
     ],
 )
 def test_usage_error_is_one_line_exit_2(args: list[str], says: str) -> None:

@@ -32,8 +32,16 @@ def checked(config: SyncConfig) -> SyncConfig:
 def check_placement(config: SyncConfig) -> None:
     p = config.placement
     launcher = get_launcher(p.launcher)
-    if p.colocated:
-        raise KvmoveError("--placement colocated (trainer and engine ranks sharing devices) is not built yet")
+    if p.colocated and p.engine_devices != ("cpu",) and p.engine_devices != p.trainer_devices:
+        raise KvmoveError(
+            "--placement colocated runs engine rank i on trainer rank i's device: give --trainer-devices only"
+        )
+    gpus = p.colocated and any(d.startswith("cuda") for d in p.trainer_devices)
+    if gpus and any(s.delivery is Delivery.BROADCAST for s in config.strategies):
+        raise KvmoveError(
+            "the broadcast baseline is one NCCL group over every rank, and NCCL refuses two ranks of one "
+            "group on one GPU: run it disaggregated (v1, v2 and v3 run colocated)"
+        )
     if p.ray_address and not launcher.actors:
         raise KvmoveError(f"--ray-address joins a Ray cluster, which the {p.launcher} launcher does not use")
     devices = {d for d in (*p.trainer_devices, *p.engine_devices) if d.startswith("cuda")}
@@ -92,6 +100,11 @@ def check_transport(config: SyncConfig) -> str:
     if kinds:
         moves = ", ".join(sorted(cls.devices))
         raise KvmoveError(f"transport {cls.name!r} does not move {kinds[0]} buffers (it moves {moves} buffers)")
+    if p.colocated and not cls.shares_devices and any(d.startswith("cuda") for d in p.trainer_devices):
+        raise KvmoveError(
+            f"transport {cls.name!r} cannot serve colocated GPU ranks (NCCL refuses two ranks of one communicator "
+            "on one GPU): use cuda-ipc or nixl"
+        )
     if not cls.is_available():
         hint = f"pip install 'kvmove[{cls.extra}]'" if cls.extra else "see the README's transport notes"
         raise MissingDependencyError(f"transport {cls.name!r} is not installed here: {hint}")

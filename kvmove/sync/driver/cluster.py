@@ -23,6 +23,7 @@ from kvmove.sync.planning.blueprint import Blueprint
 from kvmove.sync.planning.direct import ArenaLayout, check_arena
 from kvmove.sync.planning.formats import get_format
 from kvmove.sync.planning.ownership import DeclaredOwnership
+from kvmove.sync.planning.placement import DeviceMap
 from kvmove.sync.planning.plan import ShardingPlan
 from kvmove.sync.ranks.control import (
     BuildPlan,
@@ -96,6 +97,7 @@ class Cluster:
         self.controls = {h.rank: h.control for h in hellos}
         self.plans = self._build_plans(range(c.engine.world))
         options = c.options if direct or not c.options.direct else replace(c.options, direct=False)
+        devices = DeviceMap.of(c.placement, c.trainer.world, c.engine.world)
         self.blueprint = Blueprint(
             c.model,
             c.trainer,
@@ -106,6 +108,8 @@ class Cluster:
             self.tensors,
             self.ownership,
             declared.arenas,
+            devices=devices,
+            strided=self.transport.strided,
         )
         sizes = self.blueprint.slot_sizes()
         slots = [t.submit(OpenSlots(sizes[r])) for r, t in enumerate(self.trainers)]

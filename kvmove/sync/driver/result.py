@@ -43,6 +43,10 @@ class SyncResult(NamedTuple):
     mismatched_ranks: tuple[int, ...] = ()
     """Engine ranks whose parameters differ from the loader's (``verified`` is False); ``verified`` is None when
     not checked, or when no engine rank was live to check."""
+    link_bytes: dict[str, int] = {}  # noqa: RUF012
+    """The planned payload split by where it travels (``kvmove.sync.planning.ceiling.LinkBytes.as_json``: bytes that
+    stay on a device and bytes that cross a link, and those of the busiest device and link direction); empty for the
+    broadcast baseline."""
 
     def as_json(self) -> dict[str, Any]:
         out = self._asdict()
@@ -87,6 +91,7 @@ class SyncContext:
     rejoined_replicas: tuple[int, ...] = ()
     notes: list[str] = field(default_factory=list)
     pulls_before_kill: dict[int, int] = field(default_factory=dict)
+    link_bytes: dict[str, int] = field(default_factory=dict)
 
 
 def build_result(
@@ -135,6 +140,7 @@ def build_result(
         pulls_before_kill=dict(ctx.pulls_before_kill),
         mismatches=() if verified is None else verified.mismatches,
         mismatched_ranks=() if verified is None else verified.ranks,
+        link_bytes=dict(ctx.link_bytes),
     )
 
 

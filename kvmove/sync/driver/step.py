@@ -77,6 +77,8 @@ def plan(cluster: Cluster, hooks: FaultHooks, strategy: Strategy, index: int, sy
     backend = "nccl" if c.placement.engine_device(0).startswith("cuda") else "gloo"
     ctx = SyncContext(c.engine, c.trainer.world, c.transport, c.placement.launcher, cluster.link_gbps, backend)
     ctx.notes += cluster.notes
+    split = cluster.blueprint.link_bytes(strategy.name, cluster.live_engines())
+    ctx.link_bytes = split.as_json() if split is not None else {}
     ctx.rejoined_replicas = tuple(sorted(cluster.dead_replicas()))
     for replica in ctx.rejoined_replicas:
         cluster.restart_replica(replica)

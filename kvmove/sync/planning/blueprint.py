@@ -16,9 +16,11 @@ from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models.config import ModelConfig
 from kvmove.models.tensors import TensorMeta, hf_tensors
 from kvmove.sync.config import SyncOptions
+from kvmove.sync.planning.ceiling import LinkBytes, link_bytes
 from kvmove.sync.planning.direct import ArenaLayout, DirectPlanner
 from kvmove.sync.planning.ownership import Owners, Ownership
 from kvmove.sync.planning.packing import SliceSpec, pack_layout
+from kvmove.sync.planning.placement import DeviceMap
 from kvmove.sync.planning.plan import ShardingPlan
 from kvmove.sync.planning.routing import route
 from kvmove.sync.planning.schedule import Pull, PullPlan, consumers, packed, packed_names, pull_plans, tensor_groups
@@ -45,14 +47,20 @@ class Blueprint:
         tensors: Sequence[TensorMeta] | None = None,
         ownership: Owners | None = None,
         arenas: Mapping[int, ArenaLayout] | None = None,
+        *,
+        devices: DeviceMap | None = None,
+        strided: bool = False,
     ) -> None:
         """``tensors``, ``ownership``, ``arenas``: the source's tensors, who holds them and its arenas as the
-        trainer ranks declared them (defaults: the HF checkpoint's tensors placed by Megatron's rules)."""
+        trainer ranks declared them (defaults: the HF checkpoint's tensors placed by Megatron's rules);
+        ``devices``: where ranks share devices (routing prefers those reads); ``strided``: the transport runs 2-D
+        copies (``Transport.strided``), so regions of short rows may still be read directly."""
         self.cfg, self.trainer, self.engine, self.plans, self.options = cfg, trainer, engine, tuple(plans), options
+        self.devices = devices
         tensors = hf_tensors(cfg) if tensors is None else list(tensors)
         self.shapes = {t.name: t.shape for t in tensors}
         self.ownership: Owners = Ownership(cfg, trainer) if ownership is None else ownership
-        self.direct = DirectPlanner(self.ownership, tensors, arenas) if options.direct else None
+        self.direct = DirectPlanner(self.ownership, tensors, arenas, strided) if options.direct else None
         self.strategies = {s.name: s for s in strategies if s.pulls}
         self.pulls: dict[str, tuple[PullPlan, ...]] = {}
         self.groups: dict[str, dict[int, list[str]]] = {}
@@ -60,7 +68,7 @@ class Blueprint:
         for s in self.strategies.values():
             groups = tensor_groups(cfg, trainer, s, options, tensors, self.ownership.stage_of)
             direct = self.direct if s.direct else None
-            smap = route(self.plans, engine, self.ownership, s, direct)
+            smap = route(self.plans, engine, self.ownership, s, direct, devices)
             self.pulls[s.name] = pull_plans(self.plans, engine, smap, groups, direct)
             self.groups[s.name] = {g: [t.name for t in ts] for g, ts in groups.items()}
             self.needed[s.name] = packed_names(self.plans, engine, self.pulls[s.name])
@@ -112,6 +120,15 @@ class Blueprint:
 
     def direct_bytes(self, strategy: str) -> int:
         return sum(p.nbytes for pp in self.pulls.get(strategy, ()) for p in pp.pulls if p.direct)
+
+    def packed_bytes(self, strategy: str) -> int:
+        return sum(p.nbytes for pp in self.pulls.get(strategy, ()) for p in pp.pulls if not p.direct)
+
+    def link_bytes(self, strategy: str, engines: Sequence[int] | None = None) -> LinkBytes | None:
+        """The payload of ``strategy`` split by device and link direction (None without a device map)."""
+        if self.devices is None or strategy not in self.pulls:
+            return None
+        return link_bytes(self.pulls[strategy], self.devices, engines)
 
     def trainer_syncs(self, strategy: Strategy, sync_id: int, version: int, live: set[int]) -> list[TrainerSync]:
         """Each trainer rank's loop for one sync: the groups it materializes (only tensors some packed pull

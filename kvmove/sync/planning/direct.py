@@ -5,7 +5,11 @@ registered with the transport once, overwritten in place every training step (Me
 one contiguous buffer the same way). A region whose slice lies inside the raw shard of the rank serving it, and
 whose bytes land unchanged in an engine parameter of the same dtype, needs neither a gather, nor a pack on the
 trainer, nor a load on the engine: the engine reads it from the arena into the parameter itself, as byte spans.
-Everything else (slices spanning shards, dtype casts, loader ops that copy) keeps the packed path.
+A region spanning the raw shards of several ranks (an engine that splits a tensor less, or another way, than the
+trainer) is cut into *pieces* along the shard boundaries, each read from a rank holding its shard, so it needs no
+gather either. Everything else (dtype casts, loader ops that copy, views that fold tensor dims) keeps the packed
+path. With a transport that runs 2-D copies (``Transport.strided``), a region whose rows are short (a column block
+of a matrix) is still read directly: its rows fold into a few 2-D copies (``kvmove.transport.copies``).
 
 Both sides derive the arena's offsets from :func:`arena_layout` of the same ownership, so they cannot disagree.
 """
@@ -23,8 +27,9 @@ import torch
 from kvmove.errors import PlanError
 from kvmove.models.tensors import TensorMeta
 from kvmove.sync.planning.ownership import Owners
-from kvmove.sync.planning.plan import Box, Region, relative_view
+from kvmove.sync.planning.plan import Box, Region, relative_view, view_box
 from kvmove.sync.planning.recording import StridedView
+from kvmove.transport.copies import plan_copies
 
 ARENA_ALIGN = 256
 """Byte alignment of every shard in an arena (a GPU copy's sweet spot; harmless on CPU)."""
@@ -32,7 +37,7 @@ MIN_SPAN_BYTES = 4096
 """Regions that split into runs shorter than this are packed instead: per-span costs would dominate (a region
 that is one run is always read directly: a pack request would cost more than the read)."""
 MAX_SPANS = 4096
-"""Regions that split into more byte spans than this are packed instead."""
+"""Regions that split into more byte spans (with a strided transport: copies) than this are packed instead."""
 
 
 class ArenaLayout(NamedTuple):
@@ -139,6 +144,54 @@ def byte_spans(src: StridedView, dst: StridedView, itemsize: int) -> np.ndarray:
     return out
 
 
+def cut(region: Region, shape: Sequence[int], box: Box) -> Region | None:
+    """The part of ``region`` whose source lies in ``box`` of the tensor (possibly empty: 0 bytes), or None when
+    its view cannot be cut there (a view dim walking several tensor dims, or two view dims walking one)."""
+    assert region.src is not None
+    view, strides = region.src, _strides(shape)
+    start = _unravel(view.offset, shape)
+    lo, hi, walked = [], [], set()
+    for n, s in zip(view.shape, view.stride, strict=True):
+        if n == 1:
+            lo.append(0)
+            hi.append(1)
+            continue
+        dim = next((d for d, fs in enumerate(strides) if s == fs and start[d] + n - 1 < shape[d]), None)
+        if dim is None or dim in walked:
+            return None
+        walked.add(dim)
+        lo.append(min(n, max(0, box.start[dim] - start[dim])))
+        hi.append(max(0, min(n, box.stop[dim] - start[dim])))
+    inside = all(box.start[d] <= start[d] < box.stop[d] for d in range(len(shape)) if d not in walked)
+    shape_ = tuple(max(0, b - a) for a, b in zip(lo, hi, strict=True))
+    if not inside or 0 in shape_:
+        return region._replace(nbytes=0)
+    src = StridedView(view.offset + sum(a * s for a, s in zip(lo, view.stride, strict=True)), shape_, view.stride)
+    dst = region.dst
+    dst = StridedView(dst.offset + sum(a * s for a, s in zip(lo, dst.stride, strict=True)), shape_, dst.stride)
+    part_box = view_box(src, shape)
+    if part_box is None:
+        return None
+    numel = src.numel
+    return region._replace(src=src, dst=dst, box=part_box, nbytes=numel * region.dtype.itemsize)
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return out[::-1]
+
+
+def _unravel(flat: int, shape: Sequence[int]) -> list[int]:
+    out = []
+    for s in reversed(shape):
+        flat, r = divmod(flat, s)
+        out.append(r)
+    return out[::-1]
+
+
 def _contiguous(view: StridedView) -> bool:
     expect = 1
     for n, st in zip(reversed(view.shape), reversed(view.stride), strict=True):
@@ -148,14 +201,30 @@ def _contiguous(view: StridedView) -> bool:
     return True
 
 
+class Piece(NamedTuple):
+    """Part of a region lying in one raw shard: the part (a region of its own) and the ranks holding that shard."""
+
+    region: Region
+    holders: tuple[int, ...]
+
+
 class DirectPlanner:
-    """Decides, per (region, serving trainer rank), whether the region is read straight from the arena."""
+    """Decides, per (region, serving trainer rank), whether the region is read straight from the arena.
+
+    ``strided``: the transport runs 2-D copies, so the per-span limits apply to the copies a region's spans fold
+    into, not to its rows.
+    """
 
     def __init__(
-        self, ownership: Owners, tensors: Sequence[TensorMeta], arenas: Mapping[int, ArenaLayout] | None = None
+        self,
+        ownership: Owners,
+        tensors: Sequence[TensorMeta],
+        arenas: Mapping[int, ArenaLayout] | None = None,
+        strided: bool = False,
     ) -> None:
         """``arenas``: each rank's arena as its source laid it out (default: :func:`arena_layout` of each)."""
-        self.ownership = ownership
+        self.ownership, self.strided = ownership, strided
+        self.metas = {t.name: t for t in tensors}
         self.shapes = {t.name: t.shape for t in tensors}
         layouts = arena_layouts(ownership, tensors) if arenas is None else arenas
         self.arenas = [layouts[r] for r in range(ownership.world)]
@@ -171,10 +240,40 @@ class DirectPlanner:
         except PlanError:
             return None
         runs = byte_spans(src, region.dst, region.dtype.itemsize)
-        if len(runs) > MAX_SPANS or (len(runs) > 1 and int(runs[0, 2]) < MIN_SPAN_BYTES):
+        if not self._cheap(runs):
             return None
         runs[:, 0] += arena.offsets[region.hf_name]
         return runs
+
+    def _cheap(self, runs: np.ndarray) -> bool:
+        """Whether reading these runs directly costs less than packing them (few enough, large enough copies)."""
+        if not self.strided:
+            return len(runs) <= MAX_SPANS and (len(runs) == 1 or int(runs[0, 2]) >= MIN_SPAN_BYTES)
+        plan = plan_copies(runs)
+        return plan.ncopies <= MAX_SPANS and (plan.ncopies == 1 or plan.smallest() >= MIN_SPAN_BYTES)
+
+    def pieces(self, region: Region, param_dtype: torch.dtype) -> list[Piece] | None:
+        """``region`` cut along the raw shards of its tensor, each piece readable from its shard's holders; None if
+        it lies in one shard, cannot be cut (a view folding tensor dims, an op that copies) or a piece is not
+        cheap to read directly."""
+        if region.src is None or region.dtype != param_dtype:
+            return None
+        meta = self.metas[region.hf_name]
+        by_box: dict[Box, list[int]] = {}
+        for h in self.ownership.slices(meta):
+            by_box.setdefault(h.box, []).append(h.rank)
+        if len(by_box) < 2 or any(box.contains(region.box) for box in by_box):
+            return None
+        out = []
+        for box, holders in by_box.items():
+            part = cut(region, meta.shape, box)
+            if part is None:
+                return None
+            if part.nbytes and self.spans(part, holders[0], param_dtype) is None:
+                return None
+            if part.nbytes:
+                out.append(Piece(part, tuple(holders)))
+        return out if sum(p.region.nbytes for p in out) == region.nbytes else None
 
     def shard_holders(self, region: Region, candidates: Sequence[int]) -> tuple[int, ...]:
         """The candidates whose raw shard contains the region (serving from them needs no gather)."""

@@ -107,7 +107,8 @@ def pull_plans(
 ) -> tuple[PullPlan, ...]:
     """Per engine rank: its regions bucketed by (group, source trainer, direct or packed), in group order.
 
-    With ``direct``, every region it can serve from the source's arena goes into that bucket's direct pull.
+    With ``direct``, every region it can serve from the source's arena goes into that bucket's direct pull, and a
+    region read in pieces (``source_map.pieces``) into the direct pull of each piece's trainer rank.
     """
     group_of = {t.name: g for g, ts in groups.items() for t in ts}
     out = []
@@ -116,28 +117,41 @@ def pull_plans(
         local = layout.coord(e).local
         plan = plans[local]
         dtypes = {p.name: p.dtype for p in plan.params}
-        buckets: dict[tuple[int, int, bool], list[int]] = defaultdict(list)
-        spans: dict[int, np.ndarray] = {}
+        buckets: dict[tuple[int, int, bool], list[_Entry]] = defaultdict(list)
         for i, (region, src) in enumerate(zip(plan.regions, source_map.sources[e], strict=True)):
+            group = group_of[region.hf_name]
+            pieces = source_map.pieces.get((e, i))
+            if pieces and direct is not None:
+                for t, piece in pieces:
+                    runs = direct.spans(piece, t, dtypes[region.param])
+                    assert runs is not None, "routing cut the region into pieces that read directly"
+                    buckets[(group, t, True)].append(_Entry(i, piece.nbytes, runs))
+                continue
             runs = None
             if direct is not None:
                 key = (local, i, src)
                 if key not in known:
                     known[key] = direct.spans(region, src, dtypes[region.param])
                 runs = known[key]
-            if runs is not None:
-                spans[i] = runs
-            buckets[(group_of[region.hf_name], src, runs is not None)].append(i)
-        pulls = []
-        for (g, t, is_direct), idx in sorted(buckets.items()):
-            nbytes = sum(plan.regions[i].nbytes for i in idx)
-            by_param: dict[str, list[np.ndarray]] = defaultdict(list)
-            for i in idx if is_direct else ():
-                by_param[plan.regions[i].param].append(spans[i])
-            runs_ = tuple((name, coalesce(np.concatenate(rs))) for name, rs in by_param.items())
-            pulls.append(Pull(g, t, tuple(idx), nbytes, runs_))
-        out.append(PullPlan(e, tuple(pulls)))
+            buckets[(group, src, runs is not None)].append(_Entry(i, region.nbytes, runs))
+        out.append(PullPlan(e, tuple(_pull(g, t, entries, plan) for (g, t, _), entries in sorted(buckets.items()))))
     return tuple(out)
+
+
+class _Entry(NamedTuple):
+    region: int
+    nbytes: int
+    runs: np.ndarray | None
+
+
+def _pull(group: int, trainer: int, entries: list[_Entry], plan: ShardingPlan) -> Pull:
+    by_param: dict[str, list[np.ndarray]] = defaultdict(list)
+    for entry in entries:
+        if entry.runs is not None:
+            by_param[plan.regions[entry.region].param].append(entry.runs)
+    runs = tuple((name, coalesce(np.concatenate(rs))) for name, rs in by_param.items())
+    regions = tuple(dict.fromkeys(entry.region for entry in entries))
+    return Pull(group, trainer, regions, sum(entry.nbytes for entry in entries), runs)
 
 
 def packed(pull_plan: PullPlan) -> list[tuple[int, Pull]]:

@@ -2,10 +2,15 @@
 
 Pulls go group by group, in plan order. A packed pull asks the trainer rank to pack, reads the slot and
 signals ``finish`` so that trainer rank can release the group; a direct pull reads straight from the trainer
-rank's arena into the parameters (no request, no load). The strategy's ``Overlap`` says how much overlaps:
-with ``requests_ahead`` the next packed pulls are requested before the current one is read, and with
-``background_load`` a loader thread copies group g into the parameters while group g+1 is read (one receive
-slot per pull in flight); otherwise each pull is loaded before the next one starts.
+rank's arena into the parameters (no request, no load), every parameter of the pull in one batch of reads.
+The strategy's ``Overlap`` says how much overlaps: with ``direct_ahead`` every direct pull of the sync starts at
+once, before the first packed one (arenas hold the step's weights before the sync starts, so nothing waits for a
+gather), and stays in flight while the packed pulls go on; with ``interleave`` packed pulls alternate between
+trainer ranks (the k-th group of each rank, then the (k+1)-th), so ranks of different pipeline stages gather and
+pack at once instead of one stage after the other; with ``requests_ahead`` the next packed pulls are requested
+before the current one is read, and with ``background_load`` a loader thread copies group g into the parameters
+while group g+1 is read (one receive slot per pull in flight); otherwise each pull is loaded before the next one
+starts.
 """
 
 from __future__ import annotations
@@ -40,8 +45,12 @@ class TrainerClient(Protocol):
     def read(self, trainer: int, slot: int, recv: int, nbytes: int) -> float:
         """Read ``nbytes`` of ``trainer``'s serve slot into receive slot ``recv``; seconds."""
 
-    def read_direct(self, trainer: int, spans: Sequence[tuple[str, Any]]) -> float:
-        """Read (parameter, byte spans) runs from ``trainer``'s arena into the registered parameters; seconds."""
+    def start_direct(self, pulls: Sequence[tuple[int, Sequence[tuple[str, Any]]]]) -> Any:
+        """Start reading, for each (trainer, (parameter, byte spans) runs), the runs from that trainer's arena into
+        the registered parameters, all as one batch; returns a handle for :meth:`wait_direct` (may not block)."""
+
+    def wait_direct(self, handle: Any) -> float:
+        """Seconds from the start of a batch of direct reads until its bytes were in place."""
 
     def finish(self, trainer: int, sync_id: int, group: int, slot: int) -> None:
         """Free the trainer's slot and tell it this engine has all it pulls of ``group`` from it."""
@@ -102,30 +111,40 @@ class EngineRank:
 
 
 class _PullLoop:
-    """One sync's pulls of one engine rank: packed requests kept ahead, reads, loads (inline or background)."""
+    """One sync's pulls of one engine rank: direct batches (ahead or inline), packed requests kept ahead, reads,
+    loads (inline or background)."""
 
     def __init__(
         self, engine: EngineRank, sync_id: int, strategy: Strategy, pulls: PullPlan, client: TrainerClient
     ) -> None:
         self.engine, self.sync_id, self.pulls, self.client = engine, sync_id, pulls, client
-        self.order = sorted(range(len(pulls.pulls)), key=lambda i: pulls.pulls[i].group)
-        self.packed = [i for i in self.order if not pulls.pulls[i].direct]
-        self.recv = engine.recv.get(strategy.name, [])
         overlap = strategy.overlap
+        by_group = sorted(range(len(pulls.pulls)), key=lambda i: pulls.pulls[i].group)
+        direct = [i for i in by_group if pulls.pulls[i].direct]
+        self.packed = [i for i in by_group if not pulls.pulls[i].direct]
+        if overlap.interleave:
+            self.packed = interleaved(pulls.pulls, self.packed)
+        self.order = [*direct, *self.packed] if overlap.direct_ahead else by_group
+        self.request = self.transfer = self.load = 0.0
+        self.received = self.k = 0
+        self.ahead = client.start_direct([self._direct(i) for i in direct]) if overlap.direct_ahead and direct else None
+        self.recv = engine.recv.get(strategy.name, [])
         background = overlap.background_load and self.packed and self.recv
         self.loader = _Loader(engine, self.recv) if background else None
         # NOTE: with requests ahead, the trainer packs pull k+1 while this rank reads pull k
         self.depth = 1 + overlap.requests_ahead
         self.pending = deque((i, self._request(i)) for i in self.packed[: self.depth])
-        self.request = self.transfer = self.load = 0.0
-        self.received = self.k = 0
 
     def _request(self, i: int) -> Any:
         return self.client.request(self.pulls.pulls[i].trainer, self.sync_id, i)
 
+    def _direct(self, i: int) -> tuple[int, Sequence[tuple[str, Any]]]:
+        return self.pulls.pulls[i].trainer, self.pulls.pulls[i].direct
+
     def run(self, i: int, pull: Pull) -> None:
         if pull.direct:
-            self.transfer += self.client.read_direct(pull.trainer, pull.direct)
+            if self.ahead is None:  # inline: this pull's parameters as one batch, done before the next pull
+                self.transfer += self.client.wait_direct(self.client.start_direct([self._direct(i)]))
             self.received += pull.nbytes
             return
         j, handle = self.pending.popleft()
@@ -153,8 +172,25 @@ class _PullLoop:
             self.loader.submit(slot_index, regions)
 
     def close(self) -> None:
-        if self.loader is not None:
-            self.load += self.loader.close()
+        try:
+            if self.ahead is not None:
+                self.transfer += self.client.wait_direct(self.ahead)
+        finally:
+            if self.loader is not None:
+                self.load += self.loader.close()
+
+
+def interleaved(pulls: Sequence[Pull], order: Sequence[int]) -> list[int]:
+    """``order`` (pull indices in group order) re-ordered as the k-th pull of every trainer rank, then the (k+1)-th:
+    each rank still sees its own pulls in group order (it gathers them in that order), but no rank waits for another
+    rank's groups to be read first."""
+    seen: dict[int, int] = {}
+    rank = []
+    for i in order:
+        t = pulls[i].trainer
+        rank.append((seen.get(t, 0), t, pulls[i].group, i))
+        seen[t] = seen.get(t, 0) + 1
+    return [i for *_, i in sorted(rank)]
 
 
 class _Loader:

@@ -1,7 +1,8 @@
 """An engine rank's puller, built from a picklable :class:`~kvmove.sync.ranks.control.PullerInit` in any process.
 
 ``open_puller`` is init step 5 on the engine side: it allocates and registers the receive slots and the
-parameters direct pulls write, connects the transport to every source trainer rank and opens two control
+parameters direct pulls write, connects the transport to every source trainer rank, prepares every batch of direct
+reads (peer access, copy plans, NIXL requests: a first sync then costs what the next ones do) and opens two control
 connections to each, by address (pack requests, answered in order; finish notes, on their own connection so
 a pack waiting for its group never holds up the note that releases an earlier one). Nothing here needs Ray,
 so a process that is not a launched rank (e.g. a worker inside an inference engine) can pull too.
@@ -22,6 +23,7 @@ from kvmove.sync.ranks.engine import EngineRank
 from kvmove.sync.ranks.wire import ControlClient
 from kvmove.sync.strategies import Strategy
 from kvmove.transport import BufferDesc, EndpointInfo, Transport, get_transport
+from kvmove.transport.base import PendingReads, Read
 
 
 class TrainerLinks:
@@ -72,11 +74,30 @@ class ByteReader:
         remote = self.trainers[trainer].slots[strategy][slot]
         return self.transport.read(remote, self.recv[strategy][recv], [(0, 0, nbytes)]).seconds
 
-    def read_direct(self, trainer: int, spans: Sequence[tuple[str, Any]]) -> float:
-        arena = self.trainers[trainer].arena
-        if arena is None:
-            raise KvmoveError(f"trainer rank {trainer} registered no arena, so nothing can be read from it directly")
-        return sum(self.transport.read(arena, self.params[name], runs).seconds for name, runs in spans)
+    def reads(self, pulls: Sequence[tuple[int, Sequence[tuple[str, Any]]]]) -> list[Read]:
+        """The reads of direct pulls: (trainer, (parameter, byte spans) runs) -> one read per parameter."""
+        out = []
+        for trainer, spans in pulls:
+            arena = self.trainers[trainer].arena
+            if arena is None:
+                raise KvmoveError(
+                    f"trainer rank {trainer} registered no arena, so nothing can be read from it directly"
+                )
+            out += [Read(arena, self.params[name], runs) for name, runs in spans]
+        return out
+
+    def start_direct(self, pulls: Sequence[tuple[int, Sequence[tuple[str, Any]]]]) -> PendingReads:
+        return self.transport.start_reads(self.reads(pulls))
+
+    def prepare(self, init: PullerInit) -> None:
+        """Warm start: prepare, at init, every batch of direct reads a sync may start (each pull's alone, and every
+        pull of a strategy at once), so the first sync costs what the next ones do."""
+        for pulls in init.pulls.values():
+            direct = [(p.trainer, p.direct) for p in pulls.pulls if p.direct]
+            for batch in ([d] for d in direct):
+                self.transport.prepare(self.reads(batch))
+            if len(direct) > 1:
+                self.transport.prepare(self.reads(direct))
 
 
 class _Client:
@@ -94,8 +115,11 @@ class _Client:
     def read(self, trainer: int, slot: int, recv: int, nbytes: int) -> float:
         return self.reader.read(self.strategy, trainer, slot, recv, nbytes)
 
-    def read_direct(self, trainer: int, spans: Sequence[tuple[str, Any]]) -> float:
-        return self.reader.read_direct(trainer, spans)
+    def start_direct(self, pulls: Sequence[tuple[int, Sequence[tuple[str, Any]]]]) -> Any:
+        return self.reader.start_direct(pulls)
+
+    def wait_direct(self, handle: Any) -> float:
+        return float(handle.wait().seconds)
 
     def finish(self, trainer: int, sync_id: int, group: int, slot: int) -> None:
         self.links.finish(trainer, sync_id, self.strategy, group, slot)
@@ -154,4 +178,5 @@ def open_puller(
     for ep in endpoints.values():
         transport.connect(ep.info)
     reader = ByteReader(transport, endpoints, descs, params)
+    reader.prepare(init)
     return Puller(init, EngineRank(model, plan, recv), reader, TrainerLinks(init))

@@ -10,7 +10,7 @@ picklable ``SourceContext -> WeightSource`` callable (default :func:`seeded_sour
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -69,6 +69,9 @@ class WeightSource(ABC):
     - ``arena()`` (optional) is this rank's raw shards in one persistent uint8 buffer laid out by
       ``kvmove.sync.planning.direct.arena_layout`` and updated in place each step; engines then read regions
       straight out of it (direct pulls). None: every region is packed.
+    - ``warm(scopes)`` (optional, collective like ``materialize``) runs once at init: it creates whatever the first
+      ``materialize`` of those scopes would create (process groups, communicators, their buffers), so the first
+      sync costs what the next ones do.
     """
 
     @abstractmethod
@@ -88,6 +91,9 @@ class WeightSource(ABC):
 
     def arena(self) -> tuple[torch.Tensor, ArenaLayout] | None:
         return None
+
+    def warm(self, scopes: Collection[Gather]) -> None:  # noqa: B027 - a source without lazy set-up has nothing to do
+        """Create at init what materializing in ``scopes`` needs (default: nothing)."""
 
     @property
     def collective_calls(self) -> int:
@@ -150,6 +156,20 @@ class ShardedSource(WeightSource):
 
     def arena(self) -> tuple[torch.Tensor, ArenaLayout]:
         return self._arena, self._layout
+
+    def warm(self, scopes: Collection[Gather]) -> None:
+        """Every process group ``materialize`` uses in ``scopes`` (each rank's gather groups; all ranks for a global
+        gather; rank 0 and each tensor's first holder for a gather onto rank 0), created with one collective each."""
+        groups: set[tuple[int, ...]] = set()
+        for meta in self._metas.values():
+            holdings = self.ownership.slices(meta)
+            if _split_dim(holdings[0].box, meta.shape) is not None:
+                groups |= {self.ownership.gather_group(meta, h.rank) for h in holdings}
+            if Gather.ROOT in scopes:
+                groups.add(tuple(sorted({min(h.rank for h in holdings), 0})))
+        if Gather.GLOBAL in scopes:
+            groups.add(tuple(range(self.layout.world)))
+        self.coll.warm(groups)
 
     def metadata(self) -> list[TensorMeta]:
         return list(self._metas.values())

@@ -65,6 +65,7 @@ class TrainerHost(Host):
         c, s = self.config, self.spec
         ctx = SourceContext(c.model, c.trainer, s.rank, s.device, c.seed, command.store, c.deadline_s, c.tensor_format)
         self._source = (c.source or seeded_source)(ctx)
+        self._source.warm({st.scope for st in c.strategies})  # NOTE: collective, like OpenSource itself
         arena = self._source.arena()
         shards = tuple(self._source.shards().items())
         return TrainerHello(s.rank, os.getpid(), self.address, shards, arena[1] if arena is not None else None)

@@ -26,7 +26,11 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--trainer-devices", "gpu0"], "--trainer-devices 'gpu0': devices are cpu, cuda or cuda:N"),
         (["--engine-devices", ""], "--engine-devices '': devices are cpu, cuda or cuda:N"),
         (["--engine-devices", "cuda:7"], "device cuda:7 does not exist here"),
-        (["--placement", "colocated"], "--placement colocated (trainer and engine ranks sharing devices) is not built"),
+        (
+            ["--placement", "colocated", "--trainer-devices", "cuda:0", "--strategy", "v3,broadcast"],
+            "the broadcast baseline is one NCCL group over every rank",
+        ),
+        (["--placement", "colocated", "--engine-devices", "cpu,cpu"], "engine rank i on trainer rank i's device"),
         (["--placement", "shared"], "'shared' is not one of 'disaggregated', 'colocated'"),
         (["--launcher", "slurm"], "'slurm' is not one of 'ray', 'processes'"),
         (["--dry-run", "--launcher", "processes"], "--launcher does not apply to --dry-run"),
@@ -41,3 +45,22 @@ def test_refused_in_one_line(args: list[str], message: str, monkeypatch: pytest.
         main()
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert exit_.value.code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def test_nccl_cannot_serve_colocated_gpu_ranks() -> None:
+    from kvmove.layout import EngineLayout, TrainerLayout
+    from kvmove.models import resolve_model
+    from kvmove.sync.config import Placement, SyncConfig
+    from kvmove.sync.driver.checks import check_transport
+    from kvmove.sync.strategies import parse_strategies
+
+    config = SyncConfig(
+        model=resolve_model("qwen3-moe-tiny"),
+        trainer=TrainerLayout(),
+        engine=EngineLayout(),
+        strategies=tuple(parse_strategies("v3")),
+        transport="nccl",
+        placement=Placement("processes", ("cuda:0",), colocated=True),
+    )
+    with pytest.raises(Exception, match="cannot serve colocated GPU ranks"):
+        check_transport(config)

@@ -115,3 +115,26 @@ def test_gpu_syncs_repeat_without_hanging(transport: str, direct: bool) -> None:
     config = replace(config, placement=Placement("processes", ("cuda:0",), ("cuda:1",)))
     results = list(run_syncs(config))
     assert len(results) == 6 and all(r.verified for r in results)
+
+
+@pytest.mark.parametrize("launcher", ["processes", "ray"])
+def test_colocated_placement_syncs_verified_with_reads_on_and_off_the_device(
+    launcher: str, request: pytest.FixtureRequest
+) -> None:
+    # the CPU twin of trainer and engine ranks sharing GPUs: engine rank i reads trainer rank i's arena in place
+    if launcher == "ray":
+        request.getfixturevalue("ray_session")
+    config = _config(
+        launcher,
+        trainer=TrainerLayout.parse("tp=2,ep=2"),
+        engine=EngineLayout.parse("tp=1", 2),
+        strategies=tuple(parse_strategies("v2,v3")),
+        placement=Placement(launcher=launcher, colocated=True),
+    )
+    results = list(run_syncs(config))
+    assert [r.strategy for r in results] == ["v2", "v3"] and all(r.verified for r in results), results
+    for r in results:
+        assert r.link_bytes["local_bytes"] > 0 and r.link_bytes["cross_bytes"] > 0
+        assert r.link_bytes["local_bytes"] + r.link_bytes["cross_bytes"] == r.bytes
+    row = sync_row(config, results[-1])
+    assert row.extra["placement"] == "colocated" and row.extra["engine_devices"] == ["cpu"]

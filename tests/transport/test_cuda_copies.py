@@ -1,0 +1,113 @@
+"""The CUDA copy executor (driver 1-D and 2-D copies) and cuda-ipc reads of strided spans, on one GPU (trainer and
+engine ranks colocated: device-to-device copies) and, with two GPUs, across them; skipped without CUDA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from kvmove.transport.copies import plan_copies
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+N = 32 << 20
+
+
+def _spans() -> np.ndarray:
+    """A column block of a (4096, 4096) bf16 matrix (one 2-D copy), then loose 1-D spans."""
+    r = np.arange(4096, dtype=np.int64)
+    block = np.stack([r * 8192 + 4096, r * 4096, np.full(4096, 4096)], axis=1)
+    loose = np.array([[N - 1000, 4096 * 4096, 1000], [5, 4096 * 4096 + 1000, 3]], dtype=np.int64)
+    return np.concatenate([block, loose])
+
+
+def _expected(src: torch.Tensor, size: int, spans: np.ndarray) -> torch.Tensor:
+    out = torch.zeros(size, dtype=torch.uint8)
+    host = src.cpu()
+    for s, d, n in spans.tolist():
+        out[d : d + n] = host[s : s + n]
+    return out
+
+
+def test_driver_runs_a_copy_plan_bit_exactly_inside_one_gpu() -> None:
+    from kvmove.transport.cuda_driver import driver, run_plan
+
+    drv = driver()
+    assert drv is not None, "libcuda could not be loaded on a machine with a CUDA GPU"
+    src = torch.randint(0, 256, (N,), dtype=torch.uint8, device="cuda:0")
+    dst = torch.zeros(N, dtype=torch.uint8, device="cuda:0")
+    spans = _spans()
+    plan = plan_copies(spans)
+    assert plan.ncopies == 3 and len(plan.strided) == 1
+    stream = torch.cuda.current_stream(0)
+    run_plan(drv, plan, src.data_ptr(), dst.data_ptr(), stream.cuda_stream, "test")
+    stream.synchronize()
+    assert torch.equal(dst.cpu(), _expected(src, N, spans))
+
+
+def _serve(device: str, to_reader, from_reader) -> None:
+    from kvmove.transport import get_transport
+
+    torch.cuda.set_device(torch.device(device))
+    t = get_transport("cuda-ipc")()
+    g = torch.Generator(device=device).manual_seed(11)
+    arena = torch.randint(0, 256, (N,), dtype=torch.uint8, device=device, generator=g)
+    to_reader.put((t.endpoint_info(), t.register(arena)))
+    from_reader.get(timeout=120)
+    t.close()
+
+
+def _read(device: str, server: str, to_server, from_server, results) -> None:
+    from kvmove.transport import get_transport
+    from kvmove.transport.base import Read
+
+    torch.cuda.set_device(torch.device(device))
+    t = get_transport("cuda-ipc").open(device=device)
+    info, remote = from_server.get(timeout=120)
+    a = torch.zeros(N, dtype=torch.uint8, device=device)
+    b = torch.zeros(4096, dtype=torch.uint8, device=device)
+    da, db = t.register(a), t.register(b)
+    t.connect(info)
+    spans, small = _spans(), np.array([[100, 0, 4096]], dtype=np.int64)
+    batch = [Read(remote, da, spans), Read(remote, db, small)]
+    t.prepare(batch)
+    for _ in range(3):  # the same batch every sync
+        t.start_reads(batch).wait()
+    want = torch.randint(
+        0, 256, (N,), dtype=torch.uint8, device=server, generator=torch.Generator(device=server).manual_seed(11)
+    )
+    ok = torch.equal(a.cpu(), _expected(want, N, spans)) and torch.equal(b.cpu(), _expected(want, 4096, small))
+    results.put(ok)
+    t.close()
+    to_server.put(None)
+
+
+@pytest.mark.parametrize(
+    ("server", "reader"),
+    [
+        ("cuda:0", "cuda:0"),
+        pytest.param(
+            "cuda:0",
+            "cuda:1",
+            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the peer case needs two GPUs"),
+        ),
+    ],
+)
+def test_cuda_ipc_batch_of_strided_reads_is_bit_exact(server: str, reader: str) -> None:
+    ctx = mp.get_context("spawn")
+    to_reader, to_server, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_serve, args=(server, to_reader, to_server)),
+        ctx.Process(target=_read, args=(reader, server, to_server, to_reader, results)),
+    ]
+    for p in procs:
+        p.start()
+    try:
+        assert results.get(timeout=180) is True
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
