@@ -51,6 +51,8 @@ def start_server() -> Iterator[Callable[..., ServerThread]]:
             enable_kv_migration=True,
             kv_migration_watchdog_timeout=WATCHDOG_S,
             watchdog_interval=0.1,
+            migration_share=1.0,  # NOTE: these pools are tiny; tests/migration/test_share.py sets the shares it tests
+            peer_share=1.0,
         )
         cfg.update(overrides)
         server = ServerThread(ServerConfig(port=free_port(), **cfg)).start()  # type: ignore[arg-type]
