@@ -63,7 +63,9 @@ KvmoveRoutesOpt = Annotated[
 
 HandoverTimeoutOpt = Annotated[
     float,
-    typer.Option("--handover-timeout", help="Seconds a migrated request may take on its target before it resumes here."),
+    typer.Option(
+        "--handover-timeout", help="Seconds a migrated request may take on its target before it resumes here."
+    ),
 ]
 HoldTimeoutOpt = Annotated[
     float,
