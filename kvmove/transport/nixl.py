@@ -13,7 +13,9 @@ and shared memory (cma) UCX reads whatever the address holds, so the owner scrub
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -36,8 +38,13 @@ NIXL_MODULE = "nixl._api"
 
 
 def import_nixl() -> Any:
-    """The NIXL Python API (``nixl._api``), or MissingDependencyError naming the extra."""
-    return import_optional(NIXL_MODULE, "nixl", "the nixl transport")
+    """The NIXL Python API (``nixl._api``), or MissingDependencyError naming the extra. NIXL's log lines go to
+    stderr (its own handler writes to stdout, where ``--json`` output lives)."""
+    api = import_optional(NIXL_MODULE, "nixl", "the nixl transport")
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
+            handler.setStream(sys.stderr)
+    return api
 
 
 class NixlTransport(Transport):
