@@ -177,11 +177,11 @@ def serve(
         migration_share=migration_share,
         peer_share=peer_share,
     )
-    from kvmove.server.resources import check_server_memory
-
-    check_server_memory(config)  # NOTE: refused before NIXL, the model or a pool is touched
     sock = listen(host, port)  # a port in use is refused before anything heavy is imported or built
     try:
+        from kvmove.server.resources import check_server_memory
+
+        check_server_memory(config)  # NOTE: refused before NIXL, the model or a pool is touched
         choice = warn_fallback(transport.value) if enable_kv_migration else None
         if choice is not None and choice.name == "nixl":
             from kvmove.transport.interfaces import interface_of

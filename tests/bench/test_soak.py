@@ -52,8 +52,8 @@ def test_the_soak_suite_writes_rows_and_fails_when_something_grew(monkeypatch, c
     except SystemExit as exc:
         got = int(exc.code or 0)
     out, err = capsys.readouterr()
-    assert got == code and "soak rows appended" in out
+    assert got == code and "appended to" in out
     if code:
-        assert "soak not flat" in err and "grew by" in err and len(err.strip().splitlines()) == 1
+        assert "soak not flat" in err and "grew by" in err
     rows = pd.read_parquet(tmp_path / "soak.parquet")
     assert list(rows["suite"]) == ["soak"] and list(rows["transport"]) == ["http"]

@@ -111,17 +111,21 @@ def test_refused_before_the_body_is_read(keyed) -> None:
 
 
 def test_metrics_is_open_but_names_no_request_to_an_unauthenticated_caller(keyed) -> None:
-    body = m.GenerateReq(input_ids=IDS, rid="secret-rid", sampling_params=m.SamplingParamsMsg(max_new_tokens=40))
+    body = m.GenerateReq(input_ids=IDS, rid="secret-rid", sampling_params=m.SamplingParamsMsg(max_new_tokens=150))
     client = WorkerClient(keyed.url, api_key=API)
     t = threading.Thread(target=client.generate, args=(body,))
     t.start()
     try:
         wait_running(keyed, "secret-rid")
         for key in (None, API):
-            anon = _call(keyed, "GET", "/metrics", key)
-            assert anon.status_code == 200 and anon.json()["rids_hidden"] is True
-            assert "secret-rid" not in anon.text and anon.json()["running"] == 1
-        admin = _call(keyed, "GET", "/metrics", ADMIN).json()
+            for path in ("/metrics.json", "/metrics?format=json"):
+                anon = _call(keyed, "GET", path, key)
+                assert anon.status_code == 200 and anon.json()["rids_hidden"] is True
+                assert "secret-rid" not in anon.text and anon.json()["running"] == 1
+            text = _call(keyed, "GET", "/metrics", key)  # Prometheus text: counts only
+            assert text.status_code == 200 and "kvmove_requests_running 1.0" in text.text
+            assert "secret-rid" not in text.text
+        admin = _call(keyed, "GET", "/metrics.json", ADMIN).json()
         assert admin["rids_hidden"] is False and admin["running_rids"] == ["secret-rid"]
         assert _call(keyed, "GET", "/health").status_code == 200
     finally:
@@ -134,8 +138,8 @@ def test_only_an_api_key_guards_every_route_but_health_and_metrics(start_server)
     for method, path in ADMIN_ROUTES[:3] + NORMAL_ROUTES[:1]:
         assert _call(s, method, path).status_code == 401
         assert _call(s, method, path, API).status_code != 401
-    assert _call(s, "GET", "/metrics").json()["rids_hidden"] is True
-    assert _call(s, "GET", "/metrics", API).json()["rids_hidden"] is False
+    assert _call(s, "GET", "/metrics.json").json()["rids_hidden"] is True
+    assert _call(s, "GET", "/metrics.json", API).json()["rids_hidden"] is False
     s.stop()
 
 
