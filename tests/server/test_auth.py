@@ -5,7 +5,6 @@ admin key to each other during a whole migration (both transports)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -14,6 +13,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 
 import httpx
+from server_fixtures import pause_after_decoding
 
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
@@ -74,13 +74,6 @@ def keyed(start_server):
     return start_server(api_key=API, admin_api_key=ADMIN)
 
 
-def wait_running(server, rid: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while rid not in server.runtime.worker.scheduler.running:
-        assert time.monotonic() < deadline, f"{rid} never ran"
-        time.sleep(0.001)
-
-
 def _call(server, method: str, path: str, key: str | None = None) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.request(method, f"{server.url}{path}", json={}, headers=headers, timeout=30)
@@ -110,13 +103,13 @@ def test_refused_before_the_body_is_read(keyed) -> None:
     assert big.status_code == 401
 
 
-def test_metrics_is_open_but_names_no_request_to_an_unauthenticated_caller(keyed) -> None:
-    body = m.GenerateReq(input_ids=IDS, rid="secret-rid", sampling_params=m.SamplingParamsMsg(max_new_tokens=150))
+def test_metrics_is_open_but_names_no_request_to_an_unauthenticated_caller(keyed, monkeypatch) -> None:
+    body = m.GenerateReq(input_ids=IDS, rid="secret-rid", sampling_params=m.SamplingParamsMsg(max_new_tokens=20))
     client = WorkerClient(keyed.url, api_key=API)
     t = threading.Thread(target=client.generate, args=(body,))
     t.start()
+    let_go = pause_after_decoding(monkeypatch, keyed, "secret-rid", tokens=1)  # NOTE: running while it is looked at
     try:
-        wait_running(keyed, "secret-rid")
         for key in (None, API):
             for path in ("/metrics.json", "/metrics?format=json"):
                 anon = _call(keyed, "GET", path, key)
@@ -129,6 +122,7 @@ def test_metrics_is_open_but_names_no_request_to_an_unauthenticated_caller(keyed
         assert admin["rids_hidden"] is False and admin["running_rids"] == ["secret-rid"]
         assert _call(keyed, "GET", "/health").status_code == 200
     finally:
+        let_go()
         t.join(timeout=60)
         client.close()
 
@@ -154,7 +148,7 @@ def test_migration_routes_not_served_without_enable_kv_migration(start_server) -
     s.stop()
 
 
-def test_peers_present_the_admin_key_through_a_whole_migration(start_server, transport: str) -> None:
+def test_peers_present_the_admin_key_through_a_whole_migration(start_server, transport: str, monkeypatch) -> None:
     keys = dict(transport=transport, api_key=API, admin_api_key=ADMIN, kv_migration_watchdog_timeout=60)
     a, b = start_server(**keys), start_server(**keys)
     src, dst = WorkerClient(a.url, api_key=ADMIN), WorkerClient(b.url, api_key=ADMIN)
@@ -163,7 +157,7 @@ def test_peers_present_the_admin_key_through_a_whole_migration(start_server, tra
     out: dict[str, m.GenerateResp] = {}
     t = threading.Thread(target=lambda: out.setdefault("r", WorkerClient(a.url, api_key=API).generate(body)))
     t.start()
-    wait_running(a, rid)
+    pause_after_decoding(monkeypatch, a, rid, tokens=1)  # NOTE: held mid-decode, never finished before the hold
     rec = migrate_request(src, dst, rid)  # source -> target pull (and http reads), then the relayed hand-over
     t.join(timeout=60)
     assert rec.ok and rec.bytes > 0, rec.error

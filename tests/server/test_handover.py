@@ -16,6 +16,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 
 import torch
+from server_fixtures import pause_after_decoding
 
 from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.migration import messages as m
@@ -41,16 +42,13 @@ def _unmigrated(ids: list[int], n: int, temperature: float, seed: int) -> list[i
 class _Client:
     """A client of the source, waiting for its request's answer in a thread."""
 
-    def __init__(self, server, rid: str, ids: list[int], n: int, temperature: float, seed: int) -> None:
+    def __init__(self, monkeypatch, server, rid: str, ids: list[int], n: int, temperature: float, seed: int) -> None:
         params = m.SamplingParamsMsg(max_new_tokens=n, temperature=temperature, sampling_seed=seed)
         self.body = m.GenerateReq(input_ids=ids, rid=rid, sampling_params=params, extra_key=rid)
         self.server, self.rid, self.answer = server, rid, None
         self._thread = threading.Thread(target=self._run)
         self._thread.start()
-        deadline = time.monotonic() + 30
-        while len(getattr(server.runtime.worker.scheduler.running.get(rid), "output_ids", ())) < 3:
-            assert time.monotonic() < deadline, f"{rid} never decoded"
-            time.sleep(0.002)
+        pause_after_decoding(monkeypatch, server, rid, tokens=3)  # NOTE: held mid-decode, never finished first
 
     def _run(self) -> None:
         self.answer = WorkerClient(self.server.url, timeout=300).generate(self.body)
@@ -73,12 +71,14 @@ def _move(src: WorkerClient, dst: WorkerClient, held: m.HoldRequestResp) -> None
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)
-def test_target_dead_after_commit_the_request_resumes_on_the_source(pair, start_server, sampling: str) -> None:
+def test_target_dead_after_commit_the_request_resumes_on_the_source(
+    pair, start_server, sampling: str, monkeypatch
+) -> None:
     a, _ = pair
     doomed = start_server(transport=a.config.transport)
     temperature, seed = SAMPLINGS[sampling]
     ids, rid = _ids(14, 41), f"orphan-{sampling}-{a.config.transport}"
-    client = _Client(a, rid, ids, 40, temperature, seed)
+    client = _Client(monkeypatch, a, rid, ids, 40, temperature, seed)
     src, dst = WorkerClient(a.url), WorkerClient(doomed.url)
     held = src.hold(rid)
     _move(src, dst, held)
@@ -92,10 +92,10 @@ def test_target_dead_after_commit_the_request_resumes_on_the_source(pair, start_
     assert not a.runtime.held.held and a.runtime.endpoint.outbox.used_pages == 0
 
 
-def test_a_request_never_released_resumes_after_the_hold_timeout(start_server) -> None:
+def test_a_request_never_released_resumes_after_the_hold_timeout(start_server, monkeypatch) -> None:
     a = start_server(hold_timeout=1.0)
     ids, rid = _ids(12, 42), "abandoned"
-    client = _Client(a, rid, ids, 30, 0.0, 0)
+    client = _Client(monkeypatch, a, rid, ids, 30, 0.0, 0)
     WorkerClient(a.url).hold(rid)  # ... and the controller dies
     done = client.result()
     assert done.output_ids == _unmigrated(ids, 30, 0.0, 0)
@@ -106,7 +106,9 @@ def test_a_request_never_released_resumes_after_the_hold_timeout(start_server) -
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling", SAMPLINGS)
-def test_target_killed_while_continuing_the_request_resumes_on_the_source(pair, tmp_path, sampling: str) -> None:
+def test_target_killed_while_continuing_the_request_resumes_on_the_source(
+    pair, tmp_path, sampling: str, monkeypatch
+) -> None:
     """The target is a real process, SIGKILLed once it is generating the migrated request."""
     from kvmove.server.launch import LocalCluster, free_port
 
@@ -117,7 +119,7 @@ def test_target_killed_while_continuing_the_request_resumes_on_the_source(pair, 
     temperature, seed = SAMPLINGS[sampling]
     ids, rid = _ids(14, 43), f"killed-{sampling}-{a.config.transport}"
     with LocalCluster([config], tmp_path) as cluster:
-        client = _Client(a, rid, ids, 160, temperature, seed)
+        client = _Client(monkeypatch, a, rid, ids, 160, temperature, seed)
         src, dst = WorkerClient(a.url), WorkerClient(cluster.urls[0])
         held = src.hold(rid)
         _move(src, dst, held)
