@@ -147,8 +147,6 @@ def serve(
 
     Example: kvmove serve --port 30001 --enable-kv-migration --admin-api-key "$KEY" --allowed-peers 10.0.0.2:30001
     """
-    from kvmove.server.listen import listen
-
     config = ServerConfig(
         host=host,
         port=port,
@@ -177,21 +175,29 @@ def serve(
         migration_share=migration_share,
         peer_share=peer_share,
     )
-    sock = listen(host, port)  # a port in use is refused before anything heavy is imported or built
+    _serve(config)
+
+
+def _serve(config: ServerConfig) -> None:
+    """Take the port, check what can be checked up front, then build and serve (a port in use, pools larger than
+    the memory available, a --host no interface carries: refused before the model is built)."""
+    from kvmove.server.listen import listen
+
+    sock = listen(config.host, config.port)  # a port in use is refused before anything heavy is imported or built
     try:
         from kvmove.server.resources import check_server_memory
 
         check_server_memory(config)  # NOTE: refused before NIXL, the model or a pool is touched
-        choice = warn_fallback(transport.value) if enable_kv_migration else None
+        choice = warn_fallback(config.transport) if config.enable_kv_migration else None
         if choice is not None and choice.name == "nixl":
             from kvmove.transport.interfaces import interface_of
 
-            interface_of(host)  # NOTE: NIXL will listen on the interface of --host: one of this host's
+            interface_of(config.host)  # NOTE: NIXL will listen on the interface of --host: one of this host's
         migration = f"KV migration over {choice.name}" if choice is not None else "no KV migration"
         from kvmove.server.launch import serve as run  # NOTE: fastapi/uvicorn are the optional `serve` extra
 
         def ready(url: str) -> None:
-            print(f"kvmove serve: ready on {url} ({model}, {migration})", file=streams.out(), flush=True)
+            print(f"kvmove serve: ready on {url} ({config.model}, {migration})", file=streams.out(), flush=True)
 
         run(config, ready=ready, sock=sock)
     finally:
