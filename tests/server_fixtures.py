@@ -145,3 +145,23 @@ def pause_after_decoding(
         assert time.monotonic() < deadline, f"{rid} never decoded {tokens} tokens"
         time.sleep(0.002)
     return let_go.set
+
+
+def hold_admissions(monkeypatch: pytest.MonkeyPatch, server: ServerThread) -> Callable[[], None]:
+    """Keep ``server``'s worker (a server of this process) from stepping until the returned function is called:
+    requests submitted meanwhile wait in its queue, and then start together, in one batch."""
+    from kvmove.engines.reference import StepOutput
+
+    worker = server.runtime.worker
+    real = worker.step
+    lock_free = threading.Condition(server.runtime.lock)
+    go = threading.Event()
+
+    def step() -> StepOutput:
+        if not go.is_set():
+            lock_free.wait(timeout=0.002)  # NOTE: releases the runtime's lock, so requests can still be submitted
+            return StepOutput()
+        return real()
+
+    monkeypatch.setattr(worker, "step", step)
+    return go.set

@@ -15,9 +15,11 @@ pytest.importorskip("httpx")
 
 import httpx
 import torch
+from server_fixtures import hold_admissions
 
 from kvmove.engines.reference import FinishReason, Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.engines.reference import runner as runner_module
+from kvmove.engines.reference.scheduler import ScheduledBatch
 from kvmove.models import resolve_model
 from kvmove.sync.verify import seeded_checkpoint
 
@@ -62,8 +64,8 @@ def _post(url: str, body: object) -> httpx.Response:
 class _Bystanders:
     """Greedy requests running on ``server`` while the test does something nasty beside them."""
 
-    def __init__(self, server, n: int = 3, new_tokens: int = 24) -> None:
-        self.server, self.new_tokens = server, new_tokens
+    def __init__(self, server, n: int = 3, new_tokens: int = 24, wait_running: bool = True) -> None:
+        self.server, self.new_tokens, self.wait_running = server, new_tokens, wait_running
         self.prompts = {f"bystander-{i}-{time.monotonic_ns()}": _ids(10, 100 + i) for i in range(n)}
         self.answers: dict[str, httpx.Response] = {}
         self._threads = [threading.Thread(target=self._run, args=(rid,)) for rid in self.prompts]
@@ -77,7 +79,7 @@ class _Bystanders:
         for t in self._threads:
             t.start()
         deadline = time.monotonic() + 30
-        while not set(self.prompts) & set(self.server.runtime.worker.scheduler.running):
+        while self.wait_running and not set(self.prompts) & set(self.server.runtime.worker.scheduler.running):
             assert time.monotonic() < deadline, "bystanders never ran"
             time.sleep(0.001)
         return self
@@ -116,8 +118,17 @@ def test_a_tiny_temperature_samples_greedily(pair) -> None:
 
 
 def test_a_request_that_raises_while_stepped_fails_alone(pair, monkeypatch) -> None:
+    """The poisoned request starts in the bystanders' batch: admissions are held until all four are queued."""
     a, _ = pair
     real = runner_module.sample
+    scheduler = a.runtime.worker.scheduler
+    batches: list[set[str]] = []
+    schedule = scheduler.schedule
+
+    def recorded() -> ScheduledBatch:
+        batch = schedule()
+        batches.append({r.rid for r in batch.requests})
+        return batch
 
     def sample(req: Request, logits: torch.Tensor) -> int:
         if req.rid == "poisoned":
@@ -125,8 +136,21 @@ def test_a_request_that_raises_while_stepped_fails_alone(pair, monkeypatch) -> N
         return real(req, logits)
 
     monkeypatch.setattr(runner_module, "sample", sample)
-    with _Bystanders(a) as bystanders:
-        r = _post(f"{a.url}/generate", {"input_ids": _ids(6, 9), "rid": "poisoned"})
+    monkeypatch.setattr(scheduler, "schedule", recorded)
+    start_together = hold_admissions(monkeypatch, a)
+    answer: dict[str, httpx.Response] = {}
+    body = {"input_ids": _ids(6, 9), "rid": "poisoned", "sampling_params": {"max_new_tokens": 8}}  # fits beside them
+    culprit = threading.Thread(target=lambda: answer.setdefault("r", _post(f"{a.url}/generate", body)))
+    with _Bystanders(a, wait_running=False) as bystanders:
+        culprit.start()
+        deadline = time.monotonic() + 30
+        while scheduler.num_waiting < 4:
+            assert time.monotonic() < deadline, "the requests were never queued"
+            time.sleep(0.002)
+        start_together()
+        culprit.join(timeout=120)
+    assert {"poisoned", *bystanders.prompts} in batches, "the poisoned request ran beside the bystanders"
+    r = answer["r"]
     assert r.status_code == 500 and "poisoned" in r.json()["message"] and "injected" in r.json()["message"]
     bystanders.check()
     a.runtime.check_integrity()
