@@ -182,6 +182,30 @@ def test_corruption_is_caught_over_http_too(pair_over) -> None:
     _clean(a, b)
 
 
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_corruption_on_one_rank_of_a_tensor_parallel_migration_is_caught(
+    pair_over, tp_pair_over, src_tp: int, dst_tp: int
+) -> None:
+    """Pulls with two sources (tp=2 -> tp=1) or two target ranks (tp=1 -> tp=2): one checksum covers every rank's
+    heads, and a page changed on the last rank alone fails the commit."""
+    one, two = pair_over("http"), tp_pair_over("http")
+    a, b = (two[0] if src_tp == 2 else one[0]), (two[1] if dst_tp == 2 else one[1])
+    src, dst = WorkerClient(a.url), WorkerClient(b.url)
+    ids, key = _ids(16, 35), f"tp-corrupt-{src_tp}-{dst_tp}"
+    _cache(src, ids, key)
+    mid = _allocate_and_transfer(src, dst, ids, key)
+    mig, last = b.runtime.target.pending[mid], dst_tp - 1
+    assert mig.filled == set(range(dst_tp)) and mig.checksum
+    b.runtime.plane.endpoints[last].pool.buffers()[0][mig.host_pages[last][0]] = 42.0
+    with pytest.raises(MigrationConflictError, match="differ from what the source staged"):
+        dst.commit(mid)
+    _nothing_cached(dst, ids, key)
+    for s in (a, b):
+        s.runtime.check_integrity()
+        assert not s.runtime.target.pending and s.runtime.plane.open_grants == 0
+        assert all(e.pool.used_pages == 0 and e.outbox.used_pages == 0 for e in s.runtime.plane.endpoints)
+
+
 def test_pages_that_do_not_match_the_source_checksum_are_never_cached(pair, monkeypatch) -> None:
     a, b = pair
     src, dst = WorkerClient(a.url), WorkerClient(b.url)
