@@ -107,8 +107,9 @@ def soak_transports(cfg: SoakConfig) -> list[str]:
 
 def run_soak(cfg: SoakConfig, transport: str, log_dir: Path | None = None) -> SoakResult:
     """Two servers over ``transport`` (loopback subprocesses, an admin key of this run), the warm-up, the soak."""
+    from kvmove.ports import free_port
     from kvmove.server.config import ServerConfig
-    from kvmove.server.launch import LocalCluster, free_port
+    from kvmove.server.launch import LocalCluster
 
     key = secrets.token_urlsafe(24)
     base = ServerConfig(

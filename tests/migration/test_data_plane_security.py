@@ -257,8 +257,9 @@ def _ip(hex_address: str, width: int) -> str:
 def test_nixl_listens_only_on_the_interface_the_server_serves_on(tmp_path) -> None:
     if not NixlTransport.is_available():
         pytest.skip("NIXL is not installed")
+    from kvmove.ports import free_port
     from kvmove.server.config import ServerConfig
-    from kvmove.server.launch import LocalCluster, free_port
+    from kvmove.server.launch import LocalCluster
 
     config = ServerConfig(port=free_port(), enable_kv_migration=True, transport="nixl", num_pages=16, page_size=4)
     with LocalCluster([config], tmp_path) as cluster:

@@ -110,7 +110,8 @@ def test_target_killed_while_continuing_the_request_resumes_on_the_source(
     pair, tmp_path, sampling: str, monkeypatch
 ) -> None:
     """The target is a real process, SIGKILLed once it is generating the migrated request."""
-    from kvmove.server.launch import LocalCluster, free_port
+    from kvmove.ports import free_port
+    from kvmove.server.launch import LocalCluster
 
     a, _ = pair
     config = a.config.__class__(
