@@ -6,6 +6,7 @@ purpose (``kvmove bench run --suite sync --results results/``), so trying a suit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 from enum import StrEnum
 from pathlib import Path
@@ -17,7 +18,7 @@ from kvmove.cli import render, streams
 from kvmove.cli import report as report_cli
 from kvmove.cli import simulate as simulate_cli
 from kvmove.cli.options import JsonOpt, ResultsOpt
-from kvmove.errors import KvmoveError
+from kvmove.errors import JobFailed, KvmoveError
 
 if TYPE_CHECKING:
     from kvmove.bench.results import Row
@@ -28,7 +29,7 @@ app = typer.Typer(no_args_is_help=True, help="Benchmarks: measured and simulated
 class Suite(StrEnum):
     """plan: full-size plans; sync: raw link + every strategy; quick: sync; full: plan + sync; gpu: two GPUs;
     vllm: reference engine and vLLM side by side; decode-latency: decode steps with and without migrations into a
-    loaded worker; migration-gpu: resume vs re-prefill on one GPU."""
+    loaded worker; migration-gpu: resume vs re-prefill on one GPU; soak: what servers hold after many migrations."""
 
     plan = "plan"
     sync = "sync"
@@ -38,6 +39,7 @@ class Suite(StrEnum):
     vllm = "vllm"
     decode_latency = "decode-latency"
     migration_gpu = "migration-gpu"
+    soak = "soak"
 
 
 class BenchTransport(StrEnum):
@@ -74,8 +76,19 @@ def run(
         int, typer.Option("--gpus", min=0, max=2, help="gpu suite: GPUs to use (0: all, at most two).")
     ] = 0,
     as_json: JsonOpt = False,
+    migrations: Annotated[
+        int,
+        typer.Option(
+            "--migrations", min=1, help="Migrations per transport in the soak suite (after a warm-up of min(20, N/10))."
+        ),
+    ] = 200,
 ) -> None:
     """Run a benchmark suite; print its rows and, with --results DIR, append them to DIR/<suite>.parquet.
+
+    The soak suite (--suite soak [--transport nixl|http] [--migrations N]) moves K/V N times back and forth (every
+    10th time a live request, continued on the other side) between two `kvmove serve` processes per transport and
+    reports what each server holds (fds, RSS, threads, pages, locks, pending migrations) after a warm-up and at the
+    end; it exits 1 if anything grew.
 
     Example: kvmove bench run --suite plan
 
@@ -106,6 +119,8 @@ def run(
 
             row = decode_latency(DecodeLatencyConfig(transport=transport.value), say=say)
             _show("decode_latency", [row], results, as_json)
+        if suite is Suite.soak:
+            _soak(transport.value, migrations, results, as_json, say)
         if suite is Suite.vllm:
             from kvmove.bench.syncs import vllm_suite
 
@@ -180,6 +195,31 @@ def _gpu_syncs(results: Path | None, transport: str, shape: GpuShape, as_json: b
         rows = gpu_suite(suite, lambda new: append_rows(results, "gpu", new, labels) if new else None, say)
     streams.note(f"{len(rows)} gpu rows appended to {results / 'gpu.parquet'}")
     _show("gpu", rows, None, as_json)
+
+
+def _soak(transport: str, migrations: int, results: Path | None, as_json: bool, say: Callable[[str], None]) -> None:
+    from kvmove.bench.soak import SoakConfig, run_soak, soak_rows, soak_transports
+
+    chosen = () if transport == "auto" else (transport,)
+    cfg = SoakConfig(migrations=migrations, warmup=min(20, migrations // 10), transports=chosen)
+    runs = []
+    for name in soak_transports(cfg):
+        say(f"soak over {name}: {cfg.warmup} warm-up + {migrations} migrations between two kvmove serve processes")
+        runs.append(run_soak(cfg, name))
+    rows = soak_rows(cfg, runs)
+    where = None
+    if results is not None:
+        from kvmove.bench.results import append_rows
+
+        where = append_rows(results, "soak", rows)
+        streams.note(f"{len(rows)} soak rows appended to {where}")
+    if as_json:
+        render.json_lines(asdict(r) for r in rows)
+    else:
+        render.soak_table(rows, where)
+    problems = [f"{r.transport}: {p}" for r in runs for p in r.problems(cfg)]
+    if problems:
+        raise JobFailed(f"soak not flat: {'; '.join(problems[:5])}")
 
 
 app.command("report")(streams.owns_stdout(report_cli.report))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -107,6 +108,7 @@ def migrate(
         enable_kv_migration=True,
         max_prefill_tokens=4096,
         kvmove_routes=routes is Routes.kvmove,
+        admin_api_key=secrets.token_urlsafe(24),  # NOTE: the workers trust only this run's controller and each other
     )
     with streams.progress() as say:
         runs = _workloads([replace(server, tp_size=n) for n in tps], cfg, baseline, say)
@@ -147,7 +149,7 @@ def _workloads(servers: list[Any], cfg: Any, baseline: bool, say: Callable[[str]
     configs = [replace(c, port=free_port()) for c in servers]
     say(f"starting {len(configs)} workers ({configs[0].model}, KV over {configs[0].transport})")
     with tempfile.TemporaryDirectory(prefix="kvmove-migrate-") as logs, LocalCluster(configs, Path(logs)) as cluster:
-        clients = [WorkerClient(u, timeout=cfg.deadline_s) for u in cluster.urls]
+        clients = [WorkerClient(u, timeout=cfg.deadline_s, api_key=configs[0].admin_api_key) for u in cluster.urls]
         with ThreadPoolExecutor(max_workers=2 * cfg.requests + 8) as pool:
             say(f"workload with migration: {cfg.requests} high-priority requests, prompt {cfg.prompt_len} tokens")
             runs = [run_workload(clients, cfg, True, pool)]

@@ -254,3 +254,28 @@ def line(text: str) -> None:
 def summary(values: dict[str, float]) -> None:
     for key, value in values.items():
         console().print(f"{key}: {value:.3f}")
+
+
+SOAK_COLUMNS = ("fds", "rss_bytes", "threads", "host_used_pages", "outbox_used_pages", "device_locked_pages")
+
+
+def soak_table(rows: Sequence[Row], path: Path | None) -> None:
+    """One line per transport and server (by port): what it held after the warm-up -> at the end of the soak."""
+    where = f"appended to {path}" if path is not None else "not recorded (--results DIR records them)"
+    table = Table(title=f"soak rows, {where} (before -> after, per server)")
+    for col in ("transport", "migrations", "p50 s", "port", *SOAK_COLUMNS, "flat"):
+        table.add_column(col)
+    for r in rows:
+        before, after = r.extra["before"], r.extra["after"]
+        for i, url in enumerate(before):
+            cells = [_change(before[url][k], after[url][k], k == "rss_bytes") for k in SOAK_COLUMNS]
+            head = (
+                [r.transport, str(r.extra["migrations"]), f"{r.phases['migration_p50_s']:.3f}"] if not i else [""] * 3
+            )
+            table.add_row(*head, url.rsplit(":", 1)[-1], *cells, str(r.extra["flat"]) if not i else "")
+    console().print(table)
+
+
+def _change(before: int, after: int, as_bytes: bool) -> str:
+    show = human_bytes if as_bytes else str
+    return f"{show(before)} -> {show(after)}"

@@ -61,6 +61,53 @@ KvmoveRoutesOpt = Annotated[
     ),
 ]
 
+HandoverTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--handover-timeout", help="Seconds a migrated request may take on its target before it resumes here."
+    ),
+]
+HoldTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--hold-timeout", help="Seconds a request held for migration may wait for its release before it resumes here."
+    ),
+]
+ApiKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="KVMOVE_API_KEY",
+        help="Key for every route but /health and /metrics (Authorization: Bearer KEY); SGLang's flag.",
+    ),
+]
+AdminKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--admin-api-key",
+        envvar="KVMOVE_ADMIN_API_KEY",
+        help="Key for the admin routes (migration, hand-over, aborts, flush, data plane); peers present it to each "
+        "other; SGLang's flag.",
+    ),
+]
+AllowedPeersOpt = Annotated[
+    str,
+    typer.Option(
+        "--allowed-peers",
+        help="Comma-separated host:port of the only peer servers KV may move to or from (as they publish their "
+        "session ids: their --host:--port); empty: any.",
+    ),
+]
+MigrationShareOpt = Annotated[
+    float, typer.Option("--migration-share", help="Most of the host pool one migration may hold (0-1].")
+]
+PeerShareOpt = Annotated[
+    float,
+    typer.Option(
+        "--peer-share", help="Most of the host pool the pending migrations of one client address may hold (0-1]."
+    ),
+]
+
 
 def serve(
     port: PortOpt = 30000,
@@ -82,16 +129,24 @@ def serve(
     peer_timeout: PeerTimeoutOpt = 60.0,
     tp_size: TpSizeOpt = 1,
     kvmove_routes: KvmoveRoutesOpt = True,
+    handover_timeout: HandoverTimeoutOpt = 600.0,
+    hold_timeout: HoldTimeoutOpt = 120.0,
+    api_key: ApiKeyOpt = None,
+    admin_api_key: AdminKeyOpt = None,
+    allowed_peers: AllowedPeersOpt = "",
+    migration_share: MigrationShareOpt = 0.5,
+    peer_share: PeerShareOpt = 0.5,
 ) -> None:
     """Serve one rollout worker over HTTP (/generate, /tokenize, /health, /metrics and the migration routes).
 
     Prints one line with its URL on stdout once it accepts requests; logs go to stderr. /metrics is Prometheus
-    text, /metrics.json the same as JSON. A port in use is refused (exit 2) before the model is built.
+    text, /metrics.json the same as JSON. A port in use, KV pools larger than the memory available, or a --host no
+    interface carries (with NIXL) are refused (exit 2) before the model is built. Keys may also come from the
+    environment (KVMOVE_API_KEY, KVMOVE_ADMIN_API_KEY), which keeps them off the process list; see the README's
+    threat model for who can reach what.
 
-    Example: kvmove serve --port 30001 --enable-kv-migration --kv-migration-watchdog-timeout 30
+    Example: kvmove serve --port 30001 --enable-kv-migration --admin-api-key "$KEY" --allowed-peers 10.0.0.2:30001
     """
-    from kvmove.server.listen import listen
-
     config = ServerConfig(
         host=host,
         port=port,
@@ -112,16 +167,37 @@ def serve(
         peer_timeout=peer_timeout,
         tp_size=tp_size,
         kvmove_routes=kvmove_routes,
+        handover_timeout=handover_timeout,
+        hold_timeout=hold_timeout,
+        api_key=api_key,
+        admin_api_key=admin_api_key,
+        allowed_peers=tuple(p.strip() for p in allowed_peers.split(",") if p.strip()),
+        migration_share=migration_share,
+        peer_share=peer_share,
     )
-    sock = listen(host, port)  # a port in use is refused before anything heavy is imported or built
+    _serve(config)
+
+
+def _serve(config: ServerConfig) -> None:
+    """Take the port, check what can be checked up front, then build and serve (a port in use, pools larger than
+    the memory available, a --host no interface carries: refused before the model is built)."""
+    from kvmove.server.listen import listen
+
+    sock = listen(config.host, config.port)  # a port in use is refused before anything heavy is imported or built
     try:
-        migration = (
-            f"KV migration over {warn_fallback(transport.value).name}" if enable_kv_migration else "no KV migration"
-        )
+        from kvmove.server.resources import check_server_memory
+
+        check_server_memory(config)  # NOTE: refused before NIXL, the model or a pool is touched
+        choice = warn_fallback(config.transport) if config.enable_kv_migration else None
+        if choice is not None and choice.name == "nixl":
+            from kvmove.transport.interfaces import interface_of
+
+            interface_of(config.host)  # NOTE: NIXL will listen on the interface of --host: one of this host's
+        migration = f"KV migration over {choice.name}" if choice is not None else "no KV migration"
         from kvmove.server.launch import serve as run  # NOTE: fastapi/uvicorn are the optional `serve` extra
 
         def ready(url: str) -> None:
-            print(f"kvmove serve: ready on {url} ({model}, {migration})", file=streams.out(), flush=True)
+            print(f"kvmove serve: ready on {url} ({config.model}, {migration})", file=streams.out(), flush=True)
 
         run(config, ready=ready, sock=sock)
     finally:

@@ -5,6 +5,7 @@
 """
 
 from kvmove.kvcache.allocator import PageAllocator, PageIds, pages_to_slots, slots_to_pages
+from kvmove.kvcache.checksum import pages_digest
 from kvmove.kvcache.geometry import KVGeometry
 from kvmove.kvcache.heads import HeadShard, HeadSlice, head_slices, rank_heads, slice_ranges
 from kvmove.kvcache.host_pool import HostKVPool
@@ -38,6 +39,7 @@ __all__ = [
     "RadixNode",
     "RadixTree",
     "head_slices",
+    "pages_digest",
     "pages_to_slots",
     "rank_heads",
     "slice_ranges",

@@ -6,6 +6,7 @@ import torch
 
 from kvmove.errors import KVCacheError
 from kvmove.kvcache.allocator import PageAllocator, PageIds, as_page_ids, pages_to_slots
+from kvmove.kvcache.checksum import pages_digest
 from kvmove.kvcache.geometry import KVGeometry
 from kvmove.kvcache.pool import KVPool
 
@@ -118,6 +119,17 @@ class HostKVPool:
             raise KVCacheError(f"page data: {data.dtype} {tuple(data.shape)}, expected torch.uint8 {want}")
         for i, b in enumerate(self._buffers):
             self._bytes(b)[idx] = data[i].to("cpu")
+
+    def digest(self, pages: PageIds) -> str:
+        """Checksum of the bytes of allocated ``pages`` (``kvcache.checksum``; equal to the device pool's digest
+        of pages holding the same K/V)."""
+        return pages_digest([(self._buffers, self._allocated(pages))])
+
+    def scrub(self, pages: PageIds) -> None:
+        """Zero allocated ``pages`` in every buffer (before they are freed, so nothing of them can be read later)."""
+        idx = self._allocated(pages)
+        for b in self._buffers:
+            b[idx] = 0
 
     def check_integrity(self) -> None:
         """Allocator invariants hold and every buffer keeps its shape, dtype and address."""

@@ -8,6 +8,7 @@ import torch
 
 from kvmove.errors import KVCacheError
 from kvmove.kvcache.allocator import PageAllocator, PageIds, as_page_ids, pages_to_slots
+from kvmove.kvcache.checksum import pages_digest
 from kvmove.kvcache.geometry import KVGeometry
 
 
@@ -97,6 +98,13 @@ class KVPool:
         """Every layer buffer viewed as ``[num_pages, page_size, num_kv_heads, head_dim]``: K layers, then V layers."""
         shape = (self.num_pages, self.page_size, *self.geometry.token_shape)
         return [b.view(shape) for b in (*self._k, *self._v)]
+
+    def digest(self, pages: PageIds) -> str:
+        """Checksum of the K/V bytes of allocated ``pages`` (``kvcache.checksum``, comparable with the host pool's)."""
+        idx = as_page_ids(pages, self.num_pages, "pages")
+        if not self.is_allocated(idx):
+            raise KVCacheError("digest of pages that are not allocated")
+        return pages_digest([(self.page_views(), idx)])
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K and V (each ``[len(slots), num_kv_heads, head_dim]``) of ``layer`` at token ``slots``."""

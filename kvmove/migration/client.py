@@ -1,5 +1,6 @@
 """HTTP client of one kvmove (or SGLang-fork) server: one method per route, every call bounded in time.
 
+``api_key`` is sent as ``Authorization: Bearer`` with every call (the server's admin key drives migrations).
 Failure answers raise the MigrationError subclass of their status (``error_for_status``), message kept.
 """
 
@@ -17,12 +18,19 @@ T = TypeVar("T", bound=BaseModel)
 
 
 class WorkerClient:
-    def __init__(self, url: str, timeout: float = 60.0) -> None:
+    def __init__(self, url: str, timeout: float = 60.0, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
 
     def close(self) -> None:
         self._http.close()
+
+    def __enter__(self) -> WorkerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def health(self) -> bool:
         try:
@@ -32,6 +40,9 @@ class WorkerClient:
 
     def metrics(self) -> m.Metrics:
         return self._call("GET", "/metrics.json", None, m.Metrics)
+
+    def resources(self) -> m.Resources:
+        return self._call("GET", "/kvmove/resources", None, m.Resources)
 
     def integrity(self) -> m.Integrity:
         return self._call("GET", "/kvmove/integrity", None, m.Integrity)

@@ -1,5 +1,7 @@
 """The migration controller: runs the allocate -> transfer -> commit protocol between two servers for one request,
-with the request hand-over around it (hold on the source, release after the target committed, resume there).
+with the request hand-over around it (hold on the source; release after the target committed, upon which the
+source has the target continue the request and relays its answer to the request's client, or resumes it itself if
+the target gives none). ``move_kv`` is the protocol alone: cached K/V to another worker, no request.
 
 ``migrate_request`` is the three-line loop of the protocol; every failure after an allocation aborts it on the
 target and gives the request back to the source, so each request has exactly one owner and nothing leaks.
@@ -70,8 +72,8 @@ class _Clock:
 
 
 def migrate_request(src: WorkerClient, dst: WorkerClient, rid: str) -> Migration:
-    """Move waiting or running request ``rid`` and its cached K/V from ``src`` to ``dst``; the request is then
-    released by ``src`` and must be resumed on ``dst`` with ``resume_body(record)``."""
+    """Move waiting or running request ``rid`` and its cached K/V from ``src`` to ``dst``; ``src`` then has ``dst``
+    continue it (``resume_body``) and relays the answer to the request's client."""
     rec = Migration(rid, src.url, dst.url)
     clock = _Clock(rec.phases)
     rec.held = held = src.hold(rid)
@@ -86,6 +88,17 @@ def migrate_request(src: WorkerClient, dst: WorkerClient, rid: str) -> Migration
     src.release(rid, migrated=True, target=dst.url)
     clock.lap("release")
     rec.migration_id = mid
+    return rec
+
+
+def move_kv(src: WorkerClient, dst: WorkerClient, ids: list[int], extra_key: str | None = None) -> Migration:
+    """Move the K/V ``src`` caches for the whole pages of ``ids`` under ``extra_key`` to ``dst`` (only the pages
+    ``dst`` lacks), without any request: allocate -> transfer -> commit, aborted on the target if it fails."""
+    rec = Migration("", src.url, dst.url, tokens=list(ids))
+    try:
+        rec.migration_id = _transfer(src, dst, ids, extra_key, rec, _Clock(rec.phases))
+    except MigrationError as exc:
+        rec.error = str(exc)
     return rec
 
 
@@ -180,9 +193,9 @@ def transfer_body(
     )
 
 
-def resume_body(held: m.HoldRequestResp) -> m.GenerateReq:
+def resume_body(held: m.HoldRequestResp | m.ResumeState) -> m.GenerateReq:
     """The ``/generate`` body that continues a held request on its new worker."""
-    r = held.request
+    r = held.request if isinstance(held, m.HoldRequestResp) else held
     return m.GenerateReq(
         input_ids=r.prompt_ids,
         rid=r.rid,

@@ -1,18 +1,23 @@
-"""A rank's host KV endpoint: the host pool, registered once with a transport, and one-sided pulls of pages.
+"""A rank's host KV endpoint: its inbox and outbox host pools, a transport, and one-sided pulls of pages.
 
-Direction: the **target pulls** from the source's registered host pool into its own: a one-sided NIXL READ, or,
-where NIXL is absent, an HTTP read answered by the source's server (``http``, a slower fallback). The target
-computes every local byte range from the host pages it allocated for the migration, so a peer can never make it
-write outside them; the source only names which of its own (staged) pages to read. Over ``http`` the source also
-lets the target read only those pages, only until the transfer returns (``offer``/``withdraw``); NIXL cannot
-restrict a one-sided READ, so there a peer holding the agent metadata may read the whole registered pool.
+Direction: the **target pulls** from the source's outbox into its own inbox: a one-sided NIXL READ, or, where
+NIXL is absent, an HTTP read answered by the source's server (``http``, a slower fallback). The target computes
+every local byte range from the inbox pages it allocated for the migration, so a peer can never make it write
+outside them; the source only names which of its own staged pages to read.
+
+What a peer can reach: the inbox is registered for local use only and never offered to anyone. The outbox holds
+pages only while a transfer stages them: ``offer`` lets exactly the target of one transfer read exactly those
+pages (over NIXL: registered for that transfer and published as partial agent metadata; over HTTP: a read grant
+for those spans), ``withdraw`` ends it (deregistered, grant revoked) and ``unstage`` scrubs the pages before they
+are freed, so a late READ fails where the transport enforces registrations and finds zeros where it does not (UCX
+over tcp or shared memory). Session infos carry opaque buffer handles (``handles``), never process addresses.
 """
 
 from __future__ import annotations
 
 import base64
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -22,6 +27,7 @@ from kvmove.kvcache import HeadSlice, HostKVPool, KVGeometry
 from kvmove.kvcache.host_link import HostLink
 from kvmove.migration.errors import MigrationError, PeerUnreachableError
 from kvmove.migration.messages import BufferInfo, SourceEndpoint
+from kvmove.migration.peers import PeerAddress, PeerRefusedError
 from kvmove.migration.session import check_transport, geometry_info
 from kvmove.transport import (
     TRANSPORTS,
@@ -34,16 +40,30 @@ from kvmove.transport import (
     TransportError,
 )
 from kvmove.transport.http_route import ReadAnswer, ReadRefused
+from kvmove.transport.interfaces import interface_of
 from kvmove.transport.local import LocalTransport
 
-SERVER_TRANSPORTS: dict[str, Callable[[str], Transport]] = {
-    "nixl": lambda url: NixlTransport(),
-    "http": lambda url: HttpTransport(url=url or None),
-}
-"""Transports that move KV between two plain server processes, in the order ``auto`` tries them, each built from
-the base URL of the server it lives in (the ``http`` one serves its reads through that server's routes)."""
+HANDLE_STRIDE = 1 << 40
+"""Opaque ``host_kv_data_ptrs``: buffer ``i`` is published as ``i * HANDLE_STRIDE``, never a process address."""
 
-IN_PROCESS_TRANSPORTS: dict[str, Callable[[str], Transport]] = {"local": lambda url: LocalTransport()}
+
+class TransportSetup(NamedTuple):
+    """How a server's transport is built: ``url`` of the server it lives in, ``headers`` its reads send (the peer
+    key), ``host`` the server binds (NIXL then listens on that interface only; "" for all)."""
+
+    url: str = ""
+    headers: Mapping[str, str] = {}
+    host: str = ""
+
+
+SERVER_TRANSPORTS: dict[str, Callable[[TransportSetup], Transport]] = {
+    "nixl": lambda s: NixlTransport(net_device=interface_of(s.host) if s.host else None),
+    "http": lambda s: HttpTransport(url=s.url or None, headers=s.headers),
+}
+"""Transports that move KV between two plain server processes, in the order ``auto`` tries them (the ``http`` one
+serves its reads through the routes of the server it lives in)."""
+
+IN_PROCESS_TRANSPORTS: dict[str, Callable[[TransportSetup], Transport]] = {"local": lambda s: LocalTransport()}
 """Transports between endpoints of one process only (both sides of a benchmark); only ever chosen by name."""
 
 FALLBACK_NOTE = "NIXL is not installed (pip install 'kvmove[nixl]'); KV pages move over HTTP, a slower fallback"
@@ -84,49 +104,66 @@ def choose_transport(requested: str) -> TransportChoice:
 
 
 class HostEndpoint:
-    """The host pool of one rank and its transport endpoint (``link``); thread-safe (one lock around the
-    transport's reads, another around the pool's page table, neither ever held by the decode loop).
+    """The inbox and outbox host pools of one rank and its transport endpoint (``link``); thread-safe (one lock
+    around the transport's reads, another around the pools' page tables and the transport's grants, neither ever
+    held by the decode loop).
 
-    ``transport``: auto, nixl or http (``choose_transport``), or ``local`` (within one process); ``url``: the base
-    URL of this rank's server. ``pin_memory``: page-locked host buffers (fast copies to and from a GPU).
+    ``transport``: auto, nixl or http (``choose_transport``), or ``local`` (within one process); ``setup``: how to
+    build it. ``outbox_pages``: 0 for as many as the inbox. ``pin_memory``: page-locked host buffers.
     """
 
     def __init__(
-        self, geometry: KVGeometry, num_pages: int, transport: str = "auto", url: str = "", pin_memory: bool = False
+        self,
+        geometry: KVGeometry,
+        num_pages: int,
+        transport: str = "auto",
+        setup: TransportSetup = TransportSetup(),
+        pin_memory: bool = False,
+        outbox_pages: int = 0,
     ) -> None:
         self.choice = choose_transport(transport)
         self.pool = HostKVPool(geometry, num_pages, pin_memory=pin_memory)
+        self.outbox = HostKVPool(geometry, outbox_pages or num_pages, pin_memory=pin_memory)
         factory = IN_PROCESS_TRANSPORTS.get(self.choice.name) or SERVER_TRANSPORTS[self.choice.name]
-        self.transport: Transport = factory(url)
+        self.transport: Transport = factory(setup)
         self.link = HostLink(self.pool, self.transport)
         self._descs = self.link.descs
+        self._out_descs = [self.transport.register(b.view(-1).view(torch.uint8)) for b in self.outbox.buffers()]
         self._pool_lock = threading.Lock()
-        self.staged_pages = 0
 
-    def alloc(self, num_pages: int, staged: bool = False) -> torch.Tensor | None:
-        """``num_pages`` host pages, or None if the pool has fewer free. ``staged``: a source's pages for one
-        transfer (counted in ``staged_pages`` until freed with ``staged=True``)."""
+    def alloc(self, num_pages: int) -> torch.Tensor | None:
+        """``num_pages`` inbox pages (a target's, for one migration), or None if the inbox has fewer free."""
         with self._pool_lock:
-            if not self.pool.can_alloc(num_pages):
-                return None
-            self.staged_pages += num_pages if staged else 0
-            return self.pool.alloc(num_pages)
+            return self.pool.alloc(num_pages) if self.pool.can_alloc(num_pages) else None
 
-    def free(self, pages: torch.Tensor, staged: bool = False) -> None:
+    def free(self, pages: torch.Tensor) -> None:
         with self._pool_lock:
             self.pool.free(pages)
-            self.staged_pages -= pages.numel() if staged else 0
+
+    def stage(self, num_pages: int) -> torch.Tensor | None:
+        """``num_pages`` outbox pages to stage one transfer in, or None if the outbox has fewer free."""
+        with self._pool_lock:
+            return self.outbox.alloc(num_pages) if self.outbox.can_alloc(num_pages) else None
+
+    def unstage(self, pages: torch.Tensor) -> None:
+        """Scrub and free outbox ``pages`` (withdraw their offer first)."""
+        with self._pool_lock:
+            self.outbox.scrub(pages)
+            self.outbox.free(pages)
+
+    @property
+    def staged_pages(self) -> int:
+        return self.outbox.used_pages
 
     def check_owned(self, migration_pages: int) -> None:
-        """Pool invariants, and every used page owned: by migrations (``migration_pages``, counted by the caller
-        under its own lock) or staged by a transfer; no read grant without staged pages."""
+        """Pool invariants, every inbox page owned by a migration (``migration_pages``, counted by the caller under
+        its own lock), and no offer open without staged pages."""
         with self._pool_lock:
             self.pool.check_integrity()
-            used, owned = self.pool.used_pages, migration_pages + self.staged_pages
-            if used != owned:
-                raise MigrationError(
-                    f"host pool: {used} pages used != {migration_pages} of migrations + {self.staged_pages} staged"
-                )
+            self.outbox.check_integrity()
+            used = self.pool.used_pages
+            if used != migration_pages:
+                raise MigrationError(f"host pool: {used} pages used != {migration_pages} of migrations")
             if self.open_grants and not self.staged_pages:
                 raise MigrationError(f"{self.open_grants} read grants outlived their transfers")
 
@@ -136,26 +173,32 @@ class HostEndpoint:
 
     @property
     def open_grants(self) -> int:
-        """Reads this rank currently lets a peer make (``http``; always 0 for NIXL, which cannot restrict them)."""
-        return self.transport.open_grants if isinstance(self.transport, HttpTransport) else 0
+        """Offers not yet withdrawn (transfers whose target may read now)."""
+        grants = getattr(self.transport, "open_grants", 0)
+        return grants if isinstance(grants, int) else 0
+
+    def handles(self) -> list[int]:
+        """Opaque ``host_kv_data_ptrs`` of the inbox buffers (``HANDLE_STRIDE`` apart, never addresses)."""
+        return [i * HANDLE_STRIDE for i in range(len(self._descs))]
 
     def offer(self, session_id: str, weight_version: str, pages: torch.Tensor) -> SourceEndpoint:
-        """This rank's endpoint as the target of one transfer sees it: over ``http`` it may read ``pages`` of
-        every host buffer and nothing else, until ``withdraw``."""
-        if isinstance(self.transport, HttpTransport):
-            item = self.pool.item_lens()[0]
-            spans = [(p * item, item) for p in pages.tolist()]
-            info = self.transport.grant({d.buffer_id: spans for d in self._descs})
-        else:
-            info = self.transport.endpoint_info()  # NOTE: a NIXL peer can READ any registered byte regardless
+        """What the target of one transfer needs to read outbox ``pages`` of every buffer (and nothing else), until
+        ``withdraw``. (The in-process ``local`` transport cannot restrict reads: it never leaves the process.)"""
+        item = self.outbox.item_lens()[0]
+        spans = [(p * item, item) for p in pages.tolist()]
+        with self._pool_lock:
+            if isinstance(self.transport, HttpTransport | NixlTransport):
+                info = self.transport.grant({d.buffer_id: spans for d in self._out_descs})
+            else:
+                info = self.transport.endpoint_info()
         return SourceEndpoint(
             session_id=session_id,
             transport=info.transport,
             endpoint=info.endpoint,
-            endpoint_info=base64.b64encode(bytes(info.payload)).decode(),
+            endpoint_info=base64.b64encode(bytes(info.payload or b"")).decode(),
             buffers=[
                 BufferInfo(endpoint=d.endpoint, buffer_id=d.buffer_id, nbytes=d.nbytes, address=d.address)
-                for d in self._descs
+                for d in self._out_descs
             ],
             geometry=geometry_info(self.pool.geometry),
             weight_version=weight_version,
@@ -163,8 +206,9 @@ class HostEndpoint:
 
     def withdraw(self, offer: SourceEndpoint) -> None:
         """End what ``offer`` allowed: from now on the target's reads of those pages are refused."""
-        if isinstance(self.transport, HttpTransport):
-            self.transport.revoke(_endpoint_info(offer))
+        with self._pool_lock:
+            if isinstance(self.transport, HttpTransport | NixlTransport):
+                self.transport.revoke(_endpoint_info(offer))
 
     def serve(self, body: bytes) -> ReadAnswer:
         """A peer's HTTP read of pages this rank offered it (``http`` only; ReadRefused with the status otherwise).
@@ -189,14 +233,29 @@ class HostEndpoint:
         check_transport(self.transport.name, source.transport)
         if len(source.buffers) != len(self._descs) or len(src_pages) != dst_pages.numel():
             raise MigrationError(f"{len(src_pages)} source pages for {dst_pages.numel()} target pages")
+        info = _endpoint_info(source)
+        _check_reads_from(info, source.session_id)
         remote = [_remote_desc(source.transport, b) for b in source.buffers]
         try:
-            return self.link.read(_endpoint_info(source), remote, src_pages, dst_pages.tolist(), src_geometry, pieces)
+            return self.link.read(info, remote, src_pages, dst_pages.tolist(), src_geometry, pieces)
         except TransportError as exc:
             raise PeerUnreachableError(f"pull from {source.session_id} failed: {exc}") from exc
 
     def close(self) -> None:
         self.link.close()
+
+
+def _check_reads_from(info: EndpointInfo, session_id: str) -> None:
+    """Over http the reads go to the URL in the source's info: it must be the source's own server."""
+    if info.transport != "http":
+        return
+    source = PeerAddress.parse(session_id)
+    try:
+        url = HttpTransport.url_of(info)
+    except TransportError as exc:
+        raise MigrationError(str(exc)) from exc
+    if not url.startswith("http://") or PeerAddress.parse(url.removeprefix("http://").rstrip("/")) != source:
+        raise PeerRefusedError(f"the source's data plane URL {url[:80]!r} is not its session {source.session_id}")
 
 
 def _endpoint_info(source: SourceEndpoint) -> EndpointInfo:

@@ -35,6 +35,18 @@ class OutOfPagesError(MigrationError):
     status = 503
 
 
+class ShareExceededError(MigrationError):
+    """One migration, or the pending migrations of one peer, would hold more of a pool than their share."""
+
+    status = 429
+
+
+class ChecksumMismatchError(MigrationError):
+    """Pages pulled or about to be cached differ from what the source staged: nothing of them is cached."""
+
+    status = 409
+
+
 class PeerUnreachableError(MigrationError):
     """The peer server did not answer or failed (dead source/target, transport failure)."""
 
@@ -46,6 +58,7 @@ _BY_STATUS: dict[int, type[MigrationError]] = {
     403: MigrationDisabledError,
     404: UnknownMigrationError,
     409: MigrationConflictError,
+    429: ShareExceededError,
     503: OutOfPagesError,
 }
 

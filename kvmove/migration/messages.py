@@ -9,18 +9,26 @@ kvmove adds fields (never renames one): a handshake ``geometry``/``weight_versio
 Units: every ``*_token_size`` is page aligned; ``kv_indices`` are host **token slots** (``len == extra_token_size``,
 whole pages in consecutive runs), as SGLang clients expect. kvmove's host pool addresses pages, so the target and
 the source convert them with ``slots_to_pages`` and refuse anything that is not whole pages.
-Request models ignore unknown keys (SGLang's ``BaseReq`` adds ``rid`` and ``http_worker_ipc``).
+Request models ignore unknown keys (SGLang's ``BaseReq`` adds ``rid`` and ``http_worker_ipc``); their integers are
+bounded to their widths and their strings must encode as UTF-8 (``fields``), so a malformed value is a 400.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvmove.migration.fields import Count, Int64, PositiveCount, Probability, Seed, Temperature, check_text
 
 
 class Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _encodable(cls, value: Any) -> Any:
+        return check_text(value)
 
 
 class Response(BaseModel):
@@ -80,7 +88,7 @@ class TransferSessionIds(Response):
 
 
 class GetRequestExtraTokenSizeReq(Request):
-    input_ids: list[int]
+    input_ids: list[Count]
     extra_key: str | None = None
 
 
@@ -92,10 +100,10 @@ class GetRequestExtraTokenSizeResp(Response):
 
 
 class AllocateTokenForTransferReq(Request):
-    input_ids: list[int]
+    input_ids: list[Count]
     extra_key: str | None = None
-    extra_token_size: int = 0
-    migration_id: str | None = None
+    extra_token_size: Count = 0
+    migration_id: str | None = Field(default=None, max_length=256)
 
 
 class RankKVIndices(Response):
@@ -118,21 +126,21 @@ class TransferTarget(Request):
     also copies the rank's ``transport`` and ``geometry`` (which KV heads it holds: the source then checks its
     layout exactly, also when the two workers split the heads differently)."""
 
-    tp: int
-    pp: int
+    tp: Count
+    pp: Count
     session_id: str
-    host_kv_data_ptrs: list[int]
-    host_kv_item_lens: list[int]
-    kv_indices: list[int]
+    host_kv_data_ptrs: list[Count]
+    host_kv_item_lens: list[Count]
+    kv_indices: list[Count]
     transport: str | None = None
     geometry: GeometryInfo | None = None
 
 
 class TransferRequestKVCacheReq(Request):
-    input_ids: list[int]
+    input_ids: list[Count]
     extra_key: str | None = None
-    matched_token_size: int = 0
-    extra_token_size: int = 0
+    matched_token_size: Count = 0
+    extra_token_size: Count = 0
     target_per_rank: list[TransferTarget] = Field(default_factory=list)
 
 
@@ -151,7 +159,7 @@ class TransferRequestKVCacheResp(Response):
 
 
 class CommitTransferReq(Request):
-    migration_id: str = ""
+    migration_id: str = Field(default="", max_length=256)
 
 
 class CommitTransferResp(Response):
@@ -164,7 +172,7 @@ class CommitTransferResp(Response):
 
 
 class AbortTransferReq(Request):
-    migration_id: str
+    migration_id: str = Field(max_length=256)
 
 
 class AbortTransferResp(Response):
@@ -177,14 +185,14 @@ class AbortTransferResp(Response):
 # route whose JSON body is ``kvmove.transport.http.ReadRequest``)
 
 
-class BufferInfo(BaseModel):
+class BufferInfo(Request):
     endpoint: str
-    buffer_id: int
-    nbytes: int
-    address: int
+    buffer_id: Count
+    nbytes: Count
+    address: Count
 
 
-class SourceEndpoint(BaseModel):
+class SourceEndpoint(Request):
     """The source rank's transport endpoint: ``endpoint_info`` is its ``EndpointInfo`` payload, base64."""
 
     session_id: str
@@ -196,12 +204,12 @@ class SourceEndpoint(BaseModel):
     weight_version: str
 
 
-class PullSource(BaseModel):
+class PullSource(Request):
     """One source rank the target rank may read from: its staged ``src_pages`` (one per page to send, in order)."""
 
-    tp: int
-    pp: int
-    src_pages: list[int]
+    tp: Count
+    pp: Count
+    src_pages: list[Count]
     endpoint: SourceEndpoint
 
 
@@ -210,13 +218,14 @@ class PullKVReq(Request):
     slots it allocated for the pending migration whose ``kv_indices``, tokens and namespace equal these, and reads
     from ``sources`` only the KV heads it holds (all of one source rank's pages when both split heads alike)."""
 
-    input_ids: list[int]
+    input_ids: list[Count]
     extra_key: str | None = None
-    matched_token_size: int
-    kv_indices: list[int]
-    tp: int = 0
-    pp: int = 0
+    matched_token_size: Count
+    kv_indices: list[Count]
+    tp: Count = 0
+    pp: Count = 0
     sources: list[PullSource]
+    checksum: str = Field(max_length=128)  # ``kvcache.checksum`` of every source rank's staged pages, all heads
 
 
 class PullKVResp(Response):
@@ -233,13 +242,13 @@ class PullKVResp(Response):
 class SamplingParamsMsg(Request):
     """SGLang's sampling params, the subset kvmove's worker runs (defaults as SGLang's)."""
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: list[int] | None = None
+    max_new_tokens: PositiveCount = 128
+    temperature: Temperature = 1.0
+    top_p: Probability = 1.0
+    top_k: Int64 = -1
+    stop_token_ids: list[Count] | None = None
     ignore_eos: bool = False
-    sampling_seed: int | None = None
+    sampling_seed: Seed | None = None
 
 
 class ResumeState(BaseModel):
@@ -255,7 +264,7 @@ class ResumeState(BaseModel):
 
 
 class HoldRequestReq(Request):
-    rid: str
+    rid: str = Field(max_length=1024)
 
 
 class HoldRequestResp(Response):
@@ -270,14 +279,14 @@ class HoldRequestResp(Response):
 class AbortRequestReq(Request):
     """SGLang's ``/abort_request`` body (``AbortReq``)."""
 
-    rid: str = ""
+    rid: str = Field(default="", max_length=1024)
     abort_all: bool = False
     finished_reason: dict[str, Any] | None = None
     abort_message: str | None = None
 
 
 class ReleaseRequestReq(Request):
-    rid: str
+    rid: str = Field(max_length=1024)
     migrated: bool
     target: str = ""
 
@@ -291,18 +300,18 @@ class ReleaseRequestResp(Response):
 # -- generation, tokenizer, metrics --------------------------------------------------------------------------------
 
 
-class ResumeInfo(BaseModel):
-    output_ids: list[int]
+class ResumeInfo(Request):
+    output_ids: list[Count]
     generator_state: str | None = None
 
 
 class GenerateReq(Request):
     text: str | None = None
-    input_ids: list[int] | None = None
-    rid: str | None = None
+    input_ids: list[Count] | None = None
+    rid: str | None = Field(default=None, max_length=1024)
     sampling_params: SamplingParamsMsg = Field(default_factory=SamplingParamsMsg)
     stream: bool = False
-    priority: int | None = None
+    priority: Int64 | None = None
     extra_key: str | None = None
     resume: ResumeInfo | None = None
 
@@ -326,7 +335,7 @@ class TokenizeResp(Response):
 
 
 class DetokenizeReq(Request):
-    tokens: list[int]
+    tokens: list[Count]
     skip_special_tokens: bool = True
 
 
@@ -353,6 +362,25 @@ class Metrics(Response):
     weight_version: str
     transport: str = ""
     transport_note: str = ""
+    rids_hidden: bool = False  # request ids withheld: the caller did not present the admin key
+
+
+class Resources(Response):
+    """What a server holds now (``/kvmove/resources``): its process (fds, resident bytes, threads, -1 where the
+    platform does not say), its pools and locks, and migration state. A soak compares these before and after."""
+
+    fds: int
+    rss_bytes: int
+    threads: int
+    device_used_pages: int
+    device_locked_pages: int
+    export_locks: int
+    host_used_pages: int
+    outbox_used_pages: int
+    migrations_pending: int
+    held_requests: int
+    inflight_requests: int
+    open_grants: int
 
 
 class Integrity(Response):

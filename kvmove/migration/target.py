@@ -13,6 +13,12 @@ its rank in flight under ``_lock``, moves bytes with no lock held, and settles u
 never expires a migration with a pull in flight, and ``abort`` of one only detaches it; its pages are released
 when the pull returns, so no pull ever lands in released pages. ``commit`` detaches the migration, then loads
 its pages onto the device with no lock held (they belong to it alone) and inserts them under the worker's lock.
+
+Trust: a pull comes only from valid (and, with an allow-list, allowed) source addresses, and every pull of a
+migration carries the source's checksum of the pages it staged (all its ranks, all heads). ``commit`` checks the
+device pages it loaded, the ones the radix tree would own, against it: pages corrupted in transit or overwritten
+between pull and commit are refused and released, never cached. One migration, and the pending migrations
+allocated from one client address, hold at most their ``PoolShare`` of the pools.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ import torch
 
 from kvmove.engines.reference import ExportedKV, RolloutWorker
 from kvmove.errors import KVCacheError
-from kvmove.kvcache import head_slices, pages_to_slots, slots_to_pages
+from kvmove.kvcache import head_slices, pages_digest, pages_to_slots, slots_to_pages
 from kvmove.migration.endpoint import HostEndpoint
 from kvmove.migration.errors import (
+    ChecksumMismatchError,
     MigrationConflictError,
     MigrationError,
     OutOfPagesError,
@@ -49,7 +56,9 @@ from kvmove.migration.messages import (
     PullKVResp,
     RankKVIndices,
 )
+from kvmove.migration.peers import PeerPolicy
 from kvmove.migration.session import check_compatible, parse_geometry
+from kvmove.migration.share import PoolShare
 from kvmove.transport import TransferStats
 
 
@@ -72,6 +81,8 @@ class PendingMigration:
     filled: set[int] = field(default_factory=set)
     pulling: set[int] = field(default_factory=set)
     cancelled: bool = False
+    peer: str = ""  # the client address that allocated it (its pool share)
+    checksum: str = ""  # the source's digest of the tail's pages, from its pulls
 
     def kv_indices(self, rank: int) -> list[int]:
         """Rank ``rank``'s host token slots of the tail, what SGLang clients expect (``len == extra_token_size``)."""
@@ -92,9 +103,13 @@ class MigrationTarget:
         endpoints: list[HostEndpoint],
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        peers: PeerPolicy = PeerPolicy(),
+        share: PoolShare = PoolShare(),
     ) -> None:
         self.worker, self.worker_lock, self.endpoints = worker, worker_lock, endpoints
         self.timeout_s, self.clock = timeout_s, clock
+        self.peers, self.share = peers, share
         self.page_size = worker.config.page_size
         self.pending: dict[str, PendingMigration] = {}
         self._detached: dict[str, PendingMigration] = {}  # left `pending`, still holding pages (commit, late pull)
@@ -114,8 +129,9 @@ class MigrationTarget:
             extra_token_size=total - have.num_tokens, matched_token_size=have.num_tokens, total_token_size=total
         )
 
-    def allocate(self, req: AllocateTokenForTransferReq) -> AllocateTokenForTransferResp:
-        """Lock the cached prefix, reserve device pages and every rank's host pages for the tail, record it."""
+    def allocate(self, req: AllocateTokenForTransferReq, peer: str = "") -> AllocateTokenForTransferResp:
+        """Lock the cached prefix, reserve device pages and every rank's host pages for the tail, record it (allocated
+        by the client at address ``peer``)."""
         total, extra = self._total(req.input_ids), req.extra_token_size
         if extra < 0 or extra % self.page_size or extra > total:
             raise MigrationError(f"extra_token_size {extra} is not whole pages of {self.page_size} within {total}")
@@ -123,7 +139,9 @@ class MigrationTarget:
             mid = req.migration_id or uuid.uuid4().hex
             if mid in self.pending or mid in self._detached:
                 raise MigrationConflictError(f"migration_id {mid} is already pending")
+            self._check_share(extra // self.page_size, peer)
             mig = self.pending[mid] = self._reserve(mid, req.input_ids[:total], req.extra_key, extra)
+            mig.peer = peer
         ranks = [RankKVIndices(tp=r, pp=0, kv_indices=mig.kv_indices(r)) for r in range(len(self.endpoints))]
         return AllocateTokenForTransferResp(migration_id=mid, per_rank_kv_indices=ranks)
 
@@ -131,8 +149,13 @@ class MigrationTarget:
         """Rank ``(req.tp, req.pp)`` pulls the KV heads it holds from the source ranks' staged pages into its host
         pages of the one pending migration these slots belong to. No lock is held while the bytes move."""
         rank = self._rank(req.tp, req.pp)
+        for s in req.sources:
+            self.peers.check(s.endpoint.session_id)
         with self._lock:
             mig = self._owner_of(req, rank)
+            if mig.checksum and mig.checksum != req.checksum:
+                raise MigrationConflictError(f"migration_id {mig.migration_id}: its pulls disagree on the checksum")
+            mig.checksum = req.checksum
             mig.pulling.add(rank)
         try:
             stats = self._pull_rank(mig, rank, req)
@@ -271,6 +294,7 @@ class MigrationTarget:
         if mig.tail_pages:  # NOTE: no lock: these device and host pages belong to this migration alone
             for endpoint, pool, host in zip(self.endpoints, self.worker.pools, mig.host_pages, strict=True):
                 endpoint.pool.load_back(pool, mig.device_pages, host)
+            self._check_checksum(mig)
         loaded = time.perf_counter() - start
         existing = mig.matched_tokens
         with self.worker_lock:
@@ -284,6 +308,20 @@ class MigrationTarget:
             message="tree raced ahead during migration window; duplicate pages freed" if raced else "",
             load_seconds=loaded,
         )
+
+    def _check_checksum(self, mig: PendingMigration) -> None:
+        """The device pages about to be cached (every rank's heads) against the source's digest of what it staged."""
+        got = pages_digest([(pool.page_views(), mig.device_pages) for pool in self.worker.pools])
+        if got != mig.checksum:
+            raise ChecksumMismatchError(
+                f"migration_id {mig.migration_id}: its pages differ from what the source staged (corrupted in transit "
+                "or changed between pull and commit); the migration was released and nothing was cached"
+            )
+
+    def _check_share(self, pages: int, peer: str) -> None:
+        held = sum(m.tail_pages for m in (*self.pending.values(), *self._detached.values()) if m.peer == peer)
+        pool = min(self.endpoints[0].pool.num_pages, self.worker.pool.num_pages)
+        self.share.check(pages, held, pool, peer, "host pool")
 
     def _check_version(self, mig: PendingMigration) -> None:
         if self.worker.weight_version != mig.weight_version:

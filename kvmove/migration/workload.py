@@ -3,8 +3,9 @@
 Worker 0 is the busy one: a shared prompt (a GRPO group's) is cached there, low-priority requests then take every
 free page, and the group's high-priority samples arrive and queue behind that KV pressure while the other workers
 are idle. With migration on, the controller moves each starving sample and its cached prefix to the worker with
-the most room (policy ``starving-high-priority``) and resumes it there; the first move to a worker carries the
-prompt's pages, later ones to the same worker only what it lacks (prefix dedup).
+the most room (policy ``starving-high-priority``); the target continues it and worker 0 relays the answer to the
+request's client. The first move to a worker carries the prompt's pages, later ones to the same worker only what it
+lacks (prefix dedup).
 Every high-priority output is checked token for token against a solo greedy run on an in-process reference worker.
 
 ``routes="sglang"`` moves requests with the SGLang fork's routes only (``migrate_request_sglang``: abort on the
@@ -25,7 +26,7 @@ from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, Wor
 from kvmove.errors import KvmoveError
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
-from kvmove.migration.controller import Migration, migrate_request, migrate_request_sglang, resume_body
+from kvmove.migration.controller import Migration, migrate_request, migrate_request_sglang
 from kvmove.migration.errors import UnknownMigrationError
 from kvmove.migration.policy import WorkerView, get_policy
 from kvmove.models import resolve_model
@@ -175,10 +176,8 @@ def _migrate_starving(
             except UnknownMigrationError:  # NOTE: it got admitted and finished since the metrics were read
                 continue
             run.migrations.append(rec)
-            if rec.ok and rec.held is not None:
-                start = time.perf_counter()
-                resumed[d.rid] = pool.submit(dst.generate, resume_body(rec.held), cfg.deadline_s)
-                rec.phases["resume_submit"] = time.perf_counter() - start
+            if rec.ok:  # NOTE: the source relays the target's answer: the original future answers for it
+                resumed[d.rid] = futures[d.rid]
         time.sleep(0.005)
     return resumed
 

@@ -9,30 +9,40 @@ and the fork's five migration routes; kvmove's control routes (``/abort_transfer
 ``/kvmove/hold_request``, ``/kvmove/release_request``, ``/kvmove/integrity``) are absent (404). The peer-to-peer
 data plane (``/kvmove/pull_kv``, ``/kvmove/read_pages``) stays: it is how two kvmove servers move the bytes, as the
 fork's servers use their transfer engine.
+
+Every route carries its access level (``kvmove.server.auth``: open, normal, admin; SGLang's ``--api-key`` and
+``--admin-api-key``). Without ``--enable-kv-migration`` the fork's five routes answer 403 (as the fork does) and
+kvmove's migration routes (the data plane, abort, hand-over) are not served at all. Bodies are limited on the bytes
+actually read (``kvmove.server.limits``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from kvmove.engines.reference import UnknownRequestError
+from kvmove.engines.reference import RequestFailedError, UnknownRequestError
 from kvmove.errors import KvmoveError
 from kvmove.migration import messages as m
 from kvmove.migration.errors import MigrationError
+from kvmove.server.auth import ADMIN_STATE, Access, AuthMiddleware, route_access
+from kvmove.server.limits import BodyLimitMiddleware
 from kvmove.server.runtime import Runtime
 from kvmove.transport.http_route import READ_PATH, answer_read
+
+OPEN, ADMIN = route_access(Access.OPEN), route_access(Access.ADMIN)
 
 
 def create_app(rt: Runtime) -> FastAPI:
     app = FastAPI(title="kvmove rollout worker")
-    _install_error_handlers(app, rt.config.max_body_bytes)
+    _install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=rt.config.max_body_bytes)
+    app.add_middleware(AuthMiddleware, keys=rt.config.keys, routes=lambda: app.router.routes)
     _install_metrics(app, rt)
 
     @app.get("/health")
+    @OPEN
     def health() -> m.Health:
         return m.Health()
 
@@ -49,72 +59,99 @@ def create_app(rt: Runtime) -> FastAPI:
         return m.DetokenizeResp(text=rt.tokenizer.decode(body.tokens))
 
     @app.post("/flush_cache")
+    @ADMIN
     def flush_cache() -> m.FlushCacheResp:
         return rt.flush_cache()
 
     @app.post("/abort_request")
+    @ADMIN
     def abort_request(body: m.AbortRequestReq) -> Response:
         rt.abort_request(body)
         return Response(status_code=200)
 
     _add_migration_routes(app, rt)
+    if rt.config.enable_kv_migration:
+        _add_data_plane(app, rt)
     if rt.config.kvmove_routes:
         _add_kvmove_routes(app, rt)
     return app
 
 
 def _add_migration_routes(app: FastAPI, rt: Runtime) -> None:
-    """The SGLang fork's five migration routes and kvmove's server-to-server data plane."""
+    """The SGLang fork's five migration routes (403 "not enabled" without --enable-kv-migration, as the fork)."""
 
     @app.get("/get_transfer_session_ids")
+    @ADMIN
     def get_transfer_session_ids() -> m.TransferSessionIds:
         return rt.session_ids()
 
     @app.post("/get_request_extra_token_size")
+    @ADMIN
     def get_request_extra_token_size(body: m.GetRequestExtraTokenSizeReq) -> m.GetRequestExtraTokenSizeResp:
         return rt.target.extra_token_size(body)
 
     @app.post("/allocate_token_for_transfer_request")
-    def allocate_token_for_transfer_request(body: m.AllocateTokenForTransferReq) -> m.AllocateTokenForTransferResp:
-        return rt.target.allocate(body)
+    @ADMIN
+    def allocate_token_for_transfer_request(
+        body: m.AllocateTokenForTransferReq, request: Request
+    ) -> m.AllocateTokenForTransferResp:
+        return rt.target.allocate(body, peer=request.client.host if request.client else "")
 
     @app.post("/transfer_request_kvcache")
+    @ADMIN
     def transfer_request_kvcache(body: m.TransferRequestKVCacheReq) -> m.TransferRequestKVCacheResp:
         return rt.source.transfer(body)
 
     @app.post("/commit_transfer_request_kvcache")
+    @ADMIN
     def commit_transfer_request_kvcache(body: m.CommitTransferReq) -> m.CommitTransferResp:
         return rt.target.commit(body)
 
-    # -- kvmove's peer-to-peer data plane ---------------------------------------------------------------------
+
+def _add_data_plane(app: FastAPI, rt: Runtime) -> None:
+    """kvmove's peer-to-peer data plane (only with --enable-kv-migration)."""
 
     @app.post("/kvmove/pull_kv")
+    @ADMIN
     def pull_kv(body: m.PullKVReq) -> m.PullKVResp:
         return rt.target.pull(body)
 
     @app.post(READ_PATH, response_class=Response)
+    @ADMIN
     async def read_pages(request: Request) -> Response:
         return await answer_read(request, rt.read_pages)
 
 
 def _add_kvmove_routes(app: FastAPI, rt: Runtime) -> None:
-    """kvmove's control routes: migration abort, request hand-over, integrity."""
+    """kvmove's control routes: integrity and resources; with migration, its abort and the request hand-over."""
+
+    @app.get("/kvmove/integrity")
+    @ADMIN
+    def integrity() -> m.Integrity:
+        return rt.integrity()
+
+    @app.get("/kvmove/resources")
+    @ADMIN
+    def resources() -> m.Resources:
+        return rt.resources()
+
+    if not rt.config.enable_kv_migration:
+        return
 
     @app.post("/abort_transfer_request_kvcache")
+    @ADMIN
     def abort_transfer_request_kvcache(body: m.AbortTransferReq) -> m.AbortTransferResp:
         return rt.target.abort(body.migration_id)
 
     @app.post("/kvmove/hold_request")
+    @ADMIN
     def hold_request(body: m.HoldRequestReq) -> m.HoldRequestResp:
-        return rt.hold(body)
+        return rt.held.hold(body)
 
     @app.post("/kvmove/release_request")
+    @ADMIN
     def release_request(body: m.ReleaseRequestReq) -> m.ReleaseRequestResp:
-        return rt.release(body)
-
-    @app.get("/kvmove/integrity")
-    def integrity() -> m.Integrity:
-        return rt.integrity()
+        return rt.held.release(body)
 
 
 def _install_metrics(app: FastAPI, rt: Runtime) -> None:
@@ -124,14 +161,16 @@ def _install_metrics(app: FastAPI, rt: Runtime) -> None:
     registry = registry_for(rt)
 
     @app.get("/metrics", response_model=None)
-    def metrics(format: str = "prometheus") -> m.Metrics | Response:
+    @OPEN
+    def metrics(request: Request, format: str = "prometheus") -> m.Metrics | Response:
         if format == "json":
-            return rt.metrics()
-        return Response(exposition(registry), media_type=CONTENT_TYPE)
+            return rt.metrics(include_rids=getattr(request.state, ADMIN_STATE, False))
+        return Response(exposition(registry), media_type=CONTENT_TYPE)  # NOTE: counts only, never request ids
 
     @app.get("/metrics.json")
-    def metrics_json() -> m.Metrics:
-        return rt.metrics()
+    @OPEN
+    def metrics_json(request: Request) -> m.Metrics:
+        return rt.metrics(include_rids=getattr(request.state, ADMIN_STATE, False))
 
 
 def _tokenize(rt: Runtime, body: m.TokenizeReq) -> m.TokenizeResp:
@@ -147,7 +186,7 @@ def _failure(status: int, message: str, **extra: object) -> JSONResponse:
     return JSONResponse(status_code=status, content={"success": False, "message": message, **extra})
 
 
-def _install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
+def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
         text = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
@@ -161,13 +200,10 @@ def _install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
     async def unknown_request(_: Request, exc: UnknownRequestError) -> JSONResponse:
         return _failure(404, str(exc))
 
+    @app.exception_handler(RequestFailedError)
+    async def failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return _failure(500, str(exc))
+
     @app.exception_handler(KvmoveError)
     async def refused(_: Request, exc: KvmoveError) -> JSONResponse:
         return _failure(400, str(exc))
-
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > max_body_bytes):
-            return _failure(413, f"request body of {size} bytes is over the {max_body_bytes}-byte limit")
-        return await call_next(request)

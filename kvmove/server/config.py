@@ -6,8 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmove.errors import KvmoveError
+from kvmove.migration.peers import PeerAddress, PeerPolicy
+from kvmove.server.auth import ApiKeys
 
 LOOPBACK = "127.0.0.1"
+DTYPES = ("float32", "bfloat16")
+SECRET_FIELDS = ("api_key", "admin_api_key")
+"""Fields never put on a command line (``launch.spawn`` passes them in the environment)."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,13 @@ class ServerConfig:
     peer_timeout: float = 60.0
     tp_size: int = 1
     kvmove_routes: bool = True  # False: only SGLang's routes and the fork's five migration routes (+ the data plane)
+    handover_timeout: float = 600.0  # longest wait for a migrated request's answer from its target
+    hold_timeout: float = 120.0  # a request held this long and never released resumes here (its controller died)
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    allowed_peers: tuple[str, ...] = ()  # session ids (host:port) of the only peers allowed; empty: any
+    migration_share: float = 0.5  # most of the host (and device) pool one migration may hold
+    peer_share: float = 0.5  # most of the host pool the migrations allocated by one client address may hold
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -41,6 +53,15 @@ class ServerConfig:
             raise KvmoveError("the watchdog timeout and interval must be > 0 seconds")
         if self.tp_size < 1:
             raise KvmoveError(f"tp size must be >= 1, got {self.tp_size}")
+        if self.dtype not in DTYPES:
+            raise KvmoveError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("migration_share", "peer_share"):
+            if not 0 < getattr(self, name) <= 1:
+                raise KvmoveError(f"{name.replace('_', '-')} must be in (0, 1], got {getattr(self, name)}")
+        if self.max_body_bytes < 1024 or min(self.peer_timeout, self.handover_timeout, self.hold_timeout) <= 0:
+            raise KvmoveError("--max-body-bytes must be >= 1024 and the peer/hand-over/hold timeouts > 0 seconds")
+        PeerAddress.parse(f"{self.host}:{self.port or 1}")  # NOTE: the host becomes this rank's session id
+        PeerPolicy.of(self.allowed_peers)
 
     @property
     def session_id(self) -> str:
@@ -53,3 +74,11 @@ class ServerConfig:
     @property
     def num_host_pages(self) -> int:
         return self.host_pages or self.num_pages
+
+    @property
+    def keys(self) -> ApiKeys:
+        return ApiKeys(self.api_key or None, self.admin_api_key or None)
+
+    @property
+    def peers(self) -> PeerPolicy:
+        return PeerPolicy.of(self.allowed_peers)

@@ -3,6 +3,7 @@ subprocesses (the migration controller), each bounded in time."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import uvicorn
 
 from kvmove.errors import KvmoveError
 from kvmove.server.app import create_app
-from kvmove.server.config import ServerConfig
+from kvmove.server.config import SECRET_FIELDS, ServerConfig
 from kvmove.server.listen import listen
 from kvmove.server.runtime import Runtime
 
@@ -82,23 +83,38 @@ class ServerThread:
 
 
 def serve_args(config: ServerConfig) -> list[str]:
-    """``kvmove serve`` flags reproducing ``config``."""
+    """``kvmove serve`` flags reproducing ``config``, but its keys (``serve_env`` passes those)."""
     args = []
     for f in fields(config):
         value = getattr(config, f.name)
         flag = "--" + f.name.replace("_", "-")
+        if f.name in SECRET_FIELDS:
+            continue
         if isinstance(value, bool):  # NOTE: on/off pairs: a True default is turned off by --no-<name>
             if value != f.default:
                 args += [flag if value else "--no-" + flag[2:]]
+        elif isinstance(value, tuple):
+            args += [flag, ",".join(value)] if value else []
         else:
             args += [flag, str(value)]
     return args
 
 
+def serve_env(config: ServerConfig) -> dict[str, str]:
+    """The environment of a ``kvmove serve`` child: ours plus its keys (never on a command line others can read)."""
+    env = dict(os.environ)
+    for name in SECRET_FIELDS:
+        value = getattr(config, name)
+        if value:
+            env[f"KVMOVE_{name.upper()}"] = value
+    return env
+
+
 def spawn(config: ServerConfig, log: IO[bytes] | None = None) -> subprocess.Popen[bytes]:
     """Start ``kvmove serve`` as a subprocess (bound to ``config.host``, loopback by default)."""
     cmd = [sys.executable, "-m", "kvmove.cli.main", "serve", *serve_args(config)]
-    return subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=log or subprocess.STDOUT)
+    out = log or subprocess.DEVNULL
+    return subprocess.Popen(cmd, stdout=out, stderr=log or subprocess.STDOUT, env=serve_env(config))
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout: float, log: Path | None = None) -> None:

@@ -4,46 +4,40 @@ and (with ``enable_kv_migration``) the migration plane: every rank's host endpoi
 Locks: ``lock`` guards the worker and the request tables and is held by each step of the decode loop; the
 migration target's table lock is always taken before it (never after). No byte of a migration moves under
 either, so generation keeps stepping while a migration pulls pages (``kvmove.migration.target``).
+A request that raises while the worker steps it fails alone (``RequestFailedError``); its batch runs on. Requests
+held for migration live in ``held`` (``kvmove.server.handover``) until they resume here or their target answered.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
 from kvmove.engines.reference import (
-    ExportedKV,
-    FinishReason,
     Request,
     RequestError,
+    RequestFailedError,
     RolloutWorker,
     SamplingParams,
-    UnknownRequestError,
     WorkerConfig,
 )
 from kvmove.migration.endpoint import HostEndpoint
 from kvmove.migration.errors import MigrationConflictError, MigrationDisabledError
+from kvmove.migration.fields import SAMPLING_EPS
 from kvmove.migration.messages import (
     AbortRequestReq,
     FlushCacheResp,
     GenerateReq,
     GenerateResp,
-    HoldRequestReq,
-    HoldRequestResp,
     Integrity,
     Metrics,
     RankSession,
-    ReleaseRequestReq,
-    ReleaseRequestResp,
-    ResumeState,
-    SamplingParamsMsg,
+    Resources,
     TransferSessionIds,
 )
 from kvmove.migration.source import MigrationSource
@@ -51,30 +45,20 @@ from kvmove.migration.target import MigrationTarget
 from kvmove.migration.watchdog import Watchdog
 from kvmove.models import resolve_model
 from kvmove.server.config import ServerConfig
+from kvmove.server.handover import HeldRequests
 from kvmove.server.plane import MigrationPlane
+from kvmove.server.requests import InFlight, finish_reason, generator
+from kvmove.server.resources import check_server_memory, process_resources
 from kvmove.server.steps import StepLog, StepRecord
 from kvmove.server.tokenizer import ByteTokenizer
 from kvmove.sync.verify import seeded_checkpoint
 from kvmove.transport.http_route import ReadAnswer
 
 
-@dataclass
-class _InFlight:
-    future: Future[GenerateResp]
-    submitted_at: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-
-
-@dataclass
-class _Held:
-    request: Request
-    exported: ExportedKV
-    inflight: _InFlight
-
-
 class Runtime:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        check_server_memory(config)  # NOTE: before anything is allocated
         model = resolve_model(config.model)
         dtype = getattr(torch, config.dtype)
         worker_config = WorkerConfig(
@@ -90,8 +74,8 @@ class Runtime:
         self.tokenizer = ByteTokenizer(model.vocab_size)
         self.lock = threading.RLock()
         self._wake = threading.Condition(self.lock)
-        self._inflight: dict[str, _InFlight] = {}
-        self._held: dict[str, _Held] = {}
+        self._inflight: dict[str, InFlight] = {}
+        self.held = HeldRequests(self.worker, self._wake, self._inflight, config)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"kvmove-worker-{config.port}", daemon=True)
         self.steps = StepLog()
@@ -128,6 +112,9 @@ class Runtime:
                     self._step()
             if self.watchdog is not None:
                 self.watchdog.tick()
+            if self.held.held:
+                self.held.expire()
+            time.sleep(0)  # NOTE: let a thread waiting for the lock (hold, release, a migration) have it between steps
 
     def _step(self) -> None:
         start = time.perf_counter()
@@ -140,6 +127,10 @@ class Runtime:
             return
         now = time.perf_counter()
         self.steps.record(StepRecord(now, now - start, out.decode_tokens, out.prefill_tokens))
+        for req in out.failed:
+            failed = self._inflight.pop(req.rid, None)
+            if failed is not None:
+                failed.future.set_exception(RequestFailedError(f"request {req.rid!r} failed: {req.error}"))
         for rid in out.new_tokens:
             pending = self._inflight.get(rid)
             if pending is not None and pending.first_token_at is None:
@@ -158,10 +149,10 @@ class Runtime:
         req = self._request(body)
         future: Future[GenerateResp] = Future()
         with self._wake:
-            if req.rid in self._inflight or req.rid in self._held:
+            if req.rid in self._inflight or req.rid in self.held.held:
                 raise RequestError(f"request {req.rid!r} is already waiting, running or held")
             self.worker.submit(req)
-            self._inflight[req.rid] = _InFlight(future)
+            self._inflight[req.rid] = InFlight(future)
             self._wake.notify()
         return future
 
@@ -173,9 +164,8 @@ class Runtime:
         sp = body.sampling_params
         if sp.top_p != 1.0 or sp.top_k not in (-1, 0):
             raise RequestError("only top_p=1 and top_k=-1 are supported (greedy or plain temperature sampling)")
-        params = SamplingParams(
-            sp.max_new_tokens, sp.temperature, sp.sampling_seed or 0, tuple(sp.stop_token_ids or ())
-        )
+        temperature = sp.temperature if sp.temperature >= SAMPLING_EPS else 0.0  # NOTE: SGLang's greedy rule
+        params = SamplingParams(sp.max_new_tokens, temperature, sp.sampling_seed or 0, tuple(sp.stop_token_ids or ()))
         ids = body.input_ids if body.input_ids is not None else self.tokenizer.encode(body.text or "")
         resume = body.resume
         return Request(
@@ -185,12 +175,12 @@ class Runtime:
             priority=body.priority or 0,
             extra_key=body.extra_key,
             output_ids=resume.output_ids if resume else [],
-            generator=_generator(resume.generator_state) if resume and resume.generator_state else None,
+            generator=generator(resume.generator_state) if resume and resume.generator_state else None,
         )
 
-    def _response(self, req: Request, pending: _InFlight, **extra: object) -> GenerateResp:
+    def _response(self, req: Request, pending: InFlight, **extra: object) -> GenerateResp:
         now = time.perf_counter()
-        reason = extra.pop("finish_reason", None) or _finish_reason(req)
+        reason = extra.pop("finish_reason", None) or finish_reason(req)
         first = pending.first_token_at
         meta = {
             "id": req.rid,
@@ -207,42 +197,7 @@ class Runtime:
         }
         return GenerateResp(text=self.tokenizer.decode(req.output_ids), output_ids=req.output_ids, meta_info=meta)
 
-    # -- hand-over of a request to another worker ------------------------------------------------------------------
-
-    def hold(self, body: HoldRequestReq) -> HoldRequestResp:
-        """Take ``rid`` out of the scheduler (its computed whole pages stay cached and locked); still owned here."""
-        with self.lock:
-            if body.rid in self._held:
-                raise MigrationConflictError(f"request {body.rid!r} is already held")
-            inflight = self._inflight.get(body.rid)
-            if inflight is None:
-                raise UnknownRequestError(f"no waiting or running request with rid {body.rid!r}")
-            req = self.worker.abort(body.rid).continuation()
-            usable = (req.num_tokens - 1) // self.config.page_size * self.config.page_size
-            exported = self.worker.export_request_kv(tokens=req.all_ids[:usable], extra_key=req.extra_key, lock=True)
-            self._held[body.rid] = _Held(req, exported, self._inflight.pop(body.rid))
-        return HoldRequestResp(rid=body.rid, input_ids=list(exported.token_ids), request=_resume_state(req))
-
-    def release(self, body: ReleaseRequestReq) -> ReleaseRequestResp:
-        """``migrated``: the target committed, this worker lets go (its client gets an abort naming the target);
-        otherwise the request resumes here."""
-        with self._wake:
-            held = self._held.get(body.rid)
-            if held is None:
-                raise UnknownRequestError(f"request {body.rid!r} is not held")
-            if not body.migrated:
-                self.worker.submit(held.request)
-                self._inflight[body.rid] = held.inflight
-                self._wake.notify()
-            del self._held[body.rid]
-            if held.exported.node is not None:
-                self.worker.unlock_export(held.exported)
-        if body.migrated:
-            reason = {"type": "abort", "message": f"migrated to {body.target}", "status_code": None, "err_type": None}
-            held.inflight.future.set_result(
-                self._response(held.request, held.inflight, finish_reason=reason, migrated_to=body.target)
-            )
-        return ReleaseRequestResp(rid=body.rid, state="migrated" if body.migrated else "resumed")
+    # -- requests ------------------------------------------------------------------------------------------------------
 
     def abort_request(self, body: AbortRequestReq) -> None:
         """SGLang's ``/abort_request``: end waiting or running ``rid`` (or all) now; its client gets what it has
@@ -290,16 +245,18 @@ class Runtime:
 
     # -- metrics, invariants -----------------------------------------------------------------------------------------
 
-    def metrics(self) -> Metrics:
+    def metrics(self, include_rids: bool = True) -> Metrics:
+        """Counters of the worker and its migrations; request ids only if ``include_rids`` (an admin caller)."""
         with self.lock:
             s = self.worker.stats()
-            waiting = self.worker.scheduler.waiting
+            waiting = self.worker.scheduler.waiting if include_rids else {}
             return Metrics(
                 waiting_per_priority={str(p): n for p, n in s.waiting_per_priority.items()},
                 waiting_rids={str(p): [r.rid for r in q] for p, q in sorted(waiting.items(), reverse=True) if q},
                 running=s.running,
-                running_rids=list(self.worker.scheduler.running),
-                held_rids=list(self._held),
+                running_rids=list(self.worker.scheduler.running) if include_rids else [],
+                held_rids=list(self.held.held) if include_rids else [],
+                rids_hidden=not include_rids,
                 free_pages=s.free_pages,
                 used_pages=s.used_pages,
                 cached_pages=s.cached_pages,
@@ -310,6 +267,25 @@ class Runtime:
                 weight_version=s.weight_version,
                 transport=self.endpoint.choice.name if self.endpoint else "",
                 transport_note=self.endpoint.choice.note if self.endpoint else "",
+            )
+
+    def resources(self) -> Resources:
+        """What this server holds now (process, pools, locks, migrations); what a soak compares over time."""
+        proc, plane = process_resources(), self.plane
+        with self.lock:
+            return Resources(
+                fds=proc.fds,
+                rss_bytes=proc.rss_bytes,
+                threads=proc.threads,
+                device_used_pages=self.worker.pool.used_pages,
+                device_locked_pages=self.worker.kv.tree.protected_pages,
+                export_locks=self.worker.kv.export_locks,
+                host_used_pages=plane.host_used_pages if plane else 0,
+                outbox_used_pages=plane.staged_pages if plane else 0,
+                migrations_pending=len(plane.target.pending) if plane else 0,
+                held_requests=len(self.held.held),
+                inflight_requests=len(self._inflight),
+                open_grants=plane.open_grants if plane else 0,
             )
 
     def integrity(self) -> Integrity:
@@ -332,48 +308,6 @@ class Runtime:
 
     def flush_cache(self) -> FlushCacheResp:
         with self.lock:
-            if not self.worker.is_idle or self._held or (self._target and self._target.pending):
+            if not self.worker.is_idle or self.held.held or (self._target and self._target.pending):
                 raise MigrationConflictError("cannot flush the cache while requests or migrations are in flight")
             return FlushCacheResp(freed_pages=self.worker.flush_cache())
-
-
-def _finish_reason(req: Request) -> dict[str, object] | None:
-    if req.finish_reason is FinishReason.STOP:
-        return {"type": "stop", "matched": req.output_ids[-1]}
-    if req.finish_reason is FinishReason.LENGTH:
-        return {"type": "length", "length": len(req.output_ids)}
-    if req.finish_reason is FinishReason.ABORT:
-        return {"type": "abort", "message": "aborted", "status_code": None, "err_type": None}
-    return None
-
-
-def _resume_state(req: Request) -> ResumeState:
-    sp = req.sampling
-    params = SamplingParamsMsg(
-        max_new_tokens=sp.max_new_tokens,
-        temperature=sp.temperature,
-        stop_token_ids=list(sp.stop_token_ids),
-        sampling_seed=sp.seed,
-    )
-    state = None
-    if req.generator is not None:
-        state = base64.b64encode(req.generator.get_state().numpy().tobytes()).decode()
-    return ResumeState(
-        rid=req.rid,
-        prompt_ids=req.prompt_ids,
-        output_ids=req.output_ids,
-        sampling_params=params,
-        priority=req.priority,
-        extra_key=req.extra_key,
-        generator_state=state,
-    )
-
-
-def _generator(state: str) -> torch.Generator:
-    try:
-        raw = bytearray(base64.b64decode(state, validate=True))
-        gen = torch.Generator()
-        gen.set_state(torch.frombuffer(raw, dtype=torch.uint8))
-    except (ValueError, RuntimeError) as exc:
-        raise RequestError(f"resume.generator_state is not a valid generator state: {exc}") from exc
-    return gen

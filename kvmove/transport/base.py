@@ -117,6 +117,22 @@ def check_ranges(remote: BufferDesc, local: BufferDesc, ranges: Sequence[Range] 
     return coalesce(spans)
 
 
+def merged_intervals(spans: np.ndarray, nbytes: int) -> np.ndarray:
+    """``(offset, nbytes)`` spans as sorted, disjoint ``[start, end)`` intervals; spans past ``nbytes`` raise."""
+    if (spans < 0).any() or (spans > nbytes).any() or (spans[:, 0] + spans[:, 1] > nbytes).any():
+        raise TransportError(f"granted spans must lie within the {nbytes}-byte buffer")
+    spans = spans[spans[:, 1] > 0]
+    intervals = np.stack([spans[:, 0], spans[:, 0] + spans[:, 1]], axis=1)
+    intervals = intervals[np.argsort(intervals[:, 0], kind="stable")]
+    merged: list[list[int]] = []
+    for start, end in intervals.tolist():
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return np.array(merged, dtype=np.int64).reshape(-1, 2)
+
+
 def coalesce(spans: np.ndarray) -> np.ndarray:
     """Merge consecutive spans that continue each other on both sides (order kept)."""
     if len(spans) < 2:

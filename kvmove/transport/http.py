@@ -28,7 +28,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvmove.transport.base import BufferDesc, EndpointInfo, Transport, TransportError, can_import, import_optional
+from kvmove.transport.base import (
+    BufferDesc,
+    EndpointInfo,
+    Transport,
+    TransportError,
+    can_import,
+    import_optional,
+    merged_intervals,
+)
 from kvmove.transport.http_route import CHUNK_BYTES, READ_PATH, LoopbackServer, ReadAnswer, ReadRefused, ReadRequest
 
 LOOPBACK = "127.0.0.1"
@@ -45,11 +53,20 @@ class HttpTransport(Transport):
     name = "http"
     extra = "serve"
 
-    def __init__(self, *, url: str | None = None, host: str = LOOPBACK, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        host: str = LOOPBACK,
+        timeout_s: float = 60.0,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        """``headers``: sent with every read this endpoint makes (a server's peer key)."""
         self._httpx = import_optional("httpx", "serve", "the http transport")
         super().__init__()
         self._url = url.rstrip("/") if url else None
         self._host, self._timeout_s = host, timeout_s
+        self._headers = dict(headers or {})
         self._server: LoopbackServer | None = None
         self._start_lock = threading.Lock()
         self._grants: dict[str, Any] = {}
@@ -92,11 +109,16 @@ class HttpTransport(Transport):
             buf = self._buffers.get(buffer_id)
             if buf is None:
                 raise TransportError(f"buffer {buffer_id} is not registered with endpoint {self.endpoint}")
-            scope[buffer_id] = _merged(np.asarray(ranges, dtype=np.int64).reshape(-1, 2), buf.numel())
+            scope[buffer_id] = merged_intervals(np.asarray(ranges, dtype=np.int64).reshape(-1, 2), buf.numel())
         token = secrets.token_urlsafe(16)
         with self._grant_lock:
             self._grants[token] = scope
         return self._info(token)
+
+    @staticmethod
+    def url_of(info: EndpointInfo) -> str:
+        """The base URL a reader of ``info`` would send its reads to (TransportError if not an http info)."""
+        return _parse_payload(info)[0]
 
     def revoke(self, info: EndpointInfo) -> None:
         """End the grant ``info`` carries; reads naming it are refused from now on. Idempotent."""
@@ -167,7 +189,9 @@ class HttpTransport(Transport):
         if url not in self._clients:
             # NOTE: without TCP_NODELAY a request's body waits for the ACK of its headers (Nagle): +40 ms a read
             nodelay = self._httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-            self._clients[url] = self._httpx.Client(base_url=url, timeout=self._timeout_s, transport=nodelay)
+            self._clients[url] = self._httpx.Client(
+                base_url=url, timeout=self._timeout_s, transport=nodelay, headers=self._headers
+            )
 
     def _read(self, peer: EndpointInfo, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> None:
         url, grant = self._links[peer.endpoint]
@@ -230,21 +254,6 @@ def _parse_payload(info: EndpointInfo) -> tuple[str, str]:
     if not isinstance(url, str) or not url.startswith(("http://", "https://")) or not isinstance(grant, str):
         raise TransportError(f"endpoint info of {info.endpoint} has no http(s) url and grant")
     return url, grant
-
-
-def _merged(spans: np.ndarray, nbytes: int) -> np.ndarray:
-    """``(offset, nbytes)`` spans as sorted, disjoint ``[start, end)`` intervals; spans past ``nbytes`` raise."""
-    if (spans < 0).any() or (spans > nbytes).any() or (spans[:, 0] + spans[:, 1] > nbytes).any():
-        raise TransportError(f"granted spans must lie within the {nbytes}-byte buffer")
-    intervals = np.stack([spans[:, 0], spans[:, 0] + spans[:, 1]], axis=1)
-    intervals = intervals[np.argsort(intervals[:, 0], kind="stable")]
-    merged: list[list[int]] = []
-    for start, end in intervals.tolist():
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return np.array(merged, dtype=np.int64).reshape(-1, 2)
 
 
 def _inside(spans: np.ndarray, allowed: np.ndarray) -> bool:

@@ -6,7 +6,6 @@ target from the migrated K/V (its prefix cached there)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -16,6 +15,7 @@ pytest.importorskip("httpx")
 
 import httpx
 import torch
+from server_fixtures import pause_after_decoding
 
 from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.migration import messages as m
@@ -62,7 +62,7 @@ def test_only_sglang_and_fork_routes_are_served(fork_pair) -> None:
     assert httpx.post(f"{a.url}/abort_request", json={"rid": "nobody"}).status_code == 200
 
 
-def test_running_request_moves_over_the_fork_routes_and_continues_exactly(fork_pair) -> None:
+def test_running_request_moves_over_the_fork_routes_and_continues_exactly(fork_pair, monkeypatch) -> None:
     a, b = fork_pair
     src, dst = WorkerClient(a.url), WorkerClient(b.url)
     ids = _ids(22, seed=21)
@@ -75,10 +75,7 @@ def test_running_request_moves_over_the_fork_routes_and_continues_exactly(fork_p
     out: dict[str, m.GenerateResp] = {}
     t = threading.Thread(target=lambda: out.setdefault("src", src.generate(body)))
     t.start()
-    deadline = time.monotonic() + 20
-    while len(getattr(a.runtime.worker.scheduler.running.get("fork-move"), "output_ids", ())) < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
+    pause_after_decoding(monkeypatch, a, "fork-move", tokens=3)  # NOTE: aborted mid-decode, never finished first
 
     def answer() -> m.GenerateResp:
         t.join(timeout=30)

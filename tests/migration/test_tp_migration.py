@@ -9,7 +9,6 @@ every rank of both workers after every path.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -18,6 +17,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 
 import torch
+from server_fixtures import pause_after_decoding
 
 from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.migration import messages as m
@@ -97,7 +97,7 @@ def test_protocol_moves_each_ranks_heads_bit_exact_under_one_migration_id(server
     _clean(a, b)
 
 
-def test_migrated_request_continues_token_identical(servers, transport: str) -> None:
+def test_migrated_request_continues_token_identical(servers, transport: str, monkeypatch) -> None:
     a, b = servers
     src, dst = WorkerClient(a.url), WorkerClient(b.url)
     ids = _ids(21, seed=12)
@@ -108,10 +108,7 @@ def test_migrated_request_continues_token_identical(servers, transport: str) -> 
     out: dict[str, m.GenerateResp] = {}
     t = threading.Thread(target=lambda: out.setdefault("src", src.generate(body)))
     t.start()
-    deadline = time.monotonic() + 20
-    while len(getattr(a.runtime.worker.scheduler.running.get(rid), "output_ids", ())) < 3:
-        assert time.monotonic() < deadline, "the request never decoded on the source"
-        time.sleep(0.002)
+    pause_after_decoding(monkeypatch, a, rid, tokens=3)  # NOTE: held mid-decode, never finished before the hold
     rec = migrate_request(src, dst, rid)
     assert rec.ok, rec.error
     t.join(timeout=30)

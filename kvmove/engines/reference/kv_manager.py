@@ -196,6 +196,11 @@ class KVManager:
     def import_pages(self) -> int:
         return len(self._imports)
 
+    @property
+    def export_locks(self) -> int:
+        """Locks taken by ``export_cached(lock=True)`` and not yet released."""
+        return self._export_locks
+
     def check_integrity(self) -> None:
         """Pool and tree invariants; used == cached + requests' + imports'; no lock left when nothing holds one."""
         self.pool.check_integrity()

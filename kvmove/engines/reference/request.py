@@ -18,6 +18,10 @@ class UnknownRequestError(RequestError):
     """No request with this rid is waiting or running on the worker."""
 
 
+class RequestFailedError(KvmoveError):
+    """A request that raised while the worker stepped it; it alone was finished, the rest of its batch ran on."""
+
+
 class RequestState(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -29,6 +33,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # sampled a stop token
     LENGTH = "length"  # reached max_new_tokens
     ABORT = "abort"
+    ERROR = "error"  # raised while being stepped (``Request.error`` says what); its batch ran on
 
 
 @dataclass(frozen=True)
@@ -43,8 +48,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise RequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0.0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < float("inf"):
+            raise RequestError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not -(1 << 63) <= self.seed < 1 << 64:
+            raise RequestError(f"seed must fit in 64 bits, got {self.seed}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
@@ -72,6 +79,7 @@ class Request:
     computed_tokens: int = 0
     kv_len: int = 0  # tokens whose K/V is in the pool (all_ids[:kv_len])
     generator: torch.Generator | None = field(default=None, repr=False)
+    error: str = ""
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]

@@ -1,8 +1,13 @@
-"""Model runner: turns a scheduled batch into one paged forward pass and samples one token per request."""
+"""Model runner: turns a scheduled batch into one paged forward pass and samples one token per request.
+
+A request whose sampling raises is reported in ``RunResult.failed`` instead of failing the batch; if the shared
+forward pass itself raises, nothing has advanced and the caller may run the requests one by one.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -14,6 +19,13 @@ from kvmove.engines.reference.scheduler import ScheduledBatch
 from kvmove.kvcache import KVPool
 
 
+class RunResult(NamedTuple):
+    """One token per request that sampled (by rid), and the error of each request that raised while sampling."""
+
+    tokens: dict[str, int]
+    failed: dict[str, str]
+
+
 class ModelRunner:
     """Runs the worker's tensor-parallel ranks together: ``models[r]`` with ``pools[r]`` (one page table)."""
 
@@ -22,14 +34,20 @@ class ModelRunner:
         self.pool = self.pools[0]
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, allocs: dict[str, KVAllocation]) -> list[int]:
-        """Compute each request's tokens ``all_ids[kv_len:]``, advance ``kv_len``, return one sampled token each."""
+    def run(self, batch: ScheduledBatch, allocs: dict[str, KVAllocation]) -> RunResult:
+        """Compute each request's tokens ``all_ids[kv_len:]``, advance ``kv_len``, sample one token each."""
         fb = self.prepare(batch.requests, allocs)
         logits = forward_ranks(self.models, self.pools, fb)
         for req, span in zip(batch.requests, fb.seqs, strict=True):
             req.kv_len += span.num_new
             req.computed_tokens += span.num_new
-        return [sample(req, row) for req, row in zip(batch.requests, logits, strict=True)]
+        result = RunResult({}, {})
+        for req, row in zip(batch.requests, logits, strict=True):
+            try:
+                result.tokens[req.rid] = sample(req, row)
+            except Exception as exc:  # NOTE: one request's sampling must not fail its batch
+                result.failed[req.rid] = f"sampling failed: {exc!r}"
+        return result
 
     def prepare(self, reqs: tuple[Request, ...], allocs: dict[str, KVAllocation]) -> ForwardBatch:
         ids, positions, out_slots, seqs = [], [], [], []
@@ -50,4 +68,6 @@ def sample(req: Request, logits: torch.Tensor) -> int:
     if req.sampling.greedy:
         return int(logits.argmax())
     probs = (logits.float().cpu() / req.sampling.temperature).softmax(dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise ValueError(f"temperature {req.sampling.temperature} gives non-finite probabilities")
     return int(torch.multinomial(probs, 1, generator=req.sampler()))

@@ -76,10 +76,15 @@ class Scheduler:
             budget -= new_tokens
         return ScheduledBatch(tuple(prefill), decode)
 
-    def postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[Request]:
-        """Append each request's sampled token; finish (and release) those that stop. Returns the finished."""
+    def postprocess(self, batch: ScheduledBatch, tokens: dict[str, int]) -> list[Request]:
+        """Append each request's sampled token; finish (and release) those that stop. Returns the finished.
+
+        Requests of ``batch`` without a token (they failed) must have been finished by ``fail`` already."""
         finished = []
-        for req, token in zip(batch.requests, tokens, strict=True):
+        for req in batch.requests:
+            if req.rid not in tokens:
+                continue
+            token = tokens[req.rid]
             req.output_ids.append(token)
             if token in req.sampling.stop_token_ids:
                 req.finish_reason = FinishReason.STOP
@@ -101,6 +106,13 @@ class Scheduler:
             req.state = RequestState.ABORTED
         else:
             self._release(req, RequestState.ABORTED)
+        return req
+
+    def fail(self, rid: str, error: str) -> Request:
+        """Finish running request ``rid`` with ``FinishReason.ERROR``; its K/V computed so far stays cached."""
+        req = self.running[rid]
+        req.finish_reason, req.error = FinishReason.ERROR, error
+        self._release(req, RequestState.FINISHED)
         return req
 
     def _release(self, req: Request, state: RequestState) -> None:

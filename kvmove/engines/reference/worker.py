@@ -22,8 +22,8 @@ from kvmove.engines.reference.layers import RankContext
 from kvmove.engines.reference.loader import load_weights
 from kvmove.engines.reference.model import ReferenceModel
 from kvmove.engines.reference.request import Request, RequestError, UnknownRequestError
-from kvmove.engines.reference.runner import ModelRunner
-from kvmove.engines.reference.scheduler import Scheduler
+from kvmove.engines.reference.runner import ModelRunner, RunResult
+from kvmove.engines.reference.scheduler import ScheduledBatch, Scheduler
 from kvmove.errors import KvmoveError
 from kvmove.kvcache import KVGeometry, KVPool, rank_heads
 from kvmove.kvcache.allocator import PageIds
@@ -51,12 +51,14 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What one step did: a token for each request it ran, and the requests that finished."""
+    """What one step did: a token for each request it ran, the requests that finished, and those that raised while
+    being stepped (``FinishReason.ERROR``; every other request of the batch ran on)."""
 
     new_tokens: dict[str, int] = field(default_factory=dict)
     finished: tuple[Request, ...] = ()
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    failed: tuple[Request, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -171,14 +173,31 @@ class RolloutWorker:
         batch = self.scheduler.schedule()
         if not batch:
             return StepOutput()
-        tokens = self.runner.run(batch, self.scheduler.allocs)
-        new_tokens = {r.rid: t for r, t in zip(batch.requests, tokens, strict=True)}
+        run = self._run(batch)
+        failed = tuple(self.scheduler.fail(rid, error) for rid, error in run.failed.items())
         prefill = sum(r.num_tokens - r.cached_tokens for r in batch.prefill)
         self._prefill_tokens += prefill
         self._decode_tokens += len(batch.decode)
         self._cached_tokens += sum(r.cached_tokens for r in batch.prefill)
-        finished = self.scheduler.postprocess(batch, tokens)
-        return StepOutput(new_tokens, tuple(finished), prefill, len(batch.decode))
+        finished = self.scheduler.postprocess(batch, run.tokens)
+        return StepOutput(run.tokens, tuple(finished), prefill, len(batch.decode), failed)
+
+    def _run(self, batch: ScheduledBatch) -> RunResult:
+        """The batch in one forward pass; if that raises (nothing advanced yet), each request alone, so that only
+        a request which raises by itself fails."""
+        try:
+            return self.runner.run(batch, self.scheduler.allocs)
+        except Exception:
+            result = RunResult({}, {})
+            for req in batch.requests:
+                try:
+                    alone = self.runner.run(ScheduledBatch((req,), ()), self.scheduler.allocs)
+                except Exception as exc:
+                    result.failed[req.rid] = f"step failed: {exc!r}"
+                    continue
+                result.tokens.update(alone.tokens)
+                result.failed.update(alone.failed)
+            return result
 
     def run_until_idle(self, max_steps: int = 100_000) -> list[Request]:
         """Step until nothing waits or runs; returns the requests finished meanwhile, in finishing order."""
@@ -187,9 +206,9 @@ class RolloutWorker:
             if self.is_idle:
                 return finished
             out = self.step()
-            if not out.new_tokens:
+            if not out.new_tokens and not out.failed:
                 raise KvmoveError("worker is stuck: requests wait but none can be admitted")
-            finished.extend(out.finished)
+            finished.extend(out.finished + out.failed)
         raise KvmoveError(f"worker not idle after {max_steps} steps")
 
     def abort(self, rid: str) -> Request:

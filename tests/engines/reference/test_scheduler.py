@@ -27,7 +27,7 @@ def _fake_run(s: Scheduler, batch) -> list[Request]:
     """What the runner does to the bookkeeping: every scheduled token gets K/V, one token is sampled."""
     for r in batch.requests:
         r.kv_len = r.num_tokens
-    return s.postprocess(batch, [7] * len(batch.requests))
+    return s.postprocess(batch, {r.rid: 7 for r in batch.requests})
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,72 @@
+"""The server's request records: a generation's future and timings, and a request's resume state on the wire.
+
+``resume_state`` and ``generator`` are inverse: what a held request sends to the worker that continues it, and
+how that worker rebuilds the sampling generator from it.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmove.engines.reference import FinishReason, Request, RequestError
+from kvmove.migration.messages import GenerateResp, ResumeState, SamplingParamsMsg
+
+
+@dataclass
+class InFlight:
+    """A generation's future (its HTTP caller waits on it) and its timings."""
+
+    future: Future[GenerateResp]
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+
+def finish_reason(req: Request) -> dict[str, object] | None:
+    """SGLang's ``meta_info.finish_reason`` of ``req`` (None while it runs)."""
+    if req.finish_reason is FinishReason.STOP:
+        return {"type": "stop", "matched": req.output_ids[-1]}
+    if req.finish_reason is FinishReason.LENGTH:
+        return {"type": "length", "length": len(req.output_ids)}
+    if req.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
+        message = req.error or "aborted"
+        return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+    return None
+
+
+def resume_state(req: Request) -> ResumeState:
+    """Everything another worker needs to continue ``req`` exactly: tokens, sampling parameters and state."""
+    sp = req.sampling
+    params = SamplingParamsMsg(
+        max_new_tokens=sp.max_new_tokens,
+        temperature=sp.temperature,
+        stop_token_ids=list(sp.stop_token_ids),
+        sampling_seed=sp.seed,
+    )
+    state = None
+    if req.generator is not None:
+        state = base64.b64encode(req.generator.get_state().numpy().tobytes()).decode()
+    return ResumeState(
+        rid=req.rid,
+        prompt_ids=req.prompt_ids,
+        output_ids=req.output_ids,
+        sampling_params=params,
+        priority=req.priority,
+        extra_key=req.extra_key,
+        generator_state=state,
+    )
+
+
+def generator(state: str) -> torch.Generator:
+    """The sampling generator ``resume_state`` serialized; RequestError if ``state`` is not one."""
+    try:
+        raw = bytearray(base64.b64decode(state, validate=True))
+        gen = torch.Generator()
+        gen.set_state(torch.frombuffer(raw, dtype=torch.uint8))
+    except (ValueError, RuntimeError) as exc:
+        raise RequestError(f"resume.generator_state is not a valid generator state: {exc}") from exc
+    return gen
