@@ -46,7 +46,16 @@ def register() -> None:
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, "kvmove.engines.vllm.transfer", "KvmoveTransferEngine")
+    register_trainer()
     install()
+
+
+def register_trainer() -> None:
+    """Make kvmove's trainer-side engine known to vLLM's ``WeightTransferTrainerFactory`` (idempotent)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, "kvmove.engines.vllm.trainer", "KvmoveTrainerEngine")
 
 
 def check_layout(layout: EngineLayout) -> None:
