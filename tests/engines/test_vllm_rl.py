@@ -105,7 +105,7 @@ def test_llm_in_the_default_multiprocess_engine_three_verified_updates(setup: tu
     import vllm
 
     from kvmove.engines.vllm.clients import LLMClient
-    from kvmove.engines.vllm.verify import verify_worker
+    from kvmove.engines.vllm.rpc import verify_worker
 
     trainer, model_dir = setup
     llm = vllm.LLM(
@@ -167,7 +167,7 @@ def test_async_llm_keeps_generation_across_three_verified_updates(setup: tuple[T
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from kvmove.engines.vllm.clients import AsyncLLMClient
-    from kvmove.engines.vllm.verify import verify_worker
+    from kvmove.engines.vllm.rpc import verify_worker
 
     trainer, model_dir = setup
     loop = LoopThread()

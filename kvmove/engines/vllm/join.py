@@ -11,20 +11,26 @@ ranks of one engine share a replica key (tensor-parallel rank 0 picks it and bro
 
 from __future__ import annotations
 
+import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 from kvmove.engines.vllm.session import Received, Session, staging_plan
 from kvmove.layout import EngineLayout
 from kvmove.models.config import ModelConfig, config_from_dict
 from kvmove.sync.embedded.member import FleetMember, JoinInfo, Seat
+from kvmove.sync.ranks.host import die_after
 from kvmove.sync.strategies import parse_strategies
 
 
 def served_model(vllm_config: Any) -> ModelConfig:
-    """kvmove's config of the model vLLM serves (its HF config: the checkpoint tensors every sync moves)."""
-    hf = vllm_config.model_config.hf_config
-    return config_from_dict(hf.to_dict(), str(vllm_config.model_config.model))
+    """kvmove's config of the model vLLM serves (the checkpoint tensors every sync moves): the model directory's
+    own config.json where vLLM serves a local directory, else the HF config vLLM holds (transformers' spelling)."""
+    name = str(vllm_config.model_config.model)
+    path = Path(name) / "config.json"
+    raw = json.loads(path.read_text()) if path.is_file() else vllm_config.model_config.hf_config.to_dict()
+    return config_from_dict(raw, name)
 
 
 def seat(vllm_config: Any) -> Seat:
@@ -57,7 +63,8 @@ def _puller(member: FleetMember) -> Any:
     def pull(update: dict[str, Any]) -> Received:
         """One sync into the staging tensors; a sync moves every tensor of the plan."""
         (strategy,) = parse_strategies(str(update["strategy"]))
-        stats = member.run(int(update["sync_id"]), strategy, float(update.get("delay_s", 0.0)))
+        hook = die_after(update.get("die_after_pulls"))
+        stats = member.run(int(update["sync_id"]), strategy, float(update.get("delay_s", 0.0)), hook)
         return Received(stats, names)
 
     return pull

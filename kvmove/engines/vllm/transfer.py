@@ -67,6 +67,8 @@ class KvmoveUpdateInfo(WeightTransferUpdateInfo):
     pipelined: bool = False
     delay_s: float = 0.0
     timeout_s: float = 60.0
+    die_after_pulls: int | None = None
+    """Fault injection: the worker's process dies once that many of its pulls finished (as a crash would)."""
 
 
 class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo]):
@@ -200,14 +202,19 @@ class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo
                 )
         return params
 
-    def check(self, weights: dict[str, torch.Tensor]) -> list[str]:
+    def check(self, weights: dict[str, torch.Tensor]) -> tuple[list[str], int]:
         """Keys where the live model computes with other bits than vLLM's loader and processing make of
-        ``weights`` on a fresh model (kvmove.engines.vllm.verify)."""
+        ``weights`` on a fresh model (kvmove.engines.vllm.verify), and how many keys were compared."""
         s = self._session()
         live, _ = s.require()
         assert s.reference is not None
         with torch.no_grad():
-            return mismatches(computed_state(live), computed_state(s.reference(weights.items())))
+            got = computed_state(live)
+            return mismatches(got, computed_state(s.reference(weights.items()))), len(got)
+
+    def current(self) -> Session:
+        """This engine's session (a RuntimeError before init or after shutdown)."""
+        return self._session()
 
     def shutdown(self) -> None:
         if self.key is not None:

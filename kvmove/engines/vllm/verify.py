@@ -67,14 +67,3 @@ def mismatches(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> l
     """Keys of two :func:`computed_state` results that differ in bits, or are present in only one."""
     bad = [n for n, t in got.items() if n not in want or not bits_equal(t, want[n])]
     return bad + [n for n in want if n not in got]
-
-
-def verify_worker(worker: Any, seed: int, version: int) -> list[str]:
-    """For ``collective_rpc``, in the process of any vLLM worker whose ``kvmove`` backend is initialized (what
-    ``--verify`` checks): the keys where what its live model computes with differs from vLLM's own loader and
-    processing fed kvmove's seeded checkpoint of ``version`` (``kvmove.sync.verify.seeded_checkpoint``)."""
-    from kvmove.engines.vllm.join import served_model
-    from kvmove.sync.verify import seeded_checkpoint
-
-    weights = seeded_checkpoint(served_model(worker.vllm_config), seed, version)
-    return list(worker.weight_transfer_engine.check(weights))
