@@ -143,9 +143,14 @@ class EmbeddedTrainer:
 
     def _serve_engines(self, config: SyncConfig, hellos: list[TrainerHello]) -> list[TrainerSync]:
         """Rank 0: init steps 4-5 over the registered plans; every rank's sync loop."""
-        direct = check_ownership(config, hellos)
+        declared = check_ownership(config, hellos)
+        direct = declared.arenas is not None
         options = config.options if direct else dataclasses.replace(config.options, direct=False)
-        bp = Blueprint(config.model, config.trainer, config.engine, self.fleet.plans, config.strategies, options)
+        c = config
+        bp = Blueprint(
+            c.model, c.trainer, c.engine, self.fleet.plans, c.strategies, options,
+            declared.tensors, declared.ownership, declared.arenas,
+        )  # fmt: skip
         self.peers = {
             h.rank: ControlClient(h.control, self.authkey, f"trainer rank {h.rank}", INIT_TIMEOUT_S) for h in hellos
         }

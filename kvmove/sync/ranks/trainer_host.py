@@ -68,7 +68,8 @@ class TrainerHost(Host):
     def open_source(self, command: OpenSource) -> TrainerHello:
         c, s = self.config, self.spec
         if self._source is None:
-            ctx = SourceContext(c.model, c.trainer, s.rank, s.device, c.seed, command.store, c.deadline_s, c.tensor_format)
+            store, fmt = command.store, c.tensor_format
+            ctx = SourceContext(c.model, c.trainer, s.rank, s.device, c.seed, store, c.deadline_s, fmt)
             self._source = (c.source or seeded_source)(ctx)
         return self.hello()
 
