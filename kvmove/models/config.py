@@ -100,7 +100,7 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 # HF spells some fields differently per architecture; these map them onto ours.
-_RENAMES = {"n_routed_experts": "num_experts"}
+_RENAMES = {"n_routed_experts": "num_experts", "num_local_experts": "num_experts"}  # DeepSeek, transformers 5
 _FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
 _NOT_FROM_HF = ("name", "architecture", "extra", "engine_dtype")
 

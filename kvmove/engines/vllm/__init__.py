@@ -3,8 +3,11 @@
 Pipeline: ``checkpoint`` (a model directory vLLM can start from: config.json, a locally trained tokenizer,
 optionally weights) -> ``actor`` (the host of one vLLM engine replica: kvmove's engine host running a
 live vLLM, started by either launcher) -> ``transfer`` (the ``kvmove`` backend of vLLM's weight-transfer API,
-registered through the ``vllm.general_plugins`` entry point by :func:`register`) -> ``session`` (the in-process
-bridge between the two).
+registered through the ``vllm.general_plugins`` entry point by :func:`register`), which a worker reaches either
+through ``session`` (an in-process bridge: kvmove's own actor) or by address from init info alone (``join``: any
+engine mode, what ``trainer`` sends) -> ``trainer`` (kvmove's engine in vLLM's ``WeightTransferTrainerFactory``:
+an RL framework syncs through vLLM's documented calls alone; ``clients`` drive an ``LLM`` or ``AsyncLLM`` of the
+trainer's own process) -> ``rpc`` (what a worker runs for ``collective_rpc``: verification, reports).
 
 The plan comes from a recording-tensor dry run of vLLM's own ``load_weights`` on a fresh, unprocessed vLLM model,
 loaded by vLLM's loader with what the live model was loaded from: its parameters are the *staging* tensors kvmove
@@ -46,7 +49,16 @@ def register() -> None:
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, "kvmove.engines.vllm.transfer", "KvmoveTransferEngine")
+    register_trainer()
     install()
+
+
+def register_trainer() -> None:
+    """Make kvmove's trainer-side engine known to vLLM's ``WeightTransferTrainerFactory`` (idempotent)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, "kvmove.engines.vllm.trainer", "KvmoveTrainerEngine")
 
 
 def check_layout(layout: EngineLayout) -> None:

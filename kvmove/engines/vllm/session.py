@@ -91,9 +91,10 @@ def session(key: str) -> Session:
     found = SESSIONS.get(key)
     if found is None:
         raise BackendError(
-            f"no kvmove session {key!r} in this process: the kvmove backend must run inside the engine actor's "
-            "process (vLLM in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0, distributed_executor_backend='uni'), "
-            "and a session ends at shutdown_weight_transfer_engine"
+            f"no kvmove session {key!r} in this process: a session key in init_info only names a session of the "
+            "process the vLLM worker runs in (vLLM in-process); a trainer elsewhere sends its join info instead "
+            "(kvmove's trainer engine, WeightTransferTrainerFactory.trainer_init, does), and a session ends at "
+            "shutdown_weight_transfer_engine"
         )
     return found
 

@@ -2,17 +2,19 @@
 
 vLLM's four-step update, as kvmove implements it:
 - ``init_weight_transfer_engine``: build a fresh, unprocessed vLLM model of the served config (the *staging*
-  model), load into it what the live model was loaded from (vLLM's own loader, unprocessed), and attach it,
-  the live model and vLLM's loader to the actor's session; the actor then dry-runs vLLM's own
-  ``load_weights`` over recording tensors on it (the plan).
+  model), load into it what the live model was loaded from (vLLM's own loader, unprocessed), and open a session
+  holding it, the live model and vLLM's loader. Given the trainer's join info (what kvmove's trainer engine,
+  :mod:`kvmove.engines.vllm.trainer`, sends), the worker then dry-runs vLLM's own ``load_weights`` over
+  recording tensors on the staging model (the plan) and registers with the trainer by address
+  (:mod:`kvmove.engines.vllm.join`): any engine mode, any process.
 - ``start_weight_update``: check the session.
-- ``update_weights``: the actor's puller moves checkpoint tensors from trainer ranks into the staging model
+- ``update_weights``: the worker's puller moves checkpoint tensors from trainer ranks into the staging model
   and names them.
 - ``finish_weight_update``: only the modules owning a staging parameter those tensors fill are re-processed
   (vLLM's post-load processing) and copied into the live parameters' storage, all or nothing
   (:mod:`kvmove.engines.vllm.update`); an update that received nothing changes nothing. A failed finish
   leaves the live model as it was and can be called again.
-- ``shutdown_weight_transfer_engine``: the session is closed (staging model and the actor's transfer resources
+- ``shutdown_weight_transfer_engine``: the session is closed (staging model, puller and transport endpoint
   released) and leaves the process's session table.
 
 After a finish, the engine core resets vLLM's prefix cache (:mod:`kvmove.engines.vllm.prefix_cache`).
@@ -33,8 +35,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from kvmove.engines.vllm.session import BackendError, Session, close_session, session
+from kvmove.engines.vllm.join import join
+from kvmove.engines.vllm.session import BackendError, Session, close_session, open_session, session
 from kvmove.engines.vllm.update import commit, owners, prepare
+from kvmove.engines.vllm.verify import computed_state, mismatches
+from kvmove.sync.embedded.member import JoinInfo
 
 UPDATED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 """Live models a kvmove update changed: their checkpoint on disk no longer describes them."""
@@ -42,7 +47,17 @@ UPDATED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 @dataclass
 class KvmoveInitInfo(WeightTransferInitInfo):
-    session: str
+    """What a worker is told at init (plain JSON). With ``registry_host``: the trainer's join info
+    (kvmove.sync.embedded.member.JoinInfo): the worker plans, registers and pulls by address, in any engine
+    mode. ``session``: attach to an existing in-process session of that key instead of opening one."""
+
+    registry_host: str = ""
+    registry_port: int = 0
+    authkey: str = ""
+    """The run's secret, hex: the trainer ranks' control connections authenticate with it."""
+    transport: str = "nixl"
+    deadline_s: float = 60.0
+    session: str = ""
 
 
 @dataclass
@@ -52,6 +67,8 @@ class KvmoveUpdateInfo(WeightTransferUpdateInfo):
     pipelined: bool = False
     delay_s: float = 0.0
     timeout_s: float = 60.0
+    die_after_pulls: int | None = None
+    """Fault injection: the worker's process dies once that many of its pulls finished (as a crash would)."""
 
 
 class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo]):
@@ -100,8 +117,15 @@ class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo
         return model
 
     def init_transfer_engine(self, init_info: KvmoveInitInfo) -> None:
-        s = session(init_info.session)
-        if self.key is not None:
+        if not init_info.session and not init_info.registry_host:
+            raise BackendError(
+                "kvmove backend: init_info names neither a trainer registry (registry_host, registry_port, authkey: "
+                "what kvmove's trainer engine sends) nor an in-process session"
+            )
+        s = session(init_info.session) if init_info.session else open_session()
+        if self.key == s.key:
+            s.close()  # a re-init of the same session: what it held is released, the session stays
+        elif self.key is not None:
             self.shutdown()
         staging = self.fresh_model()
         with torch.no_grad():
@@ -110,7 +134,17 @@ class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo
         self.known = None if self._load_baseline(staging) else set()
         self.pending = set()
         s.live, s.staging, s.reference = self.model, staging, self.reference
-        self.key = init_info.session
+        self.key = s.key
+        if init_info.registry_host:
+            try:
+                join(s, self._join_info(init_info), self.vllm_config, self.device)
+            except BaseException:
+                self.shutdown()
+                raise
+
+    @staticmethod
+    def _join_info(info: KvmoveInitInfo) -> JoinInfo:
+        return JoinInfo(info.registry_host, info.registry_port, info.authkey, info.transport, info.deadline_s)
 
     def _load_baseline(self, staging: nn.Module) -> bool:
         """Load what the live model was loaded from into ``staging`` (unprocessed), so that an update carrying
@@ -135,7 +169,7 @@ class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo
     def receive_weights(self, update_info: KvmoveUpdateInfo) -> None:
         s = self._session()
         if s.puller is None:
-            raise BackendError(f"kvmove session {s.key} has no puller (the actor sets it after init)")
+            raise BackendError(f"kvmove session {s.key} has no puller (init_info named no trainer registry)")
         received = s.puller(update_info.__dict__)
         s.last_stats = received.stats
         self.pending |= received.tensors
@@ -167,6 +201,20 @@ class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo
                     "those too (update_weights again), then finish_weight_update"
                 )
         return params
+
+    def check(self, weights: dict[str, torch.Tensor]) -> tuple[list[str], int]:
+        """Keys where the live model computes with other bits than vLLM's loader and processing make of
+        ``weights`` on a fresh model (kvmove.engines.vllm.verify), and how many keys were compared."""
+        s = self._session()
+        live, _ = s.require()
+        assert s.reference is not None
+        with torch.no_grad():
+            got = computed_state(live)
+            return mismatches(got, computed_state(s.reference(weights.items()))), len(got)
+
+    def current(self) -> Session:
+        """This engine's session (a RuntimeError before init or after shutdown)."""
+        return self._session()
 
     def shutdown(self) -> None:
         if self.key is not None:

@@ -42,6 +42,9 @@ class RankSpec:
     """Host the control server listens on (None: this node's routable address, for ranks spanning machines)."""
     membership: Membership | None = None
     """This rank's place in the transport's group (transports with ``group_member``)."""
+    owns_process: bool = True
+    """The process is the rank's own (a launcher started it): the host sets its torch threads and CUDA device.
+    False for a rank hosted in a framework's own process (a trainer's), whose settings are the framework's."""
 
 
 C = TypeVar("C", bound=Callable[..., Any])
@@ -74,9 +77,10 @@ class Host:
 
     def __init__(self, spec: RankSpec) -> None:
         self.spec, self.config = spec, spec.config
-        torch.set_num_threads(1)
-        if spec.device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(spec.device))
+        if spec.owns_process:
+            torch.set_num_threads(1)
+            if spec.device.startswith("cuda"):
+                torch.cuda.set_device(torch.device(spec.device))
         bind = node_address(loopback=False) if spec.bind is None else spec.bind
         self.server = ControlServer(self.handle, bind, spec.authkey)
 

@@ -34,12 +34,16 @@ from kvmove.sync.ranks.trainer import TrainerRank, open_trainer_rank
 
 
 class TrainerHost(Host):
-    """One trainer rank (see ``kvmove.sync.ranks.control`` for what each command does)."""
+    """One trainer rank (see ``kvmove.sync.ranks.control`` for what each command does).
 
-    def __init__(self, spec: RankSpec) -> None:
+    ``source``: the rank's WeightSource, built by its framework (a rank hosted in the framework's own process);
+    None: ``OpenSource`` builds it with the config's source factory.
+    """
+
+    def __init__(self, spec: RankSpec, source: WeightSource | None = None) -> None:
         super().__init__(spec)
         self.transport = self.open_transport()
-        self._source: WeightSource | None = None
+        self._source: WeightSource | None = source
         self._serving: TrainerRank | None = None
         self._lock = threading.Lock()
         self._broadcast_group: Any = None  # kept until the next broadcast: rank 0 hosts its store
@@ -63,12 +67,18 @@ class TrainerHost(Host):
     @handles(OpenSource)
     def open_source(self, command: OpenSource) -> TrainerHello:
         c, s = self.config, self.spec
-        ctx = SourceContext(c.model, c.trainer, s.rank, s.device, c.seed, command.store, c.deadline_s, c.tensor_format)
-        self._source = (c.source or seeded_source)(ctx)
+        if self._source is None:
+            store, fmt = command.store, c.tensor_format
+            ctx = SourceContext(c.model, c.trainer, s.rank, s.device, c.seed, store, c.deadline_s, fmt)
+            self._source = (c.source or seeded_source)(ctx)
         self._source.warm({st.scope for st in c.strategies})  # NOTE: collective, like OpenSource itself
-        arena = self._source.arena()
-        shards = tuple(self._source.shards().items())
-        return TrainerHello(s.rank, os.getpid(), self.address, shards, arena[1] if arena is not None else None)
+        return self.hello()
+
+    def hello(self) -> TrainerHello:
+        """Init step 1: this rank's process, control address, raw shards and arena."""
+        arena = self.source.arena()
+        shards = tuple(self.source.shards().items())
+        return TrainerHello(self.spec.rank, os.getpid(), self.address, shards, arena[1] if arena is not None else None)
 
     @handles(OpenSlots)
     def open_slots(self, command: OpenSlots) -> TrainerEndpoint:
