@@ -23,7 +23,9 @@ def parse(argv: list[str]) -> tuple[RlConfig, bool]:
     p.add_argument("--model", default="qwen3-moe-vllm")
     p.add_argument("--strategy", default="v3")
     p.add_argument("--transport", default="auto")
-    p.add_argument("--launcher", default="ray", choices=["ray", "processes"])
+    p.add_argument(
+        "--launcher", default="processes", choices=["processes", "ray"], help="ranks as plain processes or Ray actors"
+    )
     p.add_argument("--prompt", action="append", help=f"repeatable (default: {', '.join(DEFAULT_PROMPTS)})")
     p.add_argument("--samples", type=int, default=4, help="sampled completions per prompt")
     p.add_argument("--max-tokens", type=int, default=8)
@@ -65,13 +67,16 @@ def row(s: RlStep) -> dict[str, object]:
     }
 
 
-def show(s: RlStep) -> None:
-    loss = "   -    " if s.loss is None else f"{s.loss:+.4f}"
+def show(s: RlStep, prompts: tuple[str, ...]) -> None:
+    loss = "    -   " if s.loss is None else f"{s.loss:+.5f}"
+    gap = "   -  " if s.logprob_gap is None else f"{s.logprob_gap:.4f}"
     print(
-        f"step {s.step}  loss {loss}  sync {s.sync.seconds:6.3f} s ({s.sync.bytes / 1e6:.1f} MB, "
-        f"verified={s.sync.verified})  reward {s.reward:.3f}  greedy[0] {s.greedy[0]!r}",
+        f"step {s.step}  loss {loss}  logprob gap {gap}  sync {s.sync.seconds:.3f} s ({s.sync.bytes / 1e6:.1f} MB, "
+        f"verified={s.sync.verified})  reward {s.reward:.3f}",
         flush=True,
     )
+    for prompt, text in zip(prompts, s.greedy, strict=True):
+        print(f"    {prompt!r} -> {text!r}", flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -79,7 +84,7 @@ def main(argv: list[str]) -> int:
         config, as_json = parse(argv)
         last = None
         for last in run_rl(config, lambda m: print(m, file=sys.stderr, flush=True)):
-            print(json.dumps(row(last)), flush=True) if as_json else show(last)
+            print(json.dumps(row(last)), flush=True) if as_json else show(last, config.prompts)
     except KvmoveError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

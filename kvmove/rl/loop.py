@@ -46,7 +46,8 @@ class RlConfig:
     engines: int = 2
     strategy: str = "v3"
     transport: str = "auto"
-    launcher: str = "ray"
+    launcher: str = "processes"
+    """How the ranks start (``processes``, or ``ray``: the same hosts as Ray actors)."""
     prompts: tuple[str, ...] = DEFAULT_PROMPTS
     samples: int = 4
     """Sampled completions per prompt (one group: their mean reward is the baseline)."""
@@ -147,7 +148,7 @@ def run_rl(config: RlConfig, progress: Progress | None = None) -> Iterator[RlSte
     with ExitStack() as stack:
         work = Path(config.work_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvmove-rl-")))
         tokenizer = load_tokenizer(work / "tokenizer", resolve_model(config.model).vocab_size)
-        texts = [tokenizer.decode([i]) for i in range(resolve_model(config.model).vocab_size)]
+        texts = token_texts(tokenizer, resolve_model(config.model).vocab_size)
         reward = TokenPatternReward(texts, config.reward_pattern)
         prompts = [tuple(tokenizer.encode(p).ids) for p in config.prompts]
         sc = sync_config(config, work / "checkpoints")
@@ -192,6 +193,11 @@ def train(cluster: Cluster, rollouts: Rollouts) -> list[TrainReport]:
     calls = [t.submit(TrainStep(rollouts)) for t in cluster.trainers]
     reports: list[TrainReport] = cluster.launcher.gather(calls, cluster.config.deadline_s)
     return reports
+
+
+def token_texts(tokenizer: Any, vocab_size: int) -> list[str]:
+    """Each token id's text; ids the tokenizer leaves unused (the model's vocabulary is larger) as ``<id>``."""
+    return [tokenizer.decode([i]) or f"<{i}>" for i in range(vocab_size)]
 
 
 def load_tokenizer(directory: Path, vocab_size: int) -> Any:
