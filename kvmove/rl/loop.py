@@ -34,6 +34,8 @@ from kvmove.sync.strategies import Strategy, parse_strategies
 
 Progress = Callable[[str], None]
 DEFAULT_PROMPTS = ("the hot", "a of to", "and in it", "that was for")
+WORK_TIMEOUT_S = 600.0
+"""A training step or a rollout may take minutes on a loaded CPU (vLLM compiles its CPU kernels at first use)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ class EngineSeam:
         parts = [tuple(prompts[i :: len(live)]) for i in range(len(live))]
         used = [k for k, p in enumerate(parts) if p]
         calls = [c.engines[live[k]].submit(Generate(parts[k], sampling)) for k in used]
-        outs: list[list[Completion]] = c.launcher.gather(calls, c.config.deadline_s)
+        outs: list[list[Completion]] = c.launcher.gather(calls, WORK_TIMEOUT_S)
         per_prompt: list[list[Completion]] = [[] for _ in prompts]
         for k, done in zip(used, outs, strict=True):
             for j, completion in enumerate(done):
@@ -191,7 +193,7 @@ def _step(
 def train(cluster: Cluster, rollouts: Rollouts) -> list[TrainReport]:
     """One training step on every trainer rank (each takes its share of ``rollouts``)."""
     calls = [t.submit(TrainStep(rollouts)) for t in cluster.trainers]
-    reports: list[TrainReport] = cluster.launcher.gather(calls, cluster.config.deadline_s)
+    reports: list[TrainReport] = cluster.launcher.gather(calls, WORK_TIMEOUT_S)
     return reports
 
 
