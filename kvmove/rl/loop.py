@@ -62,6 +62,8 @@ class RlConfig:
     work_dir: str | None = None
     """Where the trainer's checkpoints and the tokenizer go (None: a temporary directory)."""
     engine_kind: str = "vllm"
+    deadline_s: float = 300.0
+    """Seconds a sync waits without progress before a peer counts as gone (2 shared cores can be very slow)."""
 
 
 class RlStep(NamedTuple):
@@ -122,7 +124,7 @@ def sync_config(config: RlConfig, checkpoints: Path) -> SyncConfig:
         engine_kind=config.engine_kind,
         source=RlTrainer(str(checkpoints), config.lr),
         reference=str(checkpoints / "step-{version}"),
-        deadline_s=120.0,
+        deadline_s=config.deadline_s,
     )
 
 
