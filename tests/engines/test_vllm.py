@@ -136,3 +136,25 @@ def test_a_model_vllm_cannot_build_or_run_is_a_clear_error(vllm_ray: Any) -> Non
     config = _config("kimi-k2-tiny", "v3", trainer="tp=1")
     with pytest.raises(KvmoveError, match=r"vLLM could not (build|run) kimi-k2-tiny \(DeepseekV3ForCausalLM\)"):
         start(config)
+
+
+def test_an_fsdp2_trainer_syncs_into_vllm_verified_against_its_own_checkpoint(tmp_path: Any) -> None:
+    # a real FSDP2 trainer (2 processes, gloo, AdamW steps) into a live vLLM, every strategy vLLM takes
+    _vllm_or_skip()
+    pytest.importorskip("transformers", reason="the FSDP2 trainer builds transformers models")
+    from kvmove.sync.config import Placement
+    from kvmove.sync.driver.run import run_syncs
+    from kvmove.sync.sources.tiny_trainer import TinyFsdpTrainer
+
+    config = _config(
+        "qwen3-moe-vllm",
+        "v1,v2,v3",
+        trainer="dp=2",
+        source=TinyFsdpTrainer(save_dir=str(tmp_path)),
+        reference=str(tmp_path / "step-{version}"),
+        placement=Placement(launcher="processes"),
+        deadline_s=120.0,
+    )
+    results = list(run_syncs(config))
+    assert [r.strategy for r in results] == ["v1", "v2", "v3"]
+    assert all(r.verified is True for r in results), [(r.strategy, r.mismatches) for r in results]

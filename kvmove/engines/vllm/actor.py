@@ -27,9 +27,9 @@ from kvmove.errors import KvmoveError
 from kvmove.models.config import ModelConfig
 from kvmove.sync.planning.formats import get_format
 from kvmove.sync.planning.plan import ShardingPlan
-from kvmove.sync.ranks.control import EngineStats, RunPulls, VerifyResult
+from kvmove.sync.ranks.control import Completion, EngineStats, Generate, RunPulls, VerifyResult
 from kvmove.sync.ranks.engine_host import EngineHost
-from kvmove.sync.ranks.host import RankSpec
+from kvmove.sync.ranks.host import RankSpec, handles
 
 __all__ = ["VllmEngineHost", "check_layout", "start_llm"]
 
@@ -65,6 +65,12 @@ def start_llm(cfg: ModelConfig, model_dir: Path, *, load_format: str, transfer: 
     except Exception as exc:
         raise KvmoveError(f"vLLM could not run {cfg.name} ({cfg.architecture}) here: {_first_line(exc)}") from exc
     return llm
+
+
+def _sampled_logprobs(completion: Any) -> tuple[float, ...]:
+    """The log-probability vLLM reports for each token it sampled (``logprobs=0``: the sampled one only)."""
+    steps = completion.logprobs or ()
+    return tuple(float(step[t].logprob) for step, t in zip(steps, completion.token_ids, strict=True))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -149,6 +155,21 @@ class VllmEngineHost(EngineHost):
         got = computed_state(live)
         bad = mismatches(got, want)
         return VerifyResult(not bad, 1, len(got), tuple(bad))
+
+    @handles(Generate)
+    def generate_rollouts(self, command: Generate) -> list[Completion]:
+        """Rollouts from the live weights: ``n`` continuations per prompt, each sampled token's log-probability
+        as vLLM computed it (the raw model distribution)."""
+        s = command.sampling
+        params = import_vllm().SamplingParams(
+            n=s.n, temperature=s.temperature, max_tokens=s.max_tokens, seed=s.seed, ignore_eos=True, logprobs=0
+        )
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in command.prompts], params, use_tqdm=False)
+        return [
+            Completion(tuple(o.prompt_token_ids), tuple(c.token_ids), _sampled_logprobs(c))
+            for o in outs
+            for c in o.outputs
+        ]
 
     # -- for tests and reports (RankActor.invoke) -----------------------------------------------------------
     def live_params(self) -> dict[str, torch.Tensor]:

@@ -60,7 +60,9 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
     words = _TEXT.split()
     text = [" ".join(words[i % 20 :] + words[: i % 20]) for i in range(400)]
     alphabet = pre_tokenizers.ByteLevel.alphabet() if vocab_size > 256 + len(SPECIALS) else []
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=alphabet)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=alphabet, show_progress=False
+    )
     tok.train_from_iterator(text, trainer)
     if tok.get_vocab_size() > vocab_size:
         raise KvmoveError(f"tokenizer has {tok.get_vocab_size()} tokens, more than the model's {vocab_size}")

@@ -10,7 +10,7 @@ Bytes never travel here: they move through the transport between registered buff
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from kvmove.sync.planning.blueprint import PullSpecs, TrainerSync
 from kvmove.sync.planning.direct import ArenaLayout
@@ -107,6 +107,23 @@ class RankMemory(NamedTuple):
     pid: int
     rss_bytes: int
     peak_rss_bytes: int
+
+
+class Sampling(NamedTuple):
+    """How an engine decodes a rollout (``temperature`` 0: greedy); ``seed`` makes sampling repeatable."""
+
+    max_tokens: int
+    n: int = 1
+    temperature: float = 0.0
+    seed: int | None = None
+
+
+class Completion(NamedTuple):
+    """One decoded continuation of a token-id prompt, with the engine's log-probability of each sampled token."""
+
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
 
 
 # -- what an engine rank needs to pull, without Ray (a picklable init info) ---------------------------------
@@ -222,6 +239,14 @@ class StepWeights(Command):
 
 
 @dataclass(frozen=True)
+class TrainStep(Command):
+    """One training step of this rank's trainer on ``batch`` (``WeightSource.train``; an RL loop's rollouts)
+    -> what the source reports (its loss)."""
+
+    batch: Any
+
+
+@dataclass(frozen=True)
 class RunSync(Command):
     """This rank's loop for one sync -> TrainerStats. ``die_after_groups``: fault injection (the process dies
     once that many groups were published)."""
@@ -284,6 +309,15 @@ class VerifyWeights(Command):
 
     version: int
     seed: int
+
+
+@dataclass(frozen=True)
+class Generate(Command):
+    """Decode ``prompts`` (token ids) with the live engine's current weights -> list[Completion], ``sampling.n``
+    per prompt, prompt by prompt (engines that serve requests; the reference engine does not)."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    sampling: Sampling
 
 
 @dataclass(frozen=True)

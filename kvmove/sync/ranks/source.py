@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from kvmove.errors import KvmoveError
 from kvmove.layout import TrainerLayout
 from kvmove.models.config import ModelConfig
 from kvmove.models.tensors import TensorMeta, hf_tensors
@@ -66,6 +67,9 @@ class WeightSource(ABC):
       ``held_names(scope)`` lists those names (None: every name).
     - ``step(version)`` runs before each sync: the weights of training step ``version`` must be in place (and
       visible to other processes: synchronized) when it returns.
+    - ``train(batch)`` (optional) runs one training step of the rank's trainer on ``batch`` (an RL loop hands
+      each rank the rollouts through ``TrainStep``) and returns what it reports; sources that only serve
+      weights refuse it.
     - ``arena()`` (optional) is this rank's raw shards in one persistent uint8 buffer laid out by
       ``kvmove.sync.planning.direct.arena_layout`` and updated in place each step; engines then read regions
       straight out of it (direct pulls). None: every region is packed.
@@ -88,6 +92,10 @@ class WeightSource(ABC):
 
     def step(self, version: int) -> None:  # noqa: B027 - a framework's weights are usually in place already
         """Bring the weights of training step ``version`` into place (default: nothing to do)."""
+
+    def train(self, batch: Any) -> Any:
+        """One training step on ``batch`` (default: this source trains nothing here)."""
+        raise KvmoveError(f"{type(self).__name__} does not train: it takes no batch")
 
     def arena(self) -> tuple[torch.Tensor, ArenaLayout] | None:
         return None

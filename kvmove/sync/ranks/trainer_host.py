@@ -27,6 +27,7 @@ from kvmove.sync.ranks.control import (
     TrainerEndpoint,
     TrainerHello,
     TrainerStats,
+    TrainStep,
 )
 from kvmove.sync.ranks.host import Host, RankSpec, die_after, handles, release_freed_memory, rss_bytes
 from kvmove.sync.ranks.source import SourceContext, WeightSource, seeded_source
@@ -106,6 +107,10 @@ class TrainerHost(Host):
     def step_weights(self, command: StepWeights) -> None:
         self.source.step(command.version)
         release_freed_memory()  # before the sync starts: the previous sync's and this step's temporaries
+
+    @handles(TrainStep)
+    def train_step(self, command: TrainStep) -> Any:
+        return self.source.train(command.batch)
 
     @handles(RunSync)
     def run_sync(self, command: RunSync) -> TrainerStats:

@@ -79,7 +79,8 @@ class FsdpSource(WeightSource):
 
     ``group`` is the process group of the model's mesh (its ranks in order: the trainer ranks); ``order`` names
     every checkpoint tensor in checkpoint order (``kvmove.models.tensors.hf_tensors``); ``on_step(version)``
-    runs in ``step`` before the weights are taken (a training step, a checkpoint save).
+    runs in ``step`` before the weights are taken (a training step, a checkpoint save); ``on_train(batch)``
+    is ``train`` (a training step on data the driver hands this rank: an RL loop's rollouts).
     """
 
     def __init__(
@@ -90,10 +91,11 @@ class FsdpSource(WeightSource):
         *,
         arena: bool = True,
         on_step: Callable[[int], None] | None = None,
+        on_train: Callable[[Any], Any] | None = None,
     ) -> None:
         import torch.distributed as dist
 
-        self.model, self.group, self.on_step = model, group, on_step
+        self.model, self.group, self.on_step, self.on_train = model, group, on_step, on_train
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.params = dict(model.named_parameters())
         pieces = checkpoint_pieces(model)
@@ -179,6 +181,11 @@ class FsdpSource(WeightSource):
         if self._arena.is_cuda:
             torch.cuda.current_stream(self._arena.device).synchronize()
         self.last_copy_seconds = time.perf_counter() - t0
+
+    def train(self, batch: Any) -> Any:
+        if self.on_train is None:
+            return super().train(batch)
+        return self.on_train(batch)
 
     def _local(self, name: str) -> torch.Tensor:
         """This rank's shard of checkpoint tensor ``name`` (a view of the parameter's local tensor)."""
