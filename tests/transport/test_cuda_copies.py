@@ -48,7 +48,11 @@ def test_driver_runs_a_copy_plan_bit_exactly_inside_one_gpu() -> None:
 
 
 def _serve(device: str, to_reader, from_reader) -> None:
+    import faulthandler
+
     from kvmove.transport import get_transport
+
+    faulthandler.dump_traceback_later(100, exit=True)  # a hung side says where, instead of timing the test out
 
     torch.cuda.set_device(torch.device(device))
     t = get_transport("cuda-ipc")()
@@ -60,8 +64,12 @@ def _serve(device: str, to_reader, from_reader) -> None:
 
 
 def _read(device: str, server: str, to_server, from_server, results) -> None:
+    import faulthandler
+
     from kvmove.transport import get_transport
     from kvmove.transport.base import Read
+
+    faulthandler.dump_traceback_later(100, exit=True)
 
     torch.cuda.set_device(torch.device(device))
     t = get_transport("cuda-ipc").open(device=device)
@@ -105,7 +113,7 @@ def test_cuda_ipc_batch_of_strided_reads_is_bit_exact(server: str, reader: str) 
     for p in procs:
         p.start()
     try:
-        assert results.get(timeout=180) is True
+        assert results.get(timeout=110) is True
     finally:
         for p in procs:
             p.join(60)

@@ -44,7 +44,7 @@ def check_placement(config: SyncConfig) -> None:
         )
     if p.ray_address and not launcher.actors:
         raise KvmoveError(f"--ray-address joins a Ray cluster, which the {p.launcher} launcher does not use")
-    devices = {d for d in (*p.trainer_devices, *p.engine_devices) if d.startswith("cuda")}
+    devices = {d for d in (*p.trainer_devices, *p.used_engine_devices()) if d.startswith("cuda")}
     if devices:
         import torch
 
@@ -96,7 +96,7 @@ def check_transport(config: SyncConfig) -> str:
     if cls.needs_actor and not launcher.actors:
         raise KvmoveError(f"transport {cls.name!r} lives in Ray actors: use --launcher ray")
     p = config.placement
-    kinds = sorted({d.split(":")[0] for d in (*p.trainer_devices, *p.engine_devices)} - cls.devices)
+    kinds = sorted({d.split(":")[0] for d in (*p.trainer_devices, *p.used_engine_devices())} - cls.devices)
     if kinds:
         moves = ", ".join(sorted(cls.devices))
         raise KvmoveError(f"transport {cls.name!r} does not move {kinds[0]} buffers (it moves {moves} buffers)")
@@ -119,7 +119,7 @@ def check_transport(config: SyncConfig) -> str:
 def check_memory(config: SyncConfig) -> None:
     """Refuse, before allocating anything, CPU runs whose ranks would not fit this machine's memory."""
     p = config.placement
-    if any(d.startswith("cuda") for d in (*p.trainer_devices, *p.engine_devices)):
+    if any(d.startswith("cuda") for d in (*p.trainer_devices, *p.used_engine_devices())):
         return  # device memory: the ranks' own allocations say it clearly enough
     total = model_totals(config.model).total_bytes
     trainer = total  # shards over all trainer ranks plus, at most, one gathered copy per stage group

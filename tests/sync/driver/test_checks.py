@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import pytest
@@ -47,20 +48,34 @@ def test_refused_in_one_line(args: list[str], message: str, monkeypatch: pytest.
     assert exit_.value.code == 2 and len(lines) == 1 and message in lines[0], lines
 
 
-def test_nccl_cannot_serve_colocated_gpu_ranks() -> None:
+def _colocated_on_gpu(transport: str):  # type: ignore[no-untyped-def]
     from kvmove.layout import EngineLayout, TrainerLayout
     from kvmove.models import resolve_model
     from kvmove.sync.config import Placement, SyncConfig
-    from kvmove.sync.driver.checks import check_transport
     from kvmove.sync.strategies import parse_strategies
 
-    config = SyncConfig(
+    return SyncConfig(
         model=resolve_model("qwen3-moe-tiny"),
         trainer=TrainerLayout(),
         engine=EngineLayout(),
         strategies=tuple(parse_strategies("v3")),
-        transport="nccl",
+        transport=transport,
         placement=Placement("processes", ("cuda:0",), colocated=True),
     )
+
+
+def test_nccl_cannot_serve_colocated_gpu_ranks() -> None:
+    from kvmove.sync.driver.checks import check_transport
+
     with pytest.raises(Exception, match="cannot serve colocated GPU ranks"):
-        check_transport(config)
+        check_transport(_colocated_on_gpu("nccl"))
+
+
+def test_colocated_gpu_ranks_are_checked_on_their_gpu_not_the_unused_engine_devices() -> None:
+    # the engine side's default devices ("cpu") are not where colocated engine ranks run (the H200 matrix ran
+    # into "cuda-ipc does not move cpu buffers" on one GPU)
+    from kvmove.errors import MissingDependencyError
+    from kvmove.sync.driver.checks import check_transport
+
+    with contextlib.suppress(MissingDependencyError):  # no CUDA here: refused for that, past the device kinds
+        assert check_transport(_colocated_on_gpu("cuda-ipc")) == "cuda-ipc"
