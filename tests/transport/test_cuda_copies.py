@@ -58,7 +58,8 @@ def _serve(device: str, to_reader, from_reader) -> None:
     t = get_transport("cuda-ipc")()
     g = torch.Generator(device=device).manual_seed(11)
     arena = torch.randint(0, 256, (N,), dtype=torch.uint8, device=device, generator=g)
-    to_reader.put((t.endpoint_info(), t.register(arena)))
+    desc = t.register(arena)  # before endpoint_info(): the info lists the buffers registered so far
+    to_reader.put((t.endpoint_info(), desc))
     from_reader.get(timeout=120)
     t.close()
 
