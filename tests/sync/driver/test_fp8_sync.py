@@ -46,3 +46,26 @@ def test_fp8_engines_sync_every_strategy_bit_exact(model: str, trainer: str, eng
     }
     for r in results:  # packed pulls carry their parts at 16-byte offsets: a few bytes of padding on top of the plan
         assert planned[r.strategy] <= r.bytes < min(1.01 * planned[r.strategy], bf16[r.strategy]), r
+
+
+@pytest.mark.gpu
+def test_fp8_sync_on_one_gpu_quantizes_there() -> None:
+    """Trainer and engine process on cuda:0 (the gpu-fp8 suite's one-GPU case), cuda-ipc, v3:
+    quantization runs on the device (Triton where installed), every sync verified."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    config = SyncConfig(
+        model=resolve_model("qwen3-moe-fp8-tiny"),
+        trainer=TrainerLayout(),
+        engine=EngineLayout(),
+        strategies=tuple(parse_strategies("v3")),
+        transport="cuda-ipc",
+        syncs=2,
+        verify=True,
+        placement=Placement("processes", ("cuda:0",), ("cuda:0",)),
+        deadline_s=90.0,
+    )
+    results = list(run_syncs(config))
+    assert len(results) == 2 and all(r.verified for r in results), results
