@@ -101,12 +101,6 @@ class TrainerLayout:
 
     def validate(self, cfg: ModelConfig) -> None:
         """Raise LayoutError naming the first violated constraint."""
-        if cfg.engine_dtype != "bf16":
-            # NOTE: FP8 engine plans exist (kvmove.sync.planning.quantization); the sync driver does not quantize yet
-            raise LayoutError(
-                f"syncing a BF16 trainer into an engine_dtype={cfg.engine_dtype!r} engine is not supported yet: "
-                "quantization inside the sync is not built (docs/notes/fp8.md)"
-            )
         _require(
             cfg.num_attention_heads % self.tp == 0,
             self,

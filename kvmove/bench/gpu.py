@@ -134,7 +134,7 @@ def ceilings(suite: GpuSuite, say: Say, repeats: int = 5) -> list[Row]:
     if suite.cuda:
         torch.cuda.empty_cache()
     backend = "nccl" if suite.cuda else "gloo"
-    if len(suite.devices) > 1:
+    if _peers(suite):
         rows.append(_row(f"ceiling {backend} send/recv {d0}->{d1}", n, _send_recv((d0, d1), n, repeats)))
     else:
         say("one device: no peer-to-peer or send/recv ceiling (every rank is colocated on it)")
@@ -143,12 +143,18 @@ def ceilings(suite: GpuSuite, say: Say, repeats: int = 5) -> list[Row]:
     return rows
 
 
+def _peers(suite: GpuSuite) -> bool:
+    """Whether the suite has two devices to copy between (one GPU named twice is one device: NCCL refuses two
+    ranks of one communicator on it)."""
+    return len(suite.devices) > 1 and not (suite.cuda and len(set(suite.devices)) == 1)
+
+
 def _copy_ceilings(suite: GpuSuite, repeats: int) -> list[Row]:
     n, d0, d1 = suite.ceiling_bytes, suite.devices[0], suite.devices[-1]
     a = torch.empty(n, dtype=torch.uint8, device=d0)
     a2 = torch.empty_like(a)
     rows = [_row("ceiling device copy (read+write)", 2 * n, _timed(lambda: a2.copy_(a), repeats))]
-    if len(suite.devices) > 1:
+    if _peers(suite):
         b = torch.empty(n, dtype=torch.uint8, device=d1)
         rows.insert(0, _row(f"ceiling p2p copy {d0}->{d1}", n, _timed(lambda: b.copy_(a), repeats)))
     if suite.cuda:

@@ -56,6 +56,7 @@ def sync_row(config: SyncConfig, r: SyncResult, suite: str = "sync", extra: dict
             "lookahead": config.options.lookahead,
             "direct": config.options.direct,
             "engine_kind": config.engine_kind,
+            "engine_dtype": config.model.engine_dtype,
             "launcher": r.launcher,
             "trainer_devices": list(config.placement.trainer_devices),
             "engine_devices": list(config.placement.used_engine_devices()),

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
 import typer
 
@@ -29,7 +29,8 @@ app = typer.Typer(no_args_is_help=True, help="Benchmarks: measured and simulated
 class Suite(StrEnum):
     """plan: full-size plans; sync: raw link + every strategy; quick: sync; full: plan + sync; gpu: two GPUs;
     vllm: reference engine and vLLM side by side; decode-latency: decode steps with and without migrations into a
-    loaded worker; migration-gpu: resume vs re-prefill on one GPU; soak: what servers hold after many migrations."""
+    loaded worker; migration-gpu: resume vs re-prefill on one GPU; soak: what servers hold after many migrations;
+    gpu-fp8: BF16 vs FP8 engine, v3, one or two GPUs."""
 
     plan = "plan"
     sync = "sync"
@@ -40,6 +41,7 @@ class Suite(StrEnum):
     decode_latency = "decode-latency"
     migration_gpu = "migration-gpu"
     soak = "soak"
+    gpu_fp8 = "gpu-fp8"
 
 
 class BenchTransport(StrEnum):
@@ -96,6 +98,9 @@ def run(
     """
     if suite is Suite.gpu:
         _gpu_syncs(results, transport.value, GpuShape(syncs, layers, gpus), as_json)
+        return
+    if suite is Suite.gpu_fp8:
+        _gpu_fp8(results, transport.value, GpuShape(syncs, layers, 0), as_json)
         return
     if suite is Suite.migration_gpu:
         _gpu(results, gpus=1, module="kvmove.bench.resume")  # NOTE: one GPU, plain torch
@@ -174,7 +179,6 @@ def _gpu_syncs(results: Path | None, transport: str, shape: GpuShape, as_json: b
     import torch
 
     from kvmove.bench.gpu import GpuSuite, gpu_suite
-    from kvmove.bench.results import Labels, append_rows, git_commit, hardware_label, versions
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpus = shape.gpus or min(have, 2)
@@ -187,12 +191,42 @@ def _gpu_syncs(results: Path | None, transport: str, shape: GpuShape, as_json: b
     devices = tuple(f"cuda:{i}" for i in range(gpus))
     layers = shape.layers or (8 if gpus > 1 else 2)  # NOTE: one GPU holds the trainer's and the engine's copies
     suite = GpuSuite(syncs=shape.syncs, layers=layers, devices=devices)
-    if transport != "auto":
-        suite = replace(suite, transports=(transport,))
+    _gpu_rows(gpu_suite, suite if transport == "auto" else replace(suite, transports=(transport,)), results, as_json)
+
+
+def _gpu_fp8(results: Path | None, transport: str, shape: GpuShape, as_json: bool) -> None:
+    """BF16 -> BF16 and BF16 -> FP8 v3 syncs of the same slice on one or two GPUs (kvmove.bench.gpu_fp8)."""
+    from dataclasses import replace
+
+    import torch
+
+    from kvmove.bench.gpu import GpuSuite
+    from kvmove.bench.gpu_fp8 import fp8_devices, gpu_fp8_suite
+
+    if not torch.cuda.is_available():
+        raise KvmoveError("this suite needs a CUDA GPU (its CPU twin: kvmove.bench.gpu_fp8 on cpu devices)")
+    if results is None:
+        raise KvmoveError("a GPU suite records its rows as it goes: give --results DIR (e.g. --results results/)")
+    suite = GpuSuite(syncs=shape.syncs, devices=fp8_devices(), transports=("cuda-ipc", "nccl", "nixl"))
+    if shape.layers:
+        suite = replace(suite, layers=shape.layers)
+    _gpu_rows(
+        gpu_fp8_suite, suite if transport == "auto" else replace(suite, transports=(transport,)), results, as_json
+    )
+
+
+def _gpu_rows(run_suite: Any, suite: Any, results: Path, as_json: bool) -> None:
+    """Run a GPU suite, recording its rows to ``results/gpu.parquet`` as they land, labelled with the GPUs it
+    used."""
+    import torch
+
+    from kvmove.bench.results import Labels, append_rows, git_commit, hardware_label, versions
+
+    gpus = len(set(suite.devices))
     hardware = f"{hardware_label('cuda').rsplit(' x', 1)[0]} x{gpus}"  # the GPUs this run used
     labels = Labels(hardware, {**versions(), "cuda": str(torch.version.cuda)}, git_commit())
     with streams.progress() as say:
-        rows = gpu_suite(suite, lambda new: append_rows(results, "gpu", new, labels) if new else None, say)
+        rows = run_suite(suite, lambda new: append_rows(results, "gpu", new, labels) if new else None, say)
     streams.note(f"{len(rows)} gpu rows appended to {results / 'gpu.parquet'}")
     _show("gpu", rows, None, as_json)
 

@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from kvmove.errors import KvmoveError
 from kvmove.sync.strategies import STRATEGIES
 
 DEFAULT_MODEL = "qwen3-moe-tiny"  # == kvmove.models.DEFAULT_MODEL (a test keeps them equal)
@@ -82,6 +83,16 @@ ModelOpt = Annotated[
         "--model",
         "-m",
         help="Preset name (see `kvmove models list`) or path to an HF config.json.",
+        rich_help_panel=PANEL_MODEL,
+    ),
+]
+EngineDtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--engine-dtype",
+        metavar="bf16|fp8",
+        help="The engine's weight format (fp8: e4m3 with 128x128 block scales, quantized inside the sync); "
+        "default: the model's own (the -fp8 presets: fp8).",
         rich_help_panel=PANEL_MODEL,
     ),
 ]
@@ -183,3 +194,14 @@ FailTrainerOpt = Annotated[
         rich_help_panel=PANEL_FAULTS,
     ),
 ]
+
+
+def parse_slow_engine(text: str) -> tuple[int, float]:
+    """``--slow-engine REPLICA=SECONDS`` -> (replica, seconds)."""
+    replica, sep, seconds = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(replica), float(seconds)
+    except ValueError:
+        raise KvmoveError(f"--slow-engine {text!r} is not REPLICA=SECONDS") from None

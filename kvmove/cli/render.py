@@ -80,11 +80,19 @@ def model_show(t: ModelTotals) -> None:
     console().print(table)
 
 
+_TRANSFORM_LABELS = {
+    "plain": "as held",
+    "trainer": "quantized on the trainer",
+    "engine": "BF16 to quantize on the engine",
+}
+
+
 def dry_run(reports: Sequence[DryRunReport]) -> None:
     if not reports:
         return
     r0 = reports[0]
-    table = Table(title=f"sharding plans: {r0.model}, trainer {r0.trainer} -> engine {r0.engine} (dry run)")
+    engine = f"{r0.engine}, {r0.engine_dtype}" if r0.engine_dtype != "bf16" else r0.engine
+    table = Table(title=f"sharding plans: {r0.model}, trainer {r0.trainer} -> engine {engine} (dry run)")
     cols = (
         "strategy",
         "plan s",
@@ -112,6 +120,9 @@ def dry_run(reports: Sequence[DryRunReport]) -> None:
     console().print(
         f"{r0.engine_ranks} engine ranks, {r0.trainer_ranks} trainer ranks; balance = busiest trainer / mean"
     )
+    for r in reports if r0.engine_dtype != "bf16" else ():
+        parts = ", ".join(f"{human_bytes(n)} {_TRANSFORM_LABELS.get(k, k)}" for k, n in r.bytes_by_transform.items())
+        console().print(f"{r.strategy} on the link: {parts}")
     for r in reports:
         for m in r.mismatches[:10]:
             console().print(f"[red]mismatch[/] ({r.strategy}) {m}")

@@ -25,6 +25,7 @@ from kvmove.cli.options import (
     PANEL_SIM,
     PANEL_TUNING,
     EngineDevicesOpt,
+    EngineDtypeOpt,
     EngineKind,
     EngineOpt,
     FailTrainerOpt,
@@ -42,6 +43,7 @@ from kvmove.cli.options import (
     SyncTransport,
     TrainerDevicesOpt,
     TrainerOpt,
+    parse_slow_engine,
 )
 from kvmove.errors import JobFailed, KvmoveError
 
@@ -188,6 +190,7 @@ def sync_weights(
     ctx: typer.Context,
     model: ModelOpt = DEFAULT_MODEL,
     override: OverrideOpt = None,
+    engine_dtype: EngineDtypeOpt = None,
     trainer: TrainerOpt = DEFAULT_TRAINER,
     engine: EngineOpt = DEFAULT_ENGINE,
     replicas: ReplicasOpt = None,
@@ -238,7 +241,7 @@ def sync_weights(
     if dry_run and simulate:
         raise KvmoveError("--dry-run and --simulate are two modes: give one")
     check_options(ctx, SIMULATE if simulate else DRY_RUN if dry_run else RUN, APPLIES)
-    layout = {"trainer": trainer, "engine": engine, "replicas": replicas}
+    layout = {"trainer": trainer, "engine": engine, "replicas": replicas, "engine_dtype": engine_dtype}
     config = _config(model, override or [], layout, strategy, verify, seed, no_reuse, engine_kind.value)
     if simulate:
         spec: dict[str, Any] = {"model": model, "overrides": tuple(override or []), "trainer": trainer}
@@ -273,13 +276,15 @@ def _config(
     """What every mode shares: the model, both layouts, the strategies (a dry run needs nothing else)."""
     from kvmove.layout import EngineLayout, TrainerLayout
     from kvmove.models import parse_overrides, resolve_model
+    from kvmove.models.checkpoint import with_engine_dtype
     from kvmove.sync.config import SyncConfig, SyncOptions
     from kvmove.sync.strategies import parse_strategies
 
     engine, replicas = layout["engine"], layout["replicas"]
     default_replicas = DEFAULT_REPLICAS if engine == DEFAULT_ENGINE else 1
+    cfg = resolve_model(model, parse_overrides(override))
     return SyncConfig(
-        model=resolve_model(model, parse_overrides(override)),
+        model=with_engine_dtype(cfg, layout["engine_dtype"]) if layout["engine_dtype"] else cfg,
         trainer=TrainerLayout.parse(layout["trainer"]),
         engine=EngineLayout.parse(engine, replicas if replicas is not None else default_replicas),
         strategies=tuple(parse_strategies(strategy)),
@@ -319,7 +324,7 @@ def _sync_config(
         placement=placement,
         faults=tuple(Fault.parse(f, Side.ENGINE) for f in faults["fail_engine"])
         + tuple(Fault.parse(f, Side.TRAINER) for f in faults["fail_trainer"]),
-        slow_replicas=tuple(_slow(s) for s in faults["slow_engine"]),
+        slow_replicas=tuple(parse_slow_engine(s) for s in faults["slow_engine"]),
         deadline_s=deadline,
     )
 
@@ -383,16 +388,7 @@ def _simulate(config: SyncConfig, spec: dict[str, Any], transport: str, publishe
 
     spec = {**spec, "replicas": config.engine.replicas, "direct": spec["direct"] and not published}
     spec |= {"transport": {"nccl": "nccl", "cuda-ipc": "cuda-ipc"}.get(transport, "pull")}
-    spec |= {"constraints": "published" if published else "kvmove"}
+    spec |= {"constraints": "published" if published else "kvmove", "dtype": config.model.engine_dtype}
+    spec |= {"quantize_on": "trainer"} if config.model.engine_dtype == "fp8" else {}  # where kvmove's plan does
     strategies = ",".join(s.name for s in config.strategies)
     render.json_lines(simulate_json(Spec(**spec), strategies, results or Path("results")))
-
-
-def _slow(text: str) -> tuple[int, float]:
-    replica, sep, seconds = text.partition("=")
-    try:
-        if not sep:
-            raise ValueError
-        return int(replica), float(seconds)
-    except ValueError:
-        raise KvmoveError(f"--slow-engine {text!r} is not REPLICA=SECONDS") from None

@@ -136,6 +136,7 @@ def config_from_dict(raw: dict[str, Any], name: str, overrides: dict[str, Any] |
     if arch in ("Qwen3ForCausalLM", "Qwen2ForCausalLM"):
         values["num_experts"] = 0
     values["mlp_only_layers"] = tuple(values.get("mlp_only_layers") or ())
+    values["engine_dtype"] = _engine_dtype(data.get("quantization_config"), name)
     values["extra"] = tuple(sorted(extra))
     missing = [f for f in _REQUIRED if values.get(f) in (None, "")]
     if missing:
@@ -146,6 +147,21 @@ def config_from_dict(raw: dict[str, Any], name: str, overrides: dict[str, Any] |
         raise ModelError(f"config of {name!r} is malformed: {exc}") from None
     _check(cfg)
     return cfg
+
+
+def _engine_dtype(quantization: Any, name: str) -> str:
+    """The engine dtype an HF ``quantization_config`` implies: block FP8 (``quant_method: fp8`` with
+    ``weight_block_size: [128, 128]``, as DeepSeek-V3, Kimi K2 and Qwen3-*-FP8 ship) or none (bf16)."""
+    if not quantization:
+        return "bf16"
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    block = list(quantization.get("weight_block_size") or ()) if isinstance(quantization, dict) else []
+    if method != "fp8" or block != [128, 128]:
+        raise ModelError(
+            f"config of {name!r}: quantization_config {quantization!r} is not supported "
+            "(only quant_method fp8 with weight_block_size [128, 128])"
+        )
+    return "fp8"
 
 
 def _check_override_keys(overrides: dict[str, Any], present: set[str], name: str) -> None:

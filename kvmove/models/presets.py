@@ -91,6 +91,13 @@ _TINY["qwen2-vllm"] = {**_TINY["qwen2-tiny"], "head_dim": 64, "hidden_size": 256
 # NOTE: FP8 engines quantize 128x128 blocks and refuse TP splits that cut one (vLLM's rule), so these two have
 # hidden 256 and every sharded dim a multiple of 128 at engine tp <= 2; at trainer tp=4 / etp=4 their k/v rows,
 # dense MLP and expert widths are cut mid-block (the case a sync must quantize engine-side).
+FP8_BLOCK_QUANTIZATION = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
+"""What DeepSeek-V3's and Qwen3-*-FP8's config.json say: their engines load block-FP8 weights (engine_dtype fp8)."""
 _TINY["qwen3-moe-fp8-tiny"] = {
     **_TINY_QWEN,
     "architectures": ["Qwen3MoeForCausalLM"],
@@ -106,6 +113,7 @@ _TINY["qwen3-moe-fp8-tiny"] = {
     "moe_intermediate_size": 256,
     "decoder_sparse_step": 1,
     "mlp_only_layers": [0],
+    "quantization_config": FP8_BLOCK_QUANTIZATION,
 }
 _TINY["deepseek-v3-fp8-tiny"] = {
     **_TINY["kimi-k2-tiny"],
@@ -119,6 +127,7 @@ _TINY["deepseek-v3-fp8-tiny"] = {
     "qk_nope_head_dim": 64,
     "qk_rope_head_dim": 64,
     "v_head_dim": 64,
+    "quantization_config": FP8_BLOCK_QUANTIZATION,
 }
 
 _FULL = ("qwen3-235b-a22b", "kimi-k2")

@@ -12,13 +12,17 @@ from torch import nn
 from kvmove.engines import EngineAdapter, get_engine
 from kvmove.errors import KvmoveError, PlanError
 from kvmove.layout import EngineLayout
+from kvmove.models.checkpoint import engine_checkpoint, scale_name
 from kvmove.models.config import ModelConfig
 from kvmove.models.tensors import TensorMeta, hf_tensors, model_totals
+from kvmove.sync.planning.entries import PLAIN
 from kvmove.sync.planning.ownership import Ownership
+from kvmove.sync.planning.packing import ServeSpec, pack_layout
 from kvmove.sync.planning.plan import Box, Region, ShardingPlan, relative_view
 from kvmove.sync.planning.recording import replay
 from kvmove.sync.planning.routing import SourceMap
 from kvmove.sync.strategies import Gather
+from kvmove.sync.transforms import Held, Lander, pack
 
 VERIFY_LIMIT_BYTES = 2 << 30
 
@@ -142,41 +146,74 @@ def verify_plans(
     seed: int = 0,
     engine: EngineAdapter | None = None,
 ) -> VerifyResult:
-    """Fill every engine rank from its plan and routed sources, compare with the loader on full tensors."""
+    """Fill every engine rank as a sync does, in this process: each routed entry packed by its trainer rank from
+    what that rank holds (its raw shard, or the tensor its gather of ``scope`` makes) and landed by the engine's
+    side of its transform (kvmove.sync.transforms); then compare with the engine's own loader on the full
+    checkpoint (in the engine's format: an FP8 engine's quantizer on whole tensors)."""
     engine = engine or get_engine("reference")
     full = seeded_checkpoint(cfg, seed)
-    metas = {t.name: t for t in hf_tensors(cfg)}
-    held_cache: dict[tuple[str, int], torch.Tensor] = {}
-    references: dict[int, nn.Module] = {}
+    checkpoint = engine_checkpoint(cfg, full)
+    held = _Holdings(ownership, full, scope)
+    references: dict[int, dict[str, torch.Tensor]] = {}
     mismatches: list[str] = []
     checked = 0
     for e in range(layout.world):
         coord = layout.coord(e)
         if coord.local not in references:
             ref = engine.build(cfg, layout, coord)
-            engine.load_weights(ref, full.items())
-            references[coord.local] = ref
+            engine.load_weights(ref, checkpoint.items())
+            references[coord.local] = {n: p.data for n, p in ref.named_parameters()}
         got = engine.build(cfg, layout, coord)
-        payloads = []
-        for region, rank in zip(plans[coord.local].regions, source_map.sources[e], strict=True):
-            key = (region.hf_name, rank)
-            if key not in held_cache:
-                held_cache[key] = held_tensor(ownership, metas[region.hf_name], full[region.hf_name], rank, scope)
-            payloads.append((region, region_data(region, held_cache[key], full[region.hf_name])))
-        apply_regions(got, payloads)
-        want = dict(references[coord.local].named_parameters())
+        plan, entries = plans[coord.local], source_map.entries[coord.local]
+        lander = Lander(dict(got.named_parameters()), plan, entries)
+        for entry, rank in zip(entries.entries, source_map.sources[e], strict=True):
+            spec = ServeSpec.of(entry, plan, entries, tuple(full[entry.tensor].shape))
+            source = held.shard(entry.tensor, rank) if entry.shard else held.gathered(entry.tensor, rank)
+            if entry.transform == PLAIN:
+                region_data(plan.regions[entry.regions[0]], source.tensor, full[entry.tensor])
+            buf = torch.empty(pack_layout(spec.sizes).nbytes, dtype=torch.uint8)
+            pack(buf, [spec], [source])
+            lander.land([entry], buf)
+        if lander.pending_covers:
+            mismatches.append(f"engine rank {e}: {lander.pending_covers} covers never got all their pieces")
         for name, p in got.named_parameters():
             checked += 1
-            if not bits_equal(p.data, want[name].data):
+            if not bits_equal(p.data, references[coord.local][name]):
                 mismatches.append(f"engine rank {e}: {name}")
     return VerifyResult(not mismatches, layout.world, checked, tuple(mismatches))
+
+
+class _Holdings:
+    """What each trainer rank holds of the seeded checkpoint: raw shards, and tensors after a gather (cached)."""
+
+    def __init__(self, ownership: Ownership, full: dict[str, torch.Tensor], scope: Gather | str) -> None:
+        self.ownership, self.full, self.scope = ownership, full, scope
+        self.metas = {t.name: t for t in hf_tensors(ownership.cfg)}
+        self._cache: dict[tuple[str, int, bool], Held] = {}
+
+    def gathered(self, name: str, rank: int) -> Held:
+        key = (name, rank, False)
+        if key not in self._cache:
+            tensor = held_tensor(self.ownership, self.metas[name], self.full[name], rank, self.scope)
+            self._cache[key] = Held(tensor, Box.full(tensor.shape))
+        return self._cache[key]
+
+    def shard(self, name: str, rank: int) -> Held:
+        key = (name, rank, True)
+        if key not in self._cache:
+            box = next((h.box for h in self.ownership.slices(self.metas[name]) if h.rank == rank), None)
+            if box is None:
+                raise PlanError(f"trainer rank {rank} holds no raw shard of {name}, yet serves it from one")
+            self._cache[key] = Held(self.full[name][box.slices()].contiguous(), box)
+        return self._cache[key]
 
 
 def verify_streaming(
     cfg: ModelConfig, plan: ShardingPlan, model: nn.Module, seed: int, version: int, device: str = "cpu"
 ) -> tuple[bool, list[str]]:
     """Every region of ``plan`` in ``model`` equals the loader's op chain replayed on the seeded full tensor
-    (generated on ``device``, then moved to the parameter's device).
+    (generated on ``device``, put in the engine's format there - an FP8 engine quantizes it whole - then moved
+    to the parameter's device).
 
     One HF tensor is materialized at a time, so this scales to models whose full checkpoint does not fit
     beside the engine's parameters (e.g. tens of GB on one GPU). It trusts the plan, which the dry-run
@@ -188,15 +225,15 @@ def verify_streaming(
         by_name.setdefault(region.hf_name, []).append(region)
     bad: list[str] = []
     for meta in hf_tensors(cfg):
-        regions = by_name.get(meta.name)
-        if not regions:
+        if not by_name.keys() & {meta.name, scale_name(meta.name)}:
             continue
-        full = seeded_tensor(meta, seed, version, device)
-        bad += [
-            f"{r.param} <- {meta.name}"
-            for r in regions
-            if not bits_equal(
-                r.dst.apply(params[r.param].data), replay(r.ops, full).reshape(r.dst.shape).to(params[r.param].device)
-            )
-        ]
+        for name, tensor in engine_checkpoint(cfg, {meta.name: seeded_tensor(meta, seed, version, device)}).items():
+            bad += [
+                f"{r.param} <- {name}"
+                for r in by_name.get(name, ())
+                if not bits_equal(
+                    r.dst.apply(params[r.param].data),
+                    replay(r.ops, tensor).reshape(r.dst.shape).to(params[r.param].device),
+                )
+            ]
     return not bad, bad

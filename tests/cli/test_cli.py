@@ -45,6 +45,18 @@ def test_dry_run_verify_json(monkeypatch, capsys) -> None:
         assert keys | {"verified"} <= set(r) and r["verified"] is True
 
 
+def test_dry_run_engine_dtype_fp8_counts_fp8_bytes(monkeypatch, capsys) -> None:
+    args = ["sync-weights", "--dry-run", "--json", "--strategy", "v3", "--model", "qwen3-moe-fp8-tiny"]
+    args += ["--trainer", "tp=2,etp=2", "--engine", "tp=2"]
+    rows = {}
+    for dtype in ("bf16", "fp8"):
+        code, out, _ = run(monkeypatch, capsys, *args, "--engine-dtype", dtype)
+        assert code == 0
+        rows[dtype] = json.loads(out)
+    assert rows["fp8"]["engine_dtype"] == "fp8" and set(rows["fp8"]["bytes_by_transform"]) == {"plain", "trainer"}
+    assert rows["fp8"]["bytes_total"] < 0.6 * rows["bf16"]["bytes_total"]
+
+
 def test_full_size_dry_run_table(monkeypatch, capsys) -> None:
     args = ["sync-weights", "--dry-run", "--model", "qwen3-235b-a22b", "--trainer", "tp=4,pp=2,ep=8,dp=2"]
     code, out, _ = run(monkeypatch, capsys, *args, "--engine", "dp=16,ep=16", "--strategy", "v2")
@@ -60,6 +72,8 @@ def test_full_size_dry_run_table(monkeypatch, capsys) -> None:
         (["sync-weights", "--dry-run", "--engine", "tp=2,dp=2,ep=2"], "ep in (1, tp·dp = 4)"),
         (["sync-weights", "--dry-run", "--strategy", "v9"], "unknown strategy 'v9'"),
         (["sync-weights", "--dry-run", "--verify", "--model", "kimi-k2"], "would materialize"),
+        (["sync-weights", "--dry-run", "--engine-dtype", "fp4"], "engine dtype 'fp4' is not one of bf16, fp8"),
+        (["sync-weights", "--dry-run", "--engine-dtype", "fp8", "--engine", "tp=2"], "not a multiple of the 128x128"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(monkeypatch, capsys, args: list[str], message: str) -> None:

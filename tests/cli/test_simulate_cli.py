@@ -61,3 +61,15 @@ def test_sync_weights_simulate_keeps_its_json_contract(tmp_path) -> None:
     for x in lines:
         assert {"strategy", "seconds", "bytes_total", "speed_of_light_seconds", "simulated"} <= set(x)
     assert not (tmp_path / "simulated.parquet").exists()
+
+
+def test_sync_weights_simulate_fp8_engine_moves_fewer_bytes(tmp_path) -> None:
+    args = ["sync-weights", "--simulate", "--model", "qwen3-235b-a22b", "--trainer", "tp=4,pp=2,ep=8"]
+    args += ["--engine", "dp=16,ep=16", "--trainer-nodes", "2", "--engine-nodes", "2", "--strategy", "v3"]
+    rows = {}
+    for dtype in ("bf16", "fp8"):
+        out = _run([*args, "--engine-dtype", dtype, "--results", str(tmp_path)])
+        assert out.exit_code == 0, out.output
+        rows[dtype] = json.loads(out.stdout)
+    assert "fp8 (quantized on trainer)" in rows["fp8"]["setup"] and "bf16" in rows["bf16"]["setup"]
+    assert rows["fp8"]["bytes_total"] < 0.6 * rows["bf16"]["bytes_total"]

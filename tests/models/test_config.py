@@ -110,3 +110,20 @@ def test_bad_override() -> None:
     with pytest.raises(ModelError, match="key=value"):
         parse_overrides(["num_experts"])
     assert parse_overrides(["a=1", "b=true", "c=[1,2]", "d=text"]) == {"a": 1, "b": True, "c": [1, 2], "d": "text"}
+
+
+def test_an_fp8_quantization_config_makes_an_fp8_engine(tmp_path) -> None:
+    """The engine's own config says it loads block FP8 (as DeepSeek-V3's and Qwen3-*-FP8's config.json do)."""
+    assert resolve_model("qwen3-moe-fp8-tiny").engine_dtype == "fp8"
+    assert resolve_model("deepseek-v3-fp8-tiny").engine_dtype == "fp8"
+    assert resolve_model("qwen3-moe-tiny").engine_dtype == "bf16"
+    raw = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4}
+    raw |= {"num_hidden_layers": 1, "intermediate_size": 128, "vocab_size": 64}
+    path = tmp_path / "int4" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(raw | {"quantization_config": {"quant_method": "awq", "bits": 4}}))
+    with pytest.raises(ModelError, match=r"quantization_config .* is not supported"):
+        resolve_model(str(path))
+    path.write_text(json.dumps(raw | {"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}}))
+    with pytest.raises(ModelError, match=r"weight_block_size \[128, 128\]"):
+        resolve_model(str(path))

@@ -27,3 +27,14 @@ def test_every_backend_gives_the_cpu_bits() -> None:
 def test_triton_case(case: str) -> None:
     x = CASES[case]()
     assert same_bits(quantize(x.cuda(), backend="triton"), quantize(x, backend="torch"))
+
+
+def test_batched_triton_stacks_give_the_cpu_bits() -> None:
+    from kvmove.quant.batch import quantize_many
+
+    arena = torch.randn(6 * 256 * 320, dtype=torch.bfloat16)
+    experts = [arena[i * 256 * 320 : (i + 1) * 256 * 320].view(256, 320) for i in range(6)]
+    on_gpu = arena.cuda()
+    got = quantize_many([on_gpu[i * 256 * 320 : (i + 1) * 256 * 320].view(256, 320) for i in range(6)])
+    for q, x in zip(got, experts, strict=True):
+        assert same_bits(q, quantize(x, backend="torch"))

@@ -79,12 +79,15 @@ def check_engine_kind(config: SyncConfig) -> None:
 
 
 def check_format(config: SyncConfig) -> None:
-    """An unknown checkpoint format, or a model that format cannot hold (e.g. MLA in megatron-core's layout)."""
+    """An unknown checkpoint format, or a model that format cannot hold (e.g. MLA in megatron-core's layout, an FP8
+    engine fed megatron-core's tensors)."""
     from kvmove.errors import ModelError
     from kvmove.sync.planning.formats import get_format
 
     try:
-        get_format(config.tensor_format).tensors(config.model, config.trainer, ())
+        fmt = get_format(config.tensor_format)
+        fmt.tensors(config.model, config.trainer, ())
+        fmt.source_tensors(config.model, config.trainer)
     except ModelError as exc:
         raise KvmoveError(str(exc)) from None
 

@@ -1,14 +1,17 @@
 """The dry-run driver: plans and source maps for each strategy of a SyncConfig, optionally verified in-process on
-seeded weights, and the bytes each rank would move; no rank starts and no byte moves."""
+seeded weights, and the bytes each rank would move over the link (for an FP8 engine: FP8 weights and scales
+where the trainer quantizes, BF16 covers where the engine does); no rank starts and no byte moves."""
 
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from kvmove.engines import get_engine
-from kvmove.models.tensors import model_totals
+from kvmove.models.checkpoint import SCALE_SUFFIX, engine_tensors
+from kvmove.quant import FP8_DTYPE
 from kvmove.sync.config import SyncConfig
 from kvmove.sync.planning.ownership import Ownership
 from kvmove.sync.planning.plan import ShardingPlan, plan_engine
@@ -32,6 +35,10 @@ class DryRunReport(NamedTuple):
     trainer_ranks: int
     verified: bool | None
     mismatches: tuple[str, ...]
+    engine_dtype: str = "bf16"
+    bytes_by_transform: dict[str, int] = {}  # noqa: RUF012 - NamedTuple defaults are never mutated
+    """Bytes on the link by transform: ``plain`` (as the trainer holds them), FP8 weights and scales quantized on
+    the ``trainer``, BF16 covers quantized on the ``engine`` (kvmove.sync.planning.entries)."""
 
     def as_json(self) -> dict[str, Any]:
         out = self._asdict()
@@ -67,7 +74,7 @@ def _report(
     s: Strategy,
 ) -> DryRunReport:
     start = time.perf_counter()
-    smap = route(plans, config.engine, ownership, s)
+    smap = route(plans, config.engine, ownership, s, shard_reads=config.options.direct)
     seconds = plan_seconds + time.perf_counter() - start
     verified: bool | None = None
     mismatches: tuple[str, ...] = ()
@@ -84,6 +91,10 @@ def _report(
         )
         verified, mismatches = result.ok, result.mismatches
     per_engine, per_trainer, balance = _traffic(config, smap, s)
+    by_transform: dict[str, int] = defaultdict(int)
+    for e in range(config.engine.world):
+        for name, n in smap.entries[config.engine.coord(e).local].bytes_by_transform().items():
+            by_transform[name] += n
     return DryRunReport(
         s.name,
         config.model.name,
@@ -99,13 +110,25 @@ def _report(
         config.trainer.world,
         verified,
         mismatches,
+        config.model.engine_dtype,
+        dict(by_transform) if s.pulls else _broadcast_bytes(config),
     )
 
 
 def _traffic(config: SyncConfig, smap: SourceMap, s: Strategy) -> tuple[list[int], list[int], float]:
-    """Bytes received per engine rank and sent per trainer rank; broadcast delivers the whole model."""
+    """Bytes received per engine rank and sent per trainer rank; broadcast delivers the whole model (in the engine's
+    format: rank 0 quantizes an FP8 engine's tensors before it broadcasts them)."""
     if s.delivery is not Delivery.BROADCAST:
         return list(smap.bytes_per_engine), list(smap.bytes_per_trainer), smap.balance
-    model_bytes = model_totals(config.model).total_bytes
+    model_bytes = sum(t.nbytes for t in engine_tensors(config.model))
     per_trainer = [model_bytes] + [0] * (config.trainer.world - 1)
     return [model_bytes] * config.engine.world, per_trainer, float(config.trainer.world)
+
+
+def _broadcast_bytes(config: SyncConfig) -> dict[str, int]:
+    """What the broadcast baseline sends every engine rank, by transform: rank 0 quantizes FP8 tensors whole."""
+    out: dict[str, int] = defaultdict(int)
+    for t in engine_tensors(config.model):
+        quantized = t.dtype == FP8_DTYPE or t.name.endswith(SCALE_SUFFIX)
+        out["trainer" if quantized else "plain"] += t.nbytes * config.engine.world
+    return dict(out)

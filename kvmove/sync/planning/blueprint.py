@@ -19,18 +19,18 @@ from kvmove.sync.config import SyncOptions
 from kvmove.sync.planning.ceiling import LinkBytes, link_bytes
 from kvmove.sync.planning.direct import ArenaLayout, DirectPlanner
 from kvmove.sync.planning.ownership import Owners, Ownership
-from kvmove.sync.planning.packing import SliceSpec, pack_layout
+from kvmove.sync.planning.packing import ServeSpec, pack_layout
 from kvmove.sync.planning.placement import DeviceMap
 from kvmove.sync.planning.plan import ShardingPlan
 from kvmove.sync.planning.routing import route
-from kvmove.sync.planning.schedule import Pull, PullPlan, consumers, packed, packed_names, pull_plans, tensor_groups
+from kvmove.sync.planning.schedule import Pull, PullPlan, consumers, gathered_names, packed, pull_plans, tensor_groups
 from kvmove.sync.strategies import Strategy
 
 SERVE_SLOTS = 4
 MIN_BUFFER = 16
 
-PullSpecs = dict[int, tuple[int, tuple[SliceSpec, ...]]]
-"""pull id -> (group, slice specs): what a trainer rank caches to pack one engine rank's pulls."""
+PullSpecs = dict[int, tuple[int, tuple[ServeSpec, ...]]]
+"""pull id -> (group, serve specs): what a trainer rank caches to pack one engine rank's pulls."""
 
 
 class Blueprint:
@@ -68,10 +68,10 @@ class Blueprint:
         for s in self.strategies.values():
             groups = tensor_groups(cfg, trainer, s, options, tensors, self.ownership.stage_of)
             direct = self.direct if s.direct else None
-            smap = route(self.plans, engine, self.ownership, s, direct, devices)
+            smap = route(self.plans, engine, self.ownership, s, direct, devices, tensors=tensors)
             self.pulls[s.name] = pull_plans(self.plans, engine, smap, groups, direct)
             self.groups[s.name] = {g: [t.name for t in ts] for g, ts in groups.items()}
-            self.needed[s.name] = packed_names(self.plans, engine, self.pulls[s.name])
+            self.needed[s.name] = gathered_names(self.pulls[s.name])
         self.held: dict[int, set[str]] = {r: set() for r in range(trainer.world)}
         for t in tensors:
             for h in self.ownership.slices(t):
@@ -80,17 +80,19 @@ class Blueprint:
     def plan_of(self, engine: int) -> ShardingPlan:
         return self.plans[self.engine.coord(engine).local]
 
-    def pull_bytes(self, pull: Pull, engine: int) -> int:
+    def pull_bytes(self, pull: Pull, pull_plan: PullPlan) -> int:
         """Bytes of a packed pull's payload (aligned as packed)."""
-        plan = self.plan_of(engine)
-        return pack_layout([plan.regions[r].nbytes for r in pull.regions]).nbytes
+        assert pull_plan.plan is not None
+        return pack_layout([n for i in pull.entries for n in pull_plan.plan.entries[i].sizes]).nbytes
 
     def specs(self, strategy: str, engine: int) -> dict[int, PullSpecs]:
         """Per trainer rank: the specs of the packed pulls engine ``engine`` will request under ``strategy``."""
-        plan = self.plan_of(engine)
+        plan, pull_plan = self.plan_of(engine), self.pulls[strategy][engine]
+        assert pull_plan.plan is not None
         out: dict[int, PullSpecs] = defaultdict(dict)
-        for i, p in packed(self.pulls[strategy][engine]):
-            specs = tuple(SliceSpec.of(plan.regions[r], self.shapes[plan.regions[r].hf_name]) for r in p.regions)
+        for i, p in packed(pull_plan):
+            entries = [pull_plan.plan.entries[k] for k in p.entries]
+            specs = tuple(ServeSpec.of(e, plan, pull_plan.plan, self.shapes[e.tensor]) for e in entries)
             out[p.trainer][i] = (p.group, specs)
         return dict(out)
 
@@ -99,9 +101,9 @@ class Blueprint:
         sizes: list[dict[str, tuple[int, int]]] = [{} for _ in range(self.trainer.world)]
         for s, pps in self.pulls.items():
             for t in range(self.trainer.world):
-                mine = [(p, pp.engine) for pp in pps for _, p in packed(pp) if p.trainer == t]
-                biggest = max((self.pull_bytes(p, e) for p, e in mine), default=MIN_BUFFER)
-                count = self.strategies[s].serve_slots(len({e for _, e in mine}), SERVE_SLOTS)
+                mine = [(p, pp) for pp in pps for _, p in packed(pp) if p.trainer == t]
+                biggest = max((self.pull_bytes(p, pp) for p, pp in mine), default=MIN_BUFFER)
+                count = self.strategies[s].serve_slots(len({pp.engine for _, pp in mine}), SERVE_SLOTS)
                 sizes[t][s] = (count, max(biggest, MIN_BUFFER))
         return sizes
 
@@ -110,7 +112,7 @@ class Blueprint:
         out = {}
         for s, pps in self.pulls.items():
             mine = [p for _, p in packed(pps[engine])]
-            n = max((self.pull_bytes(p, engine) for p in mine), default=MIN_BUFFER)
+            n = max((self.pull_bytes(p, pps[engine]) for p in mine), default=MIN_BUFFER)
             out[s] = (self.strategies[s].recv_slots() if mine else 0, max(n, MIN_BUFFER))
         return out
 
@@ -131,18 +133,18 @@ class Blueprint:
         return link_bytes(self.pulls[strategy], self.devices, engines)
 
     def trainer_syncs(self, strategy: Strategy, sync_id: int, version: int, live: set[int]) -> list[TrainerSync]:
-        """Each trainer rank's loop for one sync: the groups it materializes (only tensors some packed pull
-        reads) and the live consumers of each."""
+        """Each trainer rank's loop for one sync: the groups it materializes (only tensors some packed pull reads from
+        a gathered tensor) or serves from its raw shards, and the live consumers of each."""
         needed = self.needed[strategy.name]
         lookahead = strategy.lookahead(self.options.lookahead)
         out = []
         for r in range(self.trainer.world):
+            cons = {g: frozenset(es & live) for g, es in consumers(self.pulls[strategy.name], r).items()}
             groups = []
             for g, names in self.groups[strategy.name].items():
                 mine = tuple(n for n in names if n in needed and (strategy.scope.every_rank_joins or n in self.held[r]))
-                if mine:
+                if mine or g in cons:  # NOTE: a group served only from raw shards is published with nothing gathered
                     groups.append((g, mine))
-            cons = {g: frozenset(es & live) for g, es in consumers(self.pulls[strategy.name], r).items()}
             out.append(TrainerSync(sync_id, version, strategy, tuple(groups), cons, lookahead))
         return out
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmove.errors import KvmoveError
+from kvmove.errors import KvmoveError, ModelError
 from kvmove.layout import TrainerLayout
 from kvmove.models import megatron
 from kvmove.models.config import ModelConfig
@@ -43,9 +43,20 @@ class CheckpointFormat:
     to_hf: Callable[[ModelConfig, TrainerLayout, Named], Iterator[tuple[str, torch.Tensor]]]
     from_hf: Callable[[ModelConfig, TrainerLayout, Callable[[str], torch.Tensor], TensorMeta], torch.Tensor]
     ownership: Callable[[ModelConfig, TrainerLayout], Ownership]
+    hf: bool = False
+    """The HF checkpoint itself: a dry run records the engine's own checkpoint (an FP8 engine's quantized weights
+    and scales, which the sync makes from these tensors: kvmove.sync.planning.entries)."""
 
     def source_tensors(self, cfg: ModelConfig, trainer: TrainerLayout) -> SourceTensors:
-        """What a dry run records: this format's tensors, converted to HF by view ops."""
+        """What a dry run records: this format's tensors, converted to HF by view ops (ModelError for an FP8
+        engine fed another format: quantizing is no view op, so its regions cannot name this format's tensors)."""
+        if self.hf:
+            return SourceTensors.hf(cfg)
+        if cfg.engine_dtype != "bf16":
+            raise ModelError(
+                f"an {cfg.engine_dtype} engine syncs from trainer tensors in the hf format, not {self.name} "
+                "(its quantization is no view of the trainer's tensors)"
+            )
         return SourceTensors(lambda layers: self.tensors(cfg, trainer, layers), lambda ws: self.to_hf(cfg, trainer, ws))
 
 
@@ -79,7 +90,9 @@ def _megatron(grouped: bool) -> CheckpointFormat:
 FORMATS: dict[str, CheckpointFormat] = {
     f.name: f
     for f in (
-        CheckpointFormat("hf", "HF checkpoint names and shapes", _hf_tensors, _identity, _hf_from_hf, Ownership),
+        CheckpointFormat(
+            "hf", "HF checkpoint names and shapes", _hf_tensors, _identity, _hf_from_hf, Ownership, hf=True
+        ),
         _megatron(grouped=True),
         _megatron(grouped=False),
     )

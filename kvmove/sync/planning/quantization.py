@@ -6,8 +6,8 @@ but each is exactly one part of quantizing a block-aligned box of it, since whol
 whole tensor's bits (kvmove.quant.fp8). :func:`quantized_source` names that box and part; :func:`quantize_side`
 says whether each of its blocks lies in one trainer rank's raw shard (``"trainer"``: the holders quantize
 before the bytes leave, so only FP8 and scales cross the link) or some block straddles trainer shards
-(``"engine"``: the engine pulls the BF16 blocks and quantizes them). The sync driver does not execute these
-yet (docs/notes/fp8.md, phase B); tests replay them against the engine's own loader, bit for bit.
+(``"engine"``: the engine pulls the BF16 blocks and quantizes them). kvmove.sync.planning.entries turns these
+into the entries a sync routes and pulls; kvmove.sync.transforms executes them (docs/notes/fp8.md).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvmove.models.checkpoint import SCALE_SUFFIX
 from kvmove.models.config import ModelConfig
 from kvmove.models.tensors import TensorMeta, hf_tensors
 from kvmove.quant import BLOCK, FP8_DTYPE, covering_blocks, quantize, scale_shape, scale_to_weight_box
-from kvmove.sync.planning.ownership import Ownership
+from kvmove.sync.planning.ownership import Owners, Ownership
 from kvmove.sync.planning.plan import Box, Region, ShardingPlan, relative_view
 from kvmove.sync.planning.recording import StridedView
 
@@ -73,7 +73,7 @@ def quantized_data(source: QuantizedSource, cover: torch.Tensor, backend: str | 
     return source.view.apply(q.weight if source.part == "weight" else q.scale_inv)
 
 
-def straddling_share(source: QuantizedSource, ownership: Ownership, meta: TensorMeta) -> float:
+def straddling_share(source: QuantizedSource, ownership: Owners, meta: TensorMeta) -> float:
     """The share of the cover's elements in blocks that straddle two trainer raw shards of ``meta``.
 
     Shards split one dim at a time, so a block straddles when a shard boundary along a dim falls strictly
@@ -89,7 +89,7 @@ def straddling_share(source: QuantizedSource, ownership: Ownership, meta: Tensor
     return 1 - (1 - shares[0]) * (1 - shares[1])
 
 
-def quantize_side(source: QuantizedSource, ownership: Ownership, meta: TensorMeta) -> str:
+def quantize_side(source: QuantizedSource, ownership: Owners, meta: TensorMeta) -> str:
     """``"trainer"`` when every block of the cover lies inside one trainer rank's raw shard, else ``"engine"``.
 
     Trainer-side, each holder quantizes the whole blocks it holds (a cover spanning several shards is served

@@ -3,7 +3,8 @@
 A *group* is the unit of gather, transfer and release; a strategy's ``Grouping`` makes one group per tensor (the
 simple iterator, v1), one per pipeline stage (v2), or one per ``group_size`` consecutive decoder blocks plus a
 group for the embedding and one for the final norm and head (v3). A :class:`PullPlan` lists, for one engine
-rank, the pulls of each group: a trainer rank and the indices of the plan regions it packs.
+rank, the pulls of each group: a trainer rank and the indices of the entries it packs (kvmove.sync.planning.entries:
+the regions of a BF16 engine one by one; an FP8 engine's quantized covers and pieces too).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvmove.models.config import ModelConfig
 from kvmove.models.tensors import TensorMeta, hf_tensors, layer_of
 from kvmove.sync.config import SyncOptions
 from kvmove.sync.planning.direct import DirectPlanner
+from kvmove.sync.planning.entries import PLAIN, EntryPlan
 from kvmove.sync.planning.ownership import shard_rule
 from kvmove.sync.planning.plan import ShardingPlan
 from kvmove.sync.planning.routing import SourceMap
@@ -53,15 +55,16 @@ GROUP_KEYS: dict[Grouping, Callable[[_Slot], int]] = {
 
 
 class Pull(NamedTuple):
-    """One pull: engine rank ``engine`` gets regions ``regions`` (plan indices) of ``group`` from ``trainer``.
+    """One pull: engine rank ``engine`` gets entries ``entries`` (indices into its ``EntryPlan``) of ``group`` from
+    ``trainer``; ``nbytes`` cross the link.
 
-    A packed pull is packed by the trainer into a slot, read into a receive slot and loaded; a direct pull
+    A packed pull is packed by the trainer into a slot, read into a receive slot and landed; a direct pull
     (``direct`` non-empty) is read from the trainer's arena into the parameters: (parameter, byte spans).
     """
 
     group: int
     trainer: int
-    regions: tuple[int, ...]
+    entries: tuple[int, ...]
     nbytes: int
     direct: tuple[tuple[str, np.ndarray], ...] = ()
 
@@ -69,6 +72,8 @@ class Pull(NamedTuple):
 class PullPlan(NamedTuple):
     engine: int
     pulls: tuple[Pull, ...]
+    plan: EntryPlan | None = None
+    """The entries ``pulls`` index (shared by the ranks of every replica holding the same plan)."""
 
     def groups(self) -> list[int]:
         return sorted({p.group for p in self.pulls})
@@ -105,53 +110,60 @@ def pull_plans(
     groups: dict[int, list[TensorMeta]],
     direct: DirectPlanner | None = None,
 ) -> tuple[PullPlan, ...]:
-    """Per engine rank: its regions bucketed by (group, source trainer, direct or packed), in group order.
+    """Per engine rank: its entries bucketed by (group, source trainer, direct or packed), in group order.
 
-    With ``direct``, every region it can serve from the source's arena goes into that bucket's direct pull, and a
-    region read in pieces (``source_map.pieces``) into the direct pull of each piece's trainer rank.
+    With ``direct``, every plain entry it can serve from the source's arena goes into that bucket's direct pull,
+    and a plain entry read in pieces (``source_map.pieces``) into the direct pull of each piece's trainer rank.
+    Quantized covers and their pieces are always packed.
     """
     group_of = {t.name: g for g, ts in groups.items() for t in ts}
     out = []
-    known: dict[tuple[int, int, int], np.ndarray | None] = {}  # replicas share plans: (local rank, region, source)
+    known: dict[tuple[int, int, int], np.ndarray | None] = {}  # replicas share plans: (local rank, entry, source)
     for e in range(layout.world):
         local = layout.coord(e).local
-        plan = plans[local]
+        plan, entry_plan = plans[local], source_map.entries[local]
         dtypes = {p.name: p.dtype for p in plan.params}
-        buckets: dict[tuple[int, int, bool], list[_Entry]] = defaultdict(list)
-        for i, (region, src) in enumerate(zip(plan.regions, source_map.sources[e], strict=True)):
-            group = group_of[region.hf_name]
+        buckets: dict[tuple[int, int, bool], list[_Item]] = defaultdict(list)
+        for i, (entry, src) in enumerate(zip(entry_plan.entries, source_map.sources[e], strict=True)):
+            group = group_of[entry.tensor]
             pieces = source_map.pieces.get((e, i))
             if pieces and direct is not None:
+                param = plan.regions[entry.regions[0]].param
                 for t, piece in pieces:
-                    runs = direct.spans(piece, t, dtypes[region.param])
+                    runs = direct.spans(piece, t, dtypes[param])
                     assert runs is not None, "routing cut the region into pieces that read directly"
-                    buckets[(group, t, True)].append(_Entry(i, piece.nbytes, runs))
+                    buckets[(group, t, True)].append(_Item(i, param, piece.nbytes, runs))
                 continue
-            runs = None
-            if direct is not None:
-                key = (local, i, src)
+            runs, param = None, ""
+            if direct is not None and entry.transform == PLAIN:
+                region = plan.regions[entry.regions[0]]
+                key, param = (local, i, src), region.param
                 if key not in known:
                     known[key] = direct.spans(region, src, dtypes[region.param])
                 runs = known[key]
-            buckets[(group, src, runs is not None)].append(_Entry(i, region.nbytes, runs))
-        out.append(PullPlan(e, tuple(_pull(g, t, entries, plan) for (g, t, _), entries in sorted(buckets.items()))))
+            buckets[(group, src, runs is not None)].append(_Item(i, param, entry.nbytes, runs))
+        pulls = tuple(_pull(g, t, items) for (g, t, _), items in sorted(buckets.items()))
+        out.append(PullPlan(e, pulls, entry_plan))
     return tuple(out)
 
 
-class _Entry(NamedTuple):
-    region: int
+class _Item(NamedTuple):
+    """An entry (or a piece of one) in a pull: its parameter and spans when read directly."""
+
+    entry: int
+    param: str
     nbytes: int
     runs: np.ndarray | None
 
 
-def _pull(group: int, trainer: int, entries: list[_Entry], plan: ShardingPlan) -> Pull:
+def _pull(group: int, trainer: int, items: list[_Item]) -> Pull:
     by_param: dict[str, list[np.ndarray]] = defaultdict(list)
-    for entry in entries:
-        if entry.runs is not None:
-            by_param[plan.regions[entry.region].param].append(entry.runs)
+    for item in items:
+        if item.runs is not None:
+            by_param[item.param].append(item.runs)
     runs = tuple((name, coalesce(np.concatenate(rs))) for name, rs in by_param.items())
-    regions = tuple(dict.fromkeys(entry.region for entry in entries))
-    return Pull(group, trainer, regions, sum(entry.nbytes for entry in entries), runs)
+    entries = tuple(dict.fromkeys(item.entry for item in items))
+    return Pull(group, trainer, entries, sum(item.nbytes for item in items), runs)
 
 
 def packed(pull_plan: PullPlan) -> list[tuple[int, Pull]]:
@@ -169,11 +181,12 @@ def consumers(pull_plans_: Sequence[PullPlan], trainer_rank: int) -> dict[int, s
     return dict(out)
 
 
-def packed_names(plans: Sequence[ShardingPlan], layout: EngineLayout, pull_plans_: Sequence[PullPlan]) -> set[str]:
-    """HF tensors some packed pull reads: the only ones a trainer must materialize (gather) in the sync."""
+def gathered_names(pull_plans_: Sequence[PullPlan]) -> set[str]:
+    """HF tensors some packed pull reads from a materialized tensor: the only ones a trainer must gather in the sync
+    (entries served from raw shards read them in place)."""
     out: set[str] = set()
     for pp in pull_plans_:
-        plan = plans[layout.coord(pp.engine).local]
+        assert pp.plan is not None
         for _, p in packed(pp):
-            out.update(plan.regions[r].hf_name for r in p.regions)
+            out.update(e.tensor for i in p.entries if not (e := pp.plan.entries[i]).shard)
     return out

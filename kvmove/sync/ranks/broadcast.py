@@ -1,10 +1,11 @@
-"""The broadcast baseline's two halves: trainer rank 0 broadcasts every full tensor; engine ranks receive the
-whole model, then run their own loader over it (each keeps its slice and drops the rest)."""
+"""The broadcast baseline's two halves: trainer rank 0 broadcasts every full tensor, in the engine's format (an FP8
+engine's tensors are quantized whole on rank 0 first: FP8 weights and scales cross the link); engine ranks receive
+the whole model, then run their own loader over it (each keeps its slice and drops the rest)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -40,10 +41,19 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).view(-1)
 
 
+Convert = Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+"""Full BF16 tensors -> the engine's checkpoint tensors (kvmove.models.checkpoint.engine_checkpoint)."""
+
+
 def send_all(
-    source: WeightSource, rank: int, pg: Any | None, published: Callable[[int], None] | None = None
+    source: WeightSource,
+    rank: int,
+    pg: Any | None,
+    published: Callable[[int], None] | None = None,
+    convert: Convert = dict,
 ) -> TrainerStats:
-    """Every trainer rank gathers each tensor onto rank 0 (collective); rank 0 (``pg`` set) broadcasts it."""
+    """Every trainer rank gathers each tensor onto rank 0 (collective); rank 0 (``pg`` set) puts it in the
+    engine's format with ``convert`` and broadcasts the result, tensor by tensor in the engine's checkpoint order."""
     start = time.perf_counter()
     calls0 = source.collective_calls
     gather = send = 0.0
@@ -56,11 +66,12 @@ def send_all(
         gather += time.perf_counter() - t0
         if pg is not None and gathered.tensor is not None:
             t1 = time.perf_counter()
-            pg.broadcast(_flat(gathered.tensor), 0).wait()
+            for tensor in convert({meta.name: gathered.tensor}).values():
+                pg.broadcast(_flat(tensor), 0).wait()
+                sent += tensor.numel() * tensor.element_size()
             if gathered.tensor.is_cuda:
                 torch.cuda.current_stream(gathered.tensor.device).synchronize()
             send += time.perf_counter() - t1
-            sent += meta.nbytes
             peak = max(peak, meta.nbytes)
         if published is not None:
             published(n)
@@ -78,8 +89,9 @@ def receive_all(
     device: str = "cpu",
     to_hf: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]] = lambda ws: ws,
 ) -> EngineStats:
-    """Receive every full tensor (the whole model is materialized here), then load it with the engine's loader
-    (``to_hf`` converts tensors of another checkpoint format to HF ones first, by views)."""
+    """Receive every full tensor the trainer broadcasts (``metas``, in order; the whole model is materialized
+    here), then load it with the engine's loader (``to_hf`` converts tensors of another checkpoint format to the
+    engine's checkpoint first)."""
     start = time.perf_counter()
     received: list[tuple[str, torch.Tensor]] = []
     transfer = 0.0

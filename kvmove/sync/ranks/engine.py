@@ -26,11 +26,12 @@ import torch
 from torch import nn
 
 from kvmove.errors import KvmoveError
-from kvmove.sync.planning.packing import unpack
-from kvmove.sync.planning.plan import Region, ShardingPlan
+from kvmove.sync.planning.entries import Entry
+from kvmove.sync.planning.plan import ShardingPlan
 from kvmove.sync.planning.schedule import Pull, PullPlan
 from kvmove.sync.ranks.control import EngineStats, Packed
 from kvmove.sync.strategies import Strategy
+from kvmove.sync.transforms import Lander
 
 
 class TrainerClient(Protocol):
@@ -67,11 +68,11 @@ class EngineRank:
     def recv_bytes(self, strategy: str) -> int:
         return sum(r.numel() for r in self.recv.get(strategy, ()))
 
-    def load(self, regions: Sequence[Region], buf: torch.Tensor) -> None:
-        for region, data in zip(regions, unpack(buf, regions), strict=True):
-            region.dst.apply(self.params[region.param].data).copy_(data, non_blocking=True)
-        if buf.is_cuda:  # the slot is reusable, and the time real, only once the copies ran
-            torch.cuda.current_stream(buf.device).synchronize()
+    def lander(self, pulls: PullPlan) -> Lander:
+        """What lands one sync's packed pulls in this rank's parameters (kvmove.sync.transforms)."""
+        if pulls.plan is None:
+            raise KvmoveError(f"engine rank {pulls.engine}: its pull plan carries no entries")
+        return Lander(self.params, self.plan, pulls.plan)
 
     def run_sync(
         self,
@@ -98,6 +99,8 @@ class EngineRank:
                     pulled(n)
         finally:
             loop.close()
+        if loop.lander.pending_covers:
+            raise KvmoveError(f"engine rank {pulls.engine}: {loop.lander.pending_covers} covers still miss pieces")
         return EngineStats(
             pulls.engine,
             time.perf_counter() - start,
@@ -129,8 +132,9 @@ class _PullLoop:
         self.received = self.k = 0
         self.ahead = client.start_direct([self._direct(i) for i in direct]) if overlap.direct_ahead and direct else None
         self.recv = engine.recv.get(strategy.name, [])
+        self.lander = engine.lander(pulls)
         background = overlap.background_load and self.packed and self.recv
-        self.loader = _Loader(engine, self.recv) if background else None
+        self.loader = _Loader(self.lander, self.recv) if background else None
         # NOTE: with requests ahead, the trainer packs pull k+1 while this rank reads pull k
         self.depth = 1 + overlap.requests_ahead
         self.pending = deque((i, self._request(i)) for i in self.packed[: self.depth])
@@ -163,13 +167,14 @@ class _PullLoop:
         # NOTE: pulls are bucketed by (group, trainer), so this one pull is all of the group from it
         self.client.finish(pull.trainer, self.sync_id, pull.group, packed.slot)
         self.received += packed.nbytes
-        regions = [self.engine.plan.regions[r] for r in pull.regions]
+        assert self.pulls.plan is not None
+        entries = [self.pulls.plan.entries[k] for k in pull.entries]
         if self.loader is None:
             t2 = time.perf_counter()
-            self.engine.load(regions, self.recv[slot_index])
+            self.lander.land(entries, self.recv[slot_index])
             self.load += time.perf_counter() - t2
         else:
-            self.loader.submit(slot_index, regions)
+            self.loader.submit(slot_index, entries)
 
     def close(self) -> None:
         try:
@@ -194,11 +199,11 @@ def interleaved(pulls: Sequence[Pull], order: Sequence[int]) -> list[int]:
 
 
 class _Loader:
-    """Background copier for overlapped syncs; tracks which receive slots still hold unloaded bytes."""
+    """Background lander for overlapped syncs; tracks which receive slots still hold unlanded bytes."""
 
-    def __init__(self, engine: EngineRank, recv: list[torch.Tensor]) -> None:
-        self.engine, self.recv = engine, recv
-        self.jobs: queue.Queue[tuple[int, list[Region]] | None] = queue.Queue()
+    def __init__(self, lander: Lander, recv: list[torch.Tensor]) -> None:
+        self.lander, self.recv = lander, recv
+        self.jobs: queue.Queue[tuple[int, list[Entry]] | None] = queue.Queue()
         self.busy = [threading.Event() for _ in recv]
         for e in self.busy:
             e.set()
@@ -213,20 +218,20 @@ class _Loader:
         if self.error is not None:
             raise self.error
 
-    def submit(self, slot: int, regions: list[Region]) -> None:
+    def submit(self, slot: int, entries: list[Entry]) -> None:
         self.busy[slot].clear()
-        self.jobs.put((slot, regions))
+        self.jobs.put((slot, entries))
 
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
-            slot, regions = job
+            slot, entries = job
             t0 = time.perf_counter()
             try:
                 if self.stream is not None:  # loads overlap the next read, which runs on the default stream
                     with torch.cuda.stream(self.stream):
-                        self.engine.load(regions, self.recv[slot])
+                        self.lander.land(entries, self.recv[slot])
                 else:
-                    self.engine.load(regions, self.recv[slot])
+                    self.lander.land(entries, self.recv[slot])
             except BaseException as exc:  # surfaced to the puller at its next wait
                 self.error = exc
             self.seconds += time.perf_counter() - t0

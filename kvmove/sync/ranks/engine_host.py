@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from kvmove.engines import get_engine
 from kvmove.errors import KvmoveError
+from kvmove.models.checkpoint import engine_checkpoint, engine_tensors
 from kvmove.models.tensors import model_totals
 from kvmove.sync.planning.formats import get_format
 from kvmove.sync.planning.plan import ShardingPlan, plan_rank
@@ -72,14 +74,16 @@ class EngineHost(Host):
         return self.puller.run(command.sync_id, command.strategy, command.delay_s, hook)
 
     def verify(self, version: int, seed: int) -> VerifyResult:
-        """Bit-exact check against this engine's own loader fed the full checkpoint of ``version``; a checkpoint
-        too large to materialize here is checked tensor by tensor against the plan's op chains instead."""
+        """Bit-exact check against this engine's own loader fed the full checkpoint of ``version`` in the engine's
+        format (an FP8 engine's own quantizer on whole tensors); a checkpoint too large to materialize here is
+        checked tensor by tensor against the plan's op chains instead."""
         c, weights = self.config, self.weights_device()
         if model_totals(c.model).total_bytes > VERIFY_LIMIT_BYTES and c.reference is None:
             ok, bad = verify_streaming(c.model, self.plan, self.model, seed, version, weights)
             return VerifyResult(ok, 1, len(self.plan.regions), tuple(bad))
         ref = self.adapter.build(c.model, c.engine, self.coord, device=self.spec.device)
-        self.adapter.load_weights(ref, self.reference(version, seed, weights).items())
+        checkpoint = engine_checkpoint(c.model, self.reference(version, seed, weights))
+        self.adapter.load_weights(ref, checkpoint.items())
         want = dict(ref.named_parameters())
         params = list(self.model.named_parameters())
         bad = [n for n, p in params if not bits_equal(p.data, want[n].data)]
@@ -136,10 +140,17 @@ class EngineHost(Host):
     def receive_broadcast(self, command: ReceiveBroadcast) -> EngineStats:
         c, device = self.config, self.spec.device
         _, pg = open_group(command.group, command.member, device, c.deadline_s)
-        fmt = get_format(c.tensor_format)
-        metas = fmt.tensors(c.model, c.trainer)
-        to_hf = fmt.source_tensors(c.model, c.trainer).to_hf
-        stats = receive_all(metas, pg, self.adapter, self.model, self.spec.rank, device, to_hf)
+        if c.tensor_format == "hf":  # the trainer sent the engine's checkpoint (an FP8 engine's quantized)
+            stats = receive_all(engine_tensors(c.model), pg, self.adapter, self.model, self.spec.rank, device)
+        else:  # the trainer's own tensors, BF16: converted to HF by views, then to the engine's checkpoint
+            fmt = get_format(c.tensor_format)
+            to_hf = fmt.source_tensors(c.model, c.trainer).to_hf
+
+            def convert(ws: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+                return engine_checkpoint(c.model, dict(to_hf(ws))).items()
+
+            metas = fmt.tensors(c.model, c.trainer)
+            stats = receive_all(metas, pg, self.adapter, self.model, self.spec.rank, device, convert)
         return stats._replace(rss_bytes=rss_bytes())
 
     @handles(VerifyWeights)

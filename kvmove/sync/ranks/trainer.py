@@ -18,9 +18,12 @@ import torch
 
 from kvmove.errors import KvmoveError
 from kvmove.sync.planning.blueprint import PullSpecs, TrainerSync
-from kvmove.sync.planning.packing import SliceSpec, pack
+from kvmove.sync.planning.direct import shard_views
+from kvmove.sync.planning.packing import ServeSpec
+from kvmove.sync.planning.plan import Box
 from kvmove.sync.ranks.control import Packed, TrainerEndpoint, TrainerStats
 from kvmove.sync.ranks.source import Gathered, WeightSource
+from kvmove.sync.transforms import Held, pack
 from kvmove.transport import Transport
 
 
@@ -66,7 +69,8 @@ class TrainerRank:
         self.slots = {strategy: list(s) for strategy, s in slots.items()}
         self._free_slots = {strategy: list(range(len(s))) for strategy, s in self.slots.items()}
         self._slot_owner: dict[tuple[str, int], int] = {}
-        self._pulls: dict[tuple[str, int, int], tuple[int, tuple[SliceSpec, ...]]] = {}
+        self._pulls: dict[tuple[str, int, int], tuple[int, tuple[ServeSpec, ...]]] = {}
+        self._shards = _raw_shards(source)
         self._cond = threading.Condition()
         self._state: _State | None = None
         self._extra = self._peak_extra = 0
@@ -196,10 +200,10 @@ class TrainerRank:
                 self._cond.wait(min(left, 0.5))
             slot = self._free_slots[strategy].pop()
             self._slot_owner[(strategy, slot)] = engine
-            tensors = [state.held[group][s.hf_name] for s in specs]
+            held = [self._held(state, group, s) for s in specs]
         t0 = time.perf_counter()
         try:
-            layout = pack(self.slots[strategy][slot], specs, tensors)
+            layout = pack(self.slots[strategy][slot], specs, held)
             if self.slots[strategy][slot].is_cuda:  # a reader in another process must see finished bytes
                 torch.cuda.current_stream(self.slots[strategy][slot].device).synchronize()
         except Exception:
@@ -207,9 +211,17 @@ class TrainerRank:
             raise
         with self._cond:
             self._pack_seconds += time.perf_counter() - t0
-            self._served += sum(s.nbytes for s in specs)
+            self._served += sum(n for s in specs for n in s.sizes)
             self._pulls_served += 1
         return Packed(slot, layout.nbytes)
+
+    def _held(self, state: _State, group: int, spec: ServeSpec) -> Held:
+        """What ``spec`` is served from: this rank's raw shard, or the tensor it materialized for ``group``."""
+        if not spec.shard:
+            return Held(state.held[group][spec.tensor], Box.full(spec.shape))
+        if spec.tensor not in self._shards:
+            raise KvmoveError(f"trainer rank {self.rank} holds no raw shard of {spec.tensor} in an arena to serve")
+        return self._shards[spec.tensor]
 
     def release_slot(self, strategy: str, slot: int) -> None:
         with self._cond:
@@ -242,6 +254,15 @@ class TrainerRank:
             for group in list(state.held):
                 self._maybe_release(group)
             self._cond.notify_all()
+
+
+def _raw_shards(source: WeightSource) -> dict[str, Held]:
+    """The raw shards of ``source``'s arena (what entries served without a gather read), by HF name."""
+    arena = source.arena()
+    if arena is None:
+        return {}
+    views = shard_views(arena[0], arena[1], {t.name: t.dtype for t in source.metadata()})
+    return {name: Held(view, arena[1].boxes[name]) for name, view in views.items()}
 
 
 def _nbytes(t: torch.Tensor) -> int:

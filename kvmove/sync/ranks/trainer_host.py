@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import threading
+from functools import partial
 from typing import Any
 
 from kvmove.errors import KvmoveError
+from kvmove.models.checkpoint import engine_checkpoint
 from kvmove.ports import free_port
 from kvmove.sync.ranks.broadcast import open_group, send_all
 from kvmove.sync.ranks.control import (
@@ -127,7 +129,10 @@ class TrainerHost(Host):
         if self.spec.rank == 0:
             self._broadcast_group = open_group(command.group, 0, self.spec.device, self.config.deadline_s)
             pg = self._broadcast_group[1]
-        stats = send_all(self.source, self.spec.rank, pg, die_after(command.die_after_groups))
+        # HF tensors are put in the engine's format here (an FP8 engine's quantized on rank 0); another format's
+        # tensors cross as the trainer holds them, and the engine converts them (engine_host.receive_broadcast)
+        convert = partial(engine_checkpoint, self.config.model) if self.config.tensor_format == "hf" else dict
+        stats = send_all(self.source, self.spec.rank, pg, die_after(command.die_after_groups), convert)
         return stats._replace(rss_bytes=rss_bytes())
 
     # -- from engine ranks, by address ------------------------------------------------------------------------

@@ -128,8 +128,8 @@ def test_published_layouts_with_expert_parallel_are_accepted(model: str, engine:
 
 
 def test_loading_the_wrong_checkpoint_is_refused() -> None:
-    bf16 = resolve_model("qwen3-moe-fp8-tiny")
-    fp8 = with_engine_dtype(bf16, "fp8")
+    fp8 = resolve_model("qwen3-moe-fp8-tiny")  # its config's quantization_config: block FP8
+    bf16 = with_engine_dtype(fp8, "bf16")
     layout = EngineLayout.parse("tp=1")
     full = seeded_checkpoint(bf16, seed=0)
     with pytest.raises(ValueError, match="FP8 engine loads the FP8 checkpoint"):

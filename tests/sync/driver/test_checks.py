@@ -79,3 +79,20 @@ def test_colocated_gpu_ranks_are_checked_on_their_gpu_not_the_unused_engine_devi
 
     with contextlib.suppress(MissingDependencyError):  # no CUDA here: refused for that, past the device kinds
         assert check_transport(_colocated_on_gpu("cuda-ipc")) == "cuda-ipc"
+
+
+def test_fp8_engines_sync_only_from_hf_tensors() -> None:
+    """Quantizing is no view op: an FP8 engine's regions cannot name megatron-core's tensors."""
+    from kvmove.errors import KvmoveError
+    from kvmove.layout import EngineLayout, TrainerLayout
+    from kvmove.models import resolve_model
+    from kvmove.models.checkpoint import with_engine_dtype
+    from kvmove.sync.config import SyncConfig
+    from kvmove.sync.driver.checks import check_format
+    from kvmove.sync.strategies import parse_strategies
+
+    cfg = with_engine_dtype(resolve_model("qwen3-moe-fp8-tiny"), "fp8")
+    config = SyncConfig(cfg, TrainerLayout(), EngineLayout(), tuple(parse_strategies("v3")), tensor_format="megatron")
+    with pytest.raises(KvmoveError, match="an fp8 engine syncs from trainer tensors in the hf format, not megatron"):
+        check_format(config)
+    check_format(SyncConfig(cfg, TrainerLayout(), EngineLayout(), tuple(parse_strategies("v3"))))

@@ -3,6 +3,8 @@ checkpoint, and from BF16 by quantizing whole blocks), against the engine's own 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -153,18 +155,61 @@ def test_straddling_share_counts_only_the_cut_blocks() -> None:
             assert straddling_share(src, own, metas[name]) == pytest.approx(2 / 6)
 
 
-def test_sync_paths_refuse_fp8_engines_until_the_driver_quantizes() -> None:
-    from kvmove.errors import LayoutError
+@pytest.mark.parametrize(
+    ("model", "trainer", "engine", "sides"),
+    [
+        ("qwen3-moe-fp8-tiny", "tp=2,etp=2", "tp=2", {"plain", "trainer"}),  # trainer shards = whole blocks
+        ("qwen3-moe-fp8-tiny", "tp=4,etp=4", "tp=2", {"plain", "trainer", "engine"}),  # k/v, MLP, experts cut
+        ("deepseek-v3-fp8-tiny", "tp=2,pp=2,ep=2", "tp=2,ep=2", {"plain", "trainer"}),
+        ("deepseek-v3-fp8-tiny", "tp=4,ep=2,etp=2", "tp=1", {"plain", "trainer", "engine"}),
+    ],
+)
+def test_dry_run_verifies_fp8_syncs_through_pack_and_land(model: str, trainer: str, engine: str, sides) -> None:
+    """The dry run fills every engine rank as a sync does (each entry packed by its trainer rank, landed by the
+    engine's half of its transform) and compares with reference_models, for every strategy."""
     from kvmove.sync.config import SyncConfig
     from kvmove.sync.driver.dryrun import dry_run_sync
     from kvmove.sync.strategies import STRATEGIES
 
     config = SyncConfig(
-        model=fp8("qwen3-moe-fp8-tiny"),
-        trainer=TrainerLayout.parse("tp=2"),
-        engine=EngineLayout.parse("tp=2"),
-        strategies=(STRATEGIES["v3"],),
+        model=fp8(model),
+        trainer=TrainerLayout.parse(trainer),
+        engine=EngineLayout.parse(engine),
+        strategies=tuple(STRATEGIES.values()),
         verify=True,
+        seed=5,
     )
-    with pytest.raises(LayoutError, match="quantization inside the sync is not built"):
-        dry_run_sync(config)
+    reports = {r.strategy: r for r in dry_run_sync(config)}
+    for r in reports.values():
+        assert r.verified is True, (r.strategy, r.mismatches)
+        assert r.engine_dtype == "fp8" and sum(r.bytes_by_transform.values()) == r.bytes_total
+    assert set(reports["v3"].bytes_by_transform) == sides  # raw shards read in place: straddling blocks engine-side
+    assert set(reports["v1"].bytes_by_transform) == {"plain", "trainer"}  # gathered tensors hold every block whole
+    bf16 = dry_run_sync(replace(config, model=with_engine_dtype(resolve_model(model), "bf16"), verify=False))
+    for r, b in zip(reports.values(), bf16, strict=True):
+        # trainer-side covers cross as FP8 (about half of BF16); engine-side pieces cross as BF16
+        assert r.bytes_total < b.bytes_total * (1.0 if "engine" in r.bytes_by_transform else 0.6), r.strategy
+
+
+def test_covers_cut_by_trainer_shards_are_assembled_from_pieces() -> None:
+    """Trainer tp=4 cuts the engine tp=2 rank's k_proj block (rows 0..128) at 64: two pieces, one per raw shard,
+    land before the engine quantizes the cover; the scale region rides with the weight region."""
+    from kvmove.sync.planning.entries import plan_entries
+    from kvmove.sync.strategies import STRATEGIES
+
+    cfg, layout = fp8("qwen3-moe-fp8-tiny"), EngineLayout.parse("tp=2")
+    own = Ownership(cfg, TrainerLayout.parse("tp=4,etp=4"))
+    plan = plan_engine(cfg, layout)[0]
+    (entry_plan,) = plan_entries([plan], own, STRATEGIES["v3"], shard_reads=True)
+    name = "model.layers.0.self_attn.k_proj.weight"
+    cover = next(c for c in entry_plan.covers if c.tensor == name)
+    pieces = [e for e in entry_plan.entries if e.cover >= 0 and entry_plan.covers[e.cover] == cover]
+    assert cover.box == ((0, 0), (128, 256)) and cover.pieces == len(pieces) == 2
+    assert sorted(p.box for p in pieces) == [((0, 0), (64, 256)), ((64, 0), (128, 256))]
+    assert [p.holders for p in sorted(pieces, key=lambda p: p.box)] == [(0,), (1,)]
+    assert {plan.regions[i].hf_name for i in cover.regions} == {name, name + "_scale_inv"}
+    assert sum(p.nbytes for p in pieces) == 128 * 256 * 2  # BF16 on the link
+    q = next(e for e in entry_plan.entries if e.tensor == "model.layers.0.self_attn.q_proj.weight")
+    # q rows 0..256 lie in two trainer shards, cut at a block boundary: whole blocks after the gather, trainer-side
+    assert q.transform == "trainer" and not q.shard and q.holders == (0, 1, 2, 3)
+    assert q.sizes == (256 * 256, 2 * 2 * 4)  # FP8 weight + 2x2 float32 scales

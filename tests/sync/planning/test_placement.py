@@ -69,3 +69,31 @@ def test_ceiling_counts_the_busiest_device_and_link_direction_once() -> None:
     bp = _blueprint("tp=2,ep=2", "tp=1", 2, colocated=True, strided=True)
     one = link_bytes(bp.pulls["v3"], bp.devices, engines=[0])  # type: ignore[arg-type]
     assert one.total == bp.plans[0].nbytes
+
+
+def test_fp8_entries_route_with_pieces_and_devices() -> None:
+    """An FP8 engine's plan under colocated, 2-D-copy routing: plain regions spanning raw shards are read directly
+    in pieces, quantized covers (and their engine-side pieces) are packed whole, and every entry's bytes are
+    pulled exactly once."""
+    from kvmove.models.checkpoint import with_engine_dtype
+
+    cfg = with_engine_dtype(resolve_model("qwen3-moe-fp8-tiny"), "fp8")
+    tl, el = TrainerLayout.parse("tp=2,ep=2"), EngineLayout.parse("tp=1", 2)
+    devices = DeviceMap.of(Placement("processes", colocated=True), tl.world, el.world)
+    plans = plan_engine(cfg, el)
+    bp = Blueprint(cfg, tl, el, plans, parse_strategies("v1,v3"), SyncOptions(), devices=devices, strided=True)
+    pieced = 0
+    for pp in bp.pulls["v3"]:
+        assert pp.plan is not None
+        entries = pp.plan.entries
+        assert sum(p.nbytes for p in pp.pulls) == pp.plan.nbytes
+        for p in pp.pulls:
+            assert all(entries[i].transform == "plain" for i in p.entries) if p.direct else True
+        pieced += sum(1 for e in entries if e.pieces)
+        assert all(not e.pieces for e in entries if e.transform != "plain")
+        assert {e.transform for e in entries} >= {"plain", "trainer"}
+    assert pieced > 0  # the embedding (vocab split on the trainer) is read in pieces
+    assert bp.direct_bytes("v3") > 0 and bp.packed_bytes("v3") > 0
+    split = bp.link_bytes("v3")
+    assert split is not None and split.total == sum(pp.plan.nbytes for pp in bp.pulls["v3"] if pp.plan)
+    assert bp.direct_bytes("v1") == 0  # v1 gathers: covers quantized on the trainer after the gather
