@@ -27,7 +27,7 @@ import torch
 from kvmove.errors import PlanError
 from kvmove.models.tensors import TensorMeta
 from kvmove.sync.planning.ownership import Owners
-from kvmove.sync.planning.plan import Box, Region, relative_view, view_box
+from kvmove.sync.planning.plan import Box, Region, contiguous_strides, relative_view, view_box
 from kvmove.sync.planning.recording import StridedView
 from kvmove.transport.copies import plan_copies
 
@@ -148,7 +148,7 @@ def cut(region: Region, shape: Sequence[int], box: Box) -> Region | None:
     """The part of ``region`` whose source lies in ``box`` of the tensor (possibly empty: 0 bytes), or None when
     its view cannot be cut there (a view dim walking several tensor dims, or two view dims walking one)."""
     assert region.src is not None
-    view, strides = region.src, _strides(shape)
+    view, strides = region.src, contiguous_strides(shape)
     start = _unravel(view.offset, shape)
     lo, hi, walked = [], [], set()
     for n, s in zip(view.shape, view.stride, strict=True):
@@ -174,14 +174,6 @@ def cut(region: Region, shape: Sequence[int], box: Box) -> Region | None:
         return None
     numel = src.numel
     return region._replace(src=src, dst=dst, box=part_box, nbytes=numel * region.dtype.itemsize)
-
-
-def _strides(shape: Sequence[int]) -> list[int]:
-    out, acc = [], 1
-    for s in reversed(shape):
-        out.append(acc)
-        acc *= s
-    return out[::-1]
 
 
 def _unravel(flat: int, shape: Sequence[int]) -> list[int]:

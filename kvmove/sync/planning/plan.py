@@ -66,7 +66,7 @@ def view_box(view: StridedView, shape: Sequence[int]) -> Box | None:
     tensor dim."""
     if view.numel == 0:
         return None
-    strides = _contiguous_strides(shape)
+    strides = contiguous_strides(shape)
     start = _unravel(view.offset, shape)
     stop = [a + 1 for a in start]
     for n, st in zip(view.shape, view.stride, strict=True):
@@ -93,8 +93,8 @@ def relative_view(view: StridedView, shape: Sequence[int], box: Box) -> StridedV
     """
     if box == Box.full(shape):
         return view
-    full_strides = _contiguous_strides(shape)
-    box_strides = _contiguous_strides(box.shape)
+    full_strides = contiguous_strides(shape)
+    box_strides = contiguous_strides(box.shape)
     start = _unravel(view.offset, shape)
     offset = sum((c - b) * s for c, b, s in zip(start, box.start, box_strides, strict=True))
     strides = []
@@ -111,7 +111,8 @@ def relative_view(view: StridedView, shape: Sequence[int], box: Box) -> StridedV
     return StridedView(offset, view.shape, tuple(strides))
 
 
-def _contiguous_strides(shape: Sequence[int]) -> list[int]:
+def contiguous_strides(shape: Sequence[int]) -> list[int]:
+    """Element strides of a contiguous tensor of ``shape``."""
     out, acc = [], 1
     for s in reversed(shape):
         out.append(acc)
