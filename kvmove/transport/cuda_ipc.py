@@ -108,12 +108,12 @@ class CudaIpcTransport(Transport):
 
     def _batch(self, items: list[ReadItem]) -> _Batch:
         """The executor of ``items`` (reads from one source device) as one copy plan relative to this endpoint's
-        base tensor; built once per batch of the same span arrays (prepared reads keep theirs: see
+        base tensor; built once per batch of the same span arrays, in any order (prepared reads keep theirs: see
         ``Transport.prepare``)."""
-        key = tuple((id(i.spans), i.remote.endpoint, i.remote.buffer_id, i.local.data_ptr()) for i in items)
+        key = tuple(sorted((id(i.spans), i.remote.endpoint, i.remote.buffer_id, i.local.data_ptr()) for i in items))
         hit = self._batches.get(key)
-        if hit is not None and all(a is i.spans for a, i in zip(hit.spans, items, strict=True)):
-            return hit
+        if hit is not None and {id(a) for a in hit.spans} == {id(i.spans) for i in items}:
+            return hit  # NOTE: the batch holds its span arrays, so equal ids are the same arrays (in any order)
         for item in items:
             self._peer(self._source(item.remote))
         run: CopyExecutor | None = None
