@@ -4,20 +4,23 @@
 tp=2 rank reads from a pp=2 trainer's arena for one MoE layer's down projections: each expert's ``(4096, 1536)``
 bf16 matrix split on its columns, so 4096 rows of 1536 bytes at a 3072-byte pitch per expert (128 experts: 0.8
 GB in narrow rows), plus whole-tensor 1-D copies (0.5 GB). Each executor of ``kvmove.transport.executors`` runs
-it inside one GPU (and, with two GPUs, from the other one: a peer read), checked equal to torch's strided copies,
-timed over a few runs; a plain contiguous device copy of as many bytes is the ceiling. Prints one line each.
+it inside one GPU (and, with two GPUs, from the other one: a peer read), and so does the split the executor rule
+makes (what cuda-ipc runs), each checked equal to torch's strided copies and timed over a few runs; a plain
+contiguous device copy of as many bytes is the ceiling. Prints one line each, then ``all_equal``.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from kvmove.transport.copies import CopyPlan, copy_views, plan_copies, shifted
-from kvmove.transport.executors import COPY_EXECUTORS, choose_executor
+from kvmove.transport.executors import COPY_EXECUTORS, CopyExecutor, assign_executors
 
 EXPERTS, ROWS, ROW_BYTES = 128, 4096, 3072
 WHOLE, WHOLE_BYTES = 16, 32 << 20
@@ -25,12 +28,12 @@ WHOLE, WHOLE_BYTES = 16, 32 << 20
 
 class CheckRow(NamedTuple):
     executor: str
+    """An executor running the whole plan, ``assigned`` (the split ``assign_executors`` makes, as cuda-ipc runs
+    it) or the ceiling."""
     where: str
     nbytes: int
     seconds: float
     equal: bool
-    chosen: bool
-    """Whether ``choose_executor`` picks this executor for the plan."""
 
     @property
     def gbps(self) -> float:
@@ -48,8 +51,7 @@ def stage_to_tp_spans() -> tuple[np.ndarray, int, int]:
     return np.concatenate([narrow, whole]), src0 + WHOLE * WHOLE_BYTES, dst0 + WHOLE * WHOLE_BYTES
 
 
-def _time(fn: object, stream: torch.cuda.Stream, repeats: int) -> float:
-    assert callable(fn)
+def _time(fn: Callable[[], object], stream: torch.cuda.Stream, repeats: int) -> float:
     fn()
     stream.synchronize()
     out = []
@@ -61,6 +63,11 @@ def _time(fn: object, stream: torch.cuda.Stream, repeats: int) -> float:
         end.synchronize()
         out.append(start.elapsed_time(end) / 1e3)
     return statistics.median(out)
+
+
+def _run_all(parts: tuple[CopyExecutor, ...], stream: torch.cuda.Stream) -> None:
+    for part in parts:
+        part.run(stream)
 
 
 def check(source: str = "cuda:0", reader: str = "cuda:0", repeats: int = 5) -> list[CheckRow]:
@@ -79,18 +86,21 @@ def check(source: str = "cuda:0", reader: str = "cuda:0", repeats: int = 5) -> l
     batch = shifted(plan, src.data_ptr() - at, dst.data_ptr() - at)
     peer = torch.device(source) != torch.device(reader)
     where = f"{source}->{reader}"
-    chosen = choose_executor(batch, peer)
+    runs: dict[str, tuple[CopyExecutor, ...]] = {
+        name: (cls(batch, base, f"copy check {name}"),) for name, cls in COPY_EXECUTORS.items() if cls.is_available()
+    }
+    split = assign_executors(batch, peer)
+    runs["assigned: " + " then ".join(f"{n} {p.nbytes / 1e9:.2f} GB" for n, p in split)] = tuple(
+        COPY_EXECUTORS[n](p, base, f"copy check {n}") for n, p in split
+    )
     rows = []
-    for name, cls in COPY_EXECUTORS.items():
-        if not cls.is_available():
-            continue
-        run = cls(batch, base, f"copy check {name}")
+    for name, parts in runs.items():
         dst.zero_()
-        seconds = _time(lambda run=run: run.run(stream), stream, repeats)
-        rows.append(CheckRow(name, where, plan.nbytes, seconds, bool(torch.equal(dst, want)), name == chosen))
+        seconds = _time(partial(_run_all, parts, stream), stream, repeats)
+        rows.append(CheckRow(name, where, plan.nbytes, seconds, bool(torch.equal(dst, want))))
     flat = torch.empty(plan.nbytes, dtype=torch.uint8, device=reader)
     seconds = _time(lambda: flat.copy_(src[: plan.nbytes]), stream, repeats)
-    rows.append(CheckRow("ceiling (contiguous copy)", where, plan.nbytes, seconds, True, False))
+    rows.append(CheckRow("ceiling (contiguous copy)", where, plan.nbytes, seconds, True))
     return rows
 
 
@@ -107,8 +117,7 @@ def main() -> None:
     pairs = [("cuda:0", "cuda:0")] + ([("cuda:1", "cuda:0")] if torch.cuda.device_count() > 1 else [])
     rows = [r for s, d in pairs for r in check(s, d)]
     for r in rows:
-        mark = " (chosen)" if r.chosen else ""
-        print(f"{r.where} {r.executor}{mark}: {r.seconds * 1e3:.2f} ms, {r.gbps:.1f} GB/s, equal={r.equal}")
+        print(f"{r.where} {r.executor}: {r.seconds * 1e3:.2f} ms, {r.gbps:.1f} GB/s, equal={r.equal}")
     print(f"all_equal={all(r.equal for r in rows)}")
 
 

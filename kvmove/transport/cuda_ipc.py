@@ -7,7 +7,7 @@ them in the reader's process once and enables peer access to their device there.
 
 Spans are folded into 2-D copies (``kvmove.transport.copies``: a column block of a matrix is one copy, not one per
 row); the reads of a batch from one source device become one copy plan, relative to a base tensor of this
-endpoint, run by the executor ``kvmove.transport.executors`` picks for it (the driver's copy engine, or a Triton
+endpoint, run by the executors ``kvmove.transport.executors`` assigns its copies to (the driver's copy engine; a Triton
 kernel for narrow rows and many copies), because ``Tensor.copy_`` between devices waits on an event pair per copy
 and cannot express a 2-D copy. A batch's plan and executor are built once (at ``prepare``: warm start) and reused
 by later batches of the same prepared reads. Without libcuda the same plans run as torch strided-view copies.
@@ -27,7 +27,7 @@ import torch
 from kvmove.transport.base import BufferDesc, EndpointInfo, Membership, ReadItem, Transport, TransportError
 from kvmove.transport.copies import CopyPlan, copy_views, plan_copies, shifted
 from kvmove.transport.cuda_driver import driver
-from kvmove.transport.executors import CopyExecutor, executor
+from kvmove.transport.executors import CopyExecutor, executors
 
 PLAN_CACHE = 8192
 """Copy plans kept per endpoint (a sync repeats the same reads every time)."""
@@ -116,7 +116,7 @@ class CudaIpcTransport(Transport):
             return hit  # NOTE: the batch holds its span arrays, so equal ids are the same arrays (in any order)
         for item in items:
             self._peer(self._source(item.remote))
-        run: CopyExecutor | None = None
+        run: tuple[CopyExecutor, ...] = ()
         if driver() is not None:
             at = self._base().data_ptr()
             parts = [
@@ -125,7 +125,7 @@ class CudaIpcTransport(Transport):
             ]
             plan = CopyPlan(np.concatenate([p.copies for p in parts]))
             peer = self._source(items[0].remote).device != self.device
-            run = executor(plan, self._base(), peer, f"cuda-ipc read from {items[0].remote.endpoint}")
+            run = executors(plan, self._base(), peer, f"cuda-ipc read from {items[0].remote.endpoint}")
         batch = _Batch(tuple(i.spans for i in items), run, sum(int(i.spans[:, 2].sum()) for i in items))
         if len(self._batches) >= PLAN_CACHE:
             self._batches.clear()
@@ -139,15 +139,16 @@ class CudaIpcTransport(Transport):
 
     def _enqueue(self, items: list[ReadItem], stream: torch.cuda.Stream) -> None:
         batch = self._batch(items)
-        if batch.run is None:
+        if not batch.run:
             with torch.cuda.stream(stream):
                 for item in items:
                     copy_views(self._source(item.remote), item.local, self._plan(item.spans))
             self._count("views", batch.nbytes)
             return
         torch.cuda.set_device(self.device)  # the reader's context is current for the driver calls
-        batch.run.run(stream)
-        self._count(batch.run.name, batch.nbytes)
+        for run in batch.run:
+            run.run(stream)
+            self._count(run.name, run.plan.nbytes)
 
     def _read(self, peer: EndpointInfo, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> None:
         stream = torch.cuda.current_stream(local.device)
@@ -191,8 +192,8 @@ class CudaIpcTransport(Transport):
 class _Batch(NamedTuple):
     spans: tuple[np.ndarray, ...]
     """The span arrays of the batch's reads (a cached batch serves later reads of the very same arrays)."""
-    run: CopyExecutor | None
-    """None without libcuda: torch strided-view copies instead."""
+    run: tuple[CopyExecutor, ...]
+    """Each executor with its share of the batch, in order; none without libcuda: torch strided-view copies."""
     nbytes: int
 
 

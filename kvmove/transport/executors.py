@@ -6,15 +6,15 @@ A batch is a :class:`~kvmove.transport.copies.CopyPlan` whose offsets are relati
 built once per batch (warm start: a Triton executor uploads its descriptor tables then) and ``run`` enqueues the
 batch on a stream, returning at once.
 
-The rule (:func:`choose_executor`), from where each one is slow:
-- a 2-D copy with rows narrower than :data:`NARROW_ROW` goes to the kernel: the copy engine walks a 2-D copy row
-  by row and narrow rows run far below the device's copy rate (a row-parallel half of an MoE down projection is
+The rule (:func:`assign_executors`) splits a batch's copies by where each executor is slow:
+- 2-D copies with rows narrower than :data:`NARROW_ROW` go to the kernel: the copy engine walks a 2-D copy row by
+  row and narrow rows run far below the device's copy rate (a row-parallel half of an MoE down projection is
   1.5 KB rows at a 3 KB pitch);
-- a batch inside one GPU with more than :data:`MANY_COPIES` copies goes to the kernel: each driver call costs
-  microseconds of Python and driver time, a launch covers them all;
-- everything else (a few large copies, and peer reads without narrow rows: the link, not issue overhead, bounds
+- inside one GPU, if more than :data:`MANY_COPIES` copies would remain for the driver, the whole batch goes to the
+  kernel: each driver call costs microseconds of Python and driver time, a launch covers them all;
+- the rest (a few large copies; on a peer read every copy but narrow rows: the link, not issue overhead, bounds
   those, and the copy engines reach it without taking SMs from the engine) goes to the driver's copy engine.
-Without triton every batch goes to the driver.
+The kernel's share runs first, then the driver's, on one stream. Without triton everything goes to the driver.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class TritonCopies(CopyExecutor):
 
 
 COPY_EXECUTORS: dict[str, type[CopyExecutor]] = {"driver": DriverCopies, "triton": TritonCopies}
-"""Executors of a CUDA copy batch, by name (``choose_executor`` picks one)."""
+"""Executors of a CUDA copy batch, by name (``assign_executors`` splits a batch between them)."""
 
 
 @functools.cache
@@ -106,20 +106,25 @@ def triton_available() -> bool:
     return True
 
 
-def choose_executor(plan: CopyPlan, peer: bool, available: frozenset[str] | None = None) -> str:
-    """The executor the module docstring's rule picks for ``plan`` (``peer``: it reads another GPU's memory)
-    among ``available`` (default: those that can run here)."""
+def assign_executors(plan: CopyPlan, peer: bool, available: frozenset[str] | None = None) -> list[tuple[str, CopyPlan]]:
+    """``plan``'s copies split between executors by the module docstring's rule: (executor, its copies) pairs, in
+    the order to run them. ``peer``: the plan reads another GPU's memory; ``available``: the executors that may run
+    (default: those that can run here)."""
     names = available if available is not None else frozenset(n for n, e in COPY_EXECUTORS.items() if e.is_available())
+    if not names & {"driver", "triton"}:
+        raise TransportError("no CUDA copy executor can run here (neither libcuda nor triton loads)")
     c = plan.copies
-    narrow = bool(((c[:, HEIGHT] > 1) & (c[:, WIDTH] < NARROW_ROW)).any())
-    wants_kernel = narrow or (not peer and plan.ncopies > MANY_COPIES)
-    if wants_kernel and "triton" in names:
-        return "triton"
-    if "driver" in names:
-        return "driver"
-    raise TransportError("no CUDA copy executor can run here (neither libcuda nor triton loads)")
+    kernel = (c[:, HEIGHT] > 1) & (c[:, WIDTH] < NARROW_ROW)
+    if not peer and int((~kernel).sum()) > MANY_COPIES:
+        kernel[:] = True
+    if "triton" not in names:
+        kernel[:] = False
+    elif "driver" not in names:
+        kernel[:] = True
+    parts = (("triton", kernel), ("driver", ~kernel))
+    return [(name, CopyPlan(c[mine])) for name, mine in parts if mine.any()]
 
 
-def executor(plan: CopyPlan, base: torch.Tensor, peer: bool, what: str) -> CopyExecutor:
-    """The executor :func:`choose_executor` picks, built for ``plan`` from ``base``."""
-    return COPY_EXECUTORS[choose_executor(plan, peer)](plan, base, what)
+def executors(plan: CopyPlan, base: torch.Tensor, peer: bool, what: str) -> tuple[CopyExecutor, ...]:
+    """The executors :func:`assign_executors` picks, each built for its share of ``plan`` from ``base``."""
+    return tuple(COPY_EXECUTORS[name](part, base, what) for name, part in assign_executors(plan, peer))

@@ -75,11 +75,14 @@ def test_triton_kernel_runs_a_copy_plan_bit_exactly(case: str) -> None:
 def test_every_executor_moves_a_stage_to_tp_plan_bit_exactly(source: str) -> None:
     """The micro-check's plan (row-parallel halves of 128 experts' down projections, 1.3 GB): driver and kernel."""
     from kvmove.transport.copy_check import check
+    from kvmove.transport.executors import triton_available
 
     rows = check(source, "cuda:0", repeats=1)
     assert all(r.equal for r in rows), rows
-    assert {r.executor for r in rows} >= {"driver"}
-    assert sum(r.chosen for r in rows) == 1
+    names = {r.executor for r in rows}
+    assert "driver" in names, names
+    if triton_available():  # the rule sends the narrow rows to the kernel
+        assert "triton" in names and any(n.startswith("assigned: triton") for n in names), names
 
 
 def _serve(device: str, to_reader, from_reader) -> None:

@@ -1,5 +1,5 @@
 """Tile plans of the batched copy kernel (pure): alignment classes, tiles that cover exactly a plan's bytes, the
-kernel's semantics (``run_tiles_numpy``) equal to ``copy_views`` byte for byte, and the executor choice rule."""
+kernel's semantics (``run_tiles_numpy``) equal to ``copy_views`` byte for byte."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 from copy_cases import CASES, DST_SIZE, SRC_SIZE
 
 from kvmove.transport.copies import HEIGHT, WIDTH, CopyPlan, copy_views, expand, plan_copies, shifted
-from kvmove.transport.executors import MANY_COPIES, NARROW_ROW, choose_executor
 from kvmove.transport.tiling import alignments, plan_tiles, run_tiles_numpy
 
 BASE = 64  # where the source region starts in the tests' one memory buffer (the kernel's base is byte 0)
@@ -73,27 +72,3 @@ def test_tiles_cover_each_byte_once_and_respect_their_alignment(case: str) -> No
 
 def test_an_empty_plan_has_no_launches() -> None:
     assert plan_tiles(plan_copies(np.zeros((0, 3), dtype=np.int64))).launches == ()
-
-
-def _plan(rows: list[list[int]]) -> CopyPlan:
-    return CopyPlan(np.array(rows, dtype=np.int64).reshape(-1, 6))
-
-
-def test_narrow_rows_go_to_the_kernel_big_copies_to_the_copy_engine() -> None:
-    both = frozenset({"driver", "triton"})
-    narrow = _plan([[0, 0, 1536, 4096, 3072, 1536]])
-    wide = _plan([[0, 0, NARROW_ROW, 4096, 2 * NARROW_ROW, NARROW_ROW], [0, 0, 1 << 30, 1, 1 << 30, 1 << 30]])
-    many = _plan([[i * 64, i * 64, 64, 1, 64, 64] for i in range(MANY_COPIES + 1)])
-    assert choose_executor(narrow, peer=False, available=both) == "triton"
-    assert choose_executor(narrow, peer=True, available=both) == "triton"
-    assert choose_executor(wide, peer=False, available=both) == "driver"
-    assert choose_executor(many, peer=False, available=both) == "triton"
-    assert choose_executor(many, peer=True, available=both) == "driver"  # the link bounds a peer read
-    assert choose_executor(narrow, peer=False, available=frozenset({"driver"})) == "driver"
-
-
-def test_no_executor_is_a_clear_error() -> None:
-    from kvmove.transport.base import TransportError
-
-    with pytest.raises(TransportError, match="no CUDA copy executor"):
-        choose_executor(_plan([[0, 0, 8, 1, 8, 8]]), peer=False, available=frozenset())
