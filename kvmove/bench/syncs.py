@@ -62,6 +62,8 @@ def sync_row(config: SyncConfig, r: SyncResult, suite: str = "sync", extra: dict
             "engine_devices": list(config.placement.used_engine_devices()),
             "placement": config.placement.mode,
             **r.link_bytes,
+            "copy_executor": "+".join(sorted(r.copy_executors)) or None,
+            "copy_executor_bytes": dict(r.copy_executors),
             **(extra or {}),
         },
     )

@@ -21,6 +21,9 @@ import torch
 
 from kvmove.errors import KvmoveError, MissingDependencyError
 
+MAX_CHECKED = 65536
+"""Prepared reads whose checked spans an endpoint keeps (a sync plan's direct reads: a few hundred per rank)."""
+
 Range = tuple[int, int, int]
 """``(remote_offset, local_offset, nbytes)`` of one pulled span, in bytes."""
 
@@ -214,6 +217,10 @@ class Transport(ABC):
         self._buffers: dict[int, torch.Tensor] = {}
         self._peers: dict[str, EndpointInfo] = {}
         self._closed = False
+        self._checked: dict[tuple[int, BufferDesc, BufferDesc], tuple[Any, np.ndarray]] = {}
+        self.executed: dict[str, int] = {}
+        """Bytes moved by each copy executor (``kvmove.transport.executors``; "views": torch copies) since
+        :meth:`take_executed`; transports that run copy plans fill it."""
 
     @classmethod
     def open(cls, membership: Membership | None = None, device: str = "cpu") -> Transport:
@@ -277,12 +284,39 @@ class Transport(ABC):
         return PendingReads(sum(int(i.spans[:, 2].sum()) for i in items), start, finish)
 
     def prepare(self, reads: Sequence[Read]) -> None:
-        """Do at init what the first batch of these reads would do (peer access, copy plans, NIXL requests)."""
-        items = self._items(reads)
+        """Do at init what the first batch of these reads would do (peer access, copy plans, NIXL requests).
+
+        The reads' ranges are checked here once: a later batch holding the same range objects (a sync plan's
+        arrays, read every sync) reuses the checked spans instead of validating them again (a pipeline-stage
+        boundary is a million spans). Ranges handed to ``prepare`` must not change afterwards (arrays are made
+        read-only)."""
+        items = self._items(reads, remember=True)
         if items:
             self._prepare(items)
 
-    def _items(self, reads: Sequence[Read]) -> list[ReadItem]:
+    def take_executed(self) -> dict[str, int]:
+        """Bytes moved per copy executor since the last call (and reset)."""
+        out, self.executed = self.executed, {}
+        return out
+
+    def _count(self, executor: str, nbytes: int) -> None:
+        self.executed[executor] = self.executed.get(executor, 0) + nbytes
+
+    def _spans(self, r: Read, remember: bool) -> np.ndarray:
+        """``r``'s checked spans; remembered by the identity of its ranges when ``remember``."""
+        key = (id(r.ranges), r.remote, r.local)
+        hit = self._checked.get(key)
+        if hit is not None and hit[0] is r.ranges:
+            return hit[1]
+        spans = check_ranges(r.remote, r.local, r.ranges)
+        if remember and isinstance(r.ranges, np.ndarray):
+            if len(self._checked) >= MAX_CHECKED:
+                self._checked.clear()
+            r.ranges.flags.writeable = False
+            self._checked[key] = (r.ranges, spans)  # NOTE: holding the ranges keeps their id from being reused
+        return spans
+
+    def _items(self, reads: Sequence[Read], remember: bool = False) -> list[ReadItem]:
         self._check_open()
         out = []
         for r in reads:
@@ -295,7 +329,7 @@ class Transport(ABC):
                 raise TransportError(
                     f"local buffer {r.local.endpoint}#{r.local.buffer_id} is not registered with this endpoint"
                 )
-            spans = check_ranges(r.remote, r.local, r.ranges)
+            spans = self._spans(r, remember)
             if len(spans):
                 out.append(ReadItem(peer, r.remote, self._buffers[r.local.buffer_id], spans))
         return out
@@ -305,6 +339,7 @@ class Transport(ABC):
         if not self._closed:
             self._closed = True
             self._close()
+            self._checked.clear()
             self._buffers.clear()
             self._peers.clear()
 

@@ -120,6 +120,15 @@ def _folded(spans: np.ndarray, a: int, b: int) -> np.ndarray:
     return out
 
 
+def shifted(plan: CopyPlan, src: int, dst: int) -> CopyPlan:
+    """``plan`` with every source offset moved by ``src`` bytes and every destination offset by ``dst`` (e.g. to
+    one base address shared by the reads of a batch)."""
+    copies = plan.copies.copy()
+    copies[:, SRC] += src
+    copies[:, DST] += dst
+    return CopyPlan(copies)
+
+
 def expand(plan: CopyPlan) -> np.ndarray:
     """The ``(n, 3)`` spans a plan moves, one per row (the inverse of :func:`plan_copies`, for checks and for
     executors that only copy 1-D)."""

@@ -53,6 +53,7 @@ class LocalTransport(Transport):
         if src is None:
             raise TransportError(f"local buffer {remote.endpoint}#{remote.buffer_id} is gone")
         copy_views(src, local, plan_copies(spans))
+        self._count("views", int(spans[:, 2].sum()))
 
     def _close(self) -> None:
         with _TABLE_LOCK:

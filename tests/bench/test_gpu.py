@@ -124,4 +124,7 @@ def test_gpu_suite_matrix_on_this_machines_gpus(tmp_path: Path) -> None:
     gpu_suite(suite, lambda rows: append_rows(tmp_path, "gpu", rows) if rows else None, print)
     strategies = {"v2", "v3", "broadcast"} if gpus > 1 else {"v2", "v3"}
     cells = 2 + len(transports) if gpus > 1 else 2  # colocated cells run cuda-ipc only (NCCL cannot share a GPU)
-    _check(_rows(tmp_path), set(transports), strategies, cells)
+    rows = _rows(tmp_path)
+    _check(rows, set(transports), strategies, cells)
+    v3 = [r for r in rows if r["transport"] == "cuda-ipc" and r["strategy"] == "v3"]
+    assert v3 and all(r["extra"]["copy_executor"] for r in v3)  # type: ignore[index]

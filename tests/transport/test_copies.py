@@ -108,3 +108,26 @@ def test_local_transport_reads_a_batch_bit_exactly() -> None:
     finally:
         reader.close()
         server.close()
+
+
+def test_prepared_reads_are_checked_once_and_frozen() -> None:
+    server, reader = LocalTransport(), LocalTransport()
+    try:
+        remote = server.register(torch.randint(0, 256, (1 << 12,), dtype=torch.uint8))
+        local = reader.register(torch.zeros(1 << 12, dtype=torch.uint8))
+        reader.connect(server.endpoint_info())
+        prepared, fresh = np.array([[0, 0, 64], [64, 64, 64]], dtype=np.int64), np.array([[0, 128, 8]])
+        reader.prepare([Read(remote, local, prepared)])
+        first = reader._items([Read(remote, local, prepared), Read(remote, local, fresh)])
+        again = reader._items([Read(remote, local, prepared), Read(remote, local, fresh)])
+        assert first[0].spans is again[0].spans  # checked once, at prepare
+        assert first[1].spans is not again[1].spans  # unprepared ranges are checked every time
+        assert first[0].spans.tolist() == [[0, 0, 128]]  # coalesced as check_ranges does
+        with pytest.raises(ValueError, match="read-only"):
+            prepared[0, 2] = 1  # a prepared plan cannot change under the endpoint
+        reader.take_executed()
+        reader.start_reads([Read(remote, local, prepared)]).wait()
+        assert reader.take_executed() == {"views": 128} and reader.take_executed() == {}
+    finally:
+        reader.close()
+        server.close()

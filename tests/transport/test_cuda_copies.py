@@ -1,5 +1,6 @@
-"""The CUDA copy executor (driver 1-D and 2-D copies) and cuda-ipc reads of strided spans, on one GPU (trainer and
-engine ranks colocated: device-to-device copies) and, with two GPUs, across them; skipped without CUDA."""
+"""The CUDA copy executors (driver 1-D and 2-D copies; the batched Triton kernel) and cuda-ipc reads of strided
+spans, on one GPU (trainer and engine ranks colocated: device-to-device copies) and, with two GPUs, across them;
+skipped without CUDA (the kernel's tests also without triton)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from copy_cases import CASES, DST_SIZE, SRC_SIZE
 
-from kvmove.transport.copies import plan_copies
+from kvmove.transport.copies import copy_views, plan_copies, shifted
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -45,6 +47,42 @@ def test_driver_runs_a_copy_plan_bit_exactly_inside_one_gpu() -> None:
     run_plan(drv, plan, src.data_ptr(), dst.data_ptr(), stream.cuda_stream, "test")
     stream.synchronize()
     assert torch.equal(dst.cpu(), _expected(src, N, spans))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_kernel_runs_a_copy_plan_bit_exactly(case: str) -> None:
+    pytest.importorskip("triton")
+    from kvmove.transport.tiling import plan_tiles
+    from kvmove.transport.triton_copy import TritonTiles
+
+    plan = plan_copies(CASES[case]())
+    mem = torch.zeros(64 + SRC_SIZE + DST_SIZE, dtype=torch.uint8, device="cuda:0")
+    src, dst = mem[64 : 64 + SRC_SIZE], mem[64 + SRC_SIZE :]
+    src.copy_(torch.randint(0, 256, (SRC_SIZE,), dtype=torch.uint8, device="cuda:0"))
+    want = torch.zeros_like(dst)
+    copy_views(src, want, plan)
+    for tile_bytes in (4096, 256 << 10):
+        dst.zero_()
+        TritonTiles(plan_tiles(shifted(plan, 64, 64 + SRC_SIZE), tile_bytes=tile_bytes), mem[:16]).run()
+        torch.cuda.synchronize()
+        assert torch.equal(dst, want), f"tiles of {tile_bytes} bytes"
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["cuda:0", pytest.param("cuda:1", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one GPU"))],
+)
+def test_every_executor_moves_a_stage_to_tp_plan_bit_exactly(source: str) -> None:
+    """The micro-check's plan (row-parallel halves of 128 experts' down projections, 1.3 GB): driver and kernel."""
+    from kvmove.transport.copy_check import check
+    from kvmove.transport.executors import triton_available
+
+    rows = check(source, "cuda:0", repeats=1)
+    assert all(r.equal for r in rows), rows
+    names = {r.executor for r in rows}
+    assert "driver" in names, names
+    if triton_available():  # the rule sends the narrow rows to the kernel
+        assert "triton" in names and any(n.startswith("assigned: triton") for n in names), names
 
 
 def _serve(device: str, to_reader, from_reader) -> None:
@@ -88,7 +126,8 @@ def _read(device: str, server: str, to_server, from_server, results) -> None:
         0, 256, (N,), dtype=torch.uint8, device=server, generator=torch.Generator(device=server).manual_seed(11)
     )
     ok = torch.equal(a.cpu(), _expected(want, N, spans)) and torch.equal(b.cpu(), _expected(want, 4096, small))
-    results.put(ok)
+    built_once = len(t._batches) == 1  # the batch's plan and executor were built at prepare, reused by every sync
+    results.put(ok and built_once and set(t.take_executed()) <= {"driver", "triton"})
     t.close()
     to_server.put(None)
 

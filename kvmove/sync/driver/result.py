@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -43,6 +44,9 @@ class SyncResult(NamedTuple):
     mismatched_ranks: tuple[int, ...] = ()
     """Engine ranks whose parameters differ from the loader's (``verified`` is False); ``verified`` is None when
     not checked, or when no engine rank was live to check."""
+    copy_executors: dict[str, int] = {}  # noqa: RUF012
+    """Bytes the engine ranks' transports moved per copy executor (``kvmove.transport.executors``: "driver",
+    "triton"; "views": torch copies), summed over ranks; empty where the transport runs no copy plans."""
     link_bytes: dict[str, int] = {}  # noqa: RUF012
     """The planned payload split by where it travels (``kvmove.sync.planning.ceiling.LinkBytes.as_json``: bytes that
     stay on a device and bytes that cross a link, and those of the busiest device and link direction); empty for the
@@ -141,7 +145,16 @@ def build_result(
         mismatches=() if verified is None else verified.mismatches,
         mismatched_ranks=() if verified is None else verified.ranks,
         link_bytes=dict(ctx.link_bytes),
+        copy_executors=_executors(engines.values()),
     )
+
+
+def _executors(engines: Iterable[EngineStats]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in engines:
+        for name, n in s.copy_executors.items():
+            out[name] = out.get(name, 0) + n
+    return out
 
 
 def _phases(engines: dict[int, EngineStats], trainers: list[TrainerStats]) -> dict[str, float]:

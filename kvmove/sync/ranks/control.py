@@ -97,6 +97,8 @@ class EngineStats(NamedTuple):
     pulls: int
     peak_extra_bytes: int
     rss_bytes: int = 0
+    copy_executors: dict[str, int] = {}  # noqa: RUF012 - NamedTuple defaults are never mutated
+    """Bytes this rank's transport moved per copy executor during the sync (``Transport.take_executed``)."""
 
 
 class RankMemory(NamedTuple):

@@ -140,7 +140,9 @@ class Puller:
         """This rank's pulls of sync ``sync_id`` under ``strategy``; ``pulled(n)`` after the n-th (fault hook)."""
         client = _Client(self.links, self.reader, strategy.name)
         pulls = self.init.pulls[strategy.name]
-        return self.rank.run_sync(sync_id, strategy, pulls, client, delay_s=delay_s, pulled=pulled)
+        self.reader.transport.take_executed()
+        stats = self.rank.run_sync(sync_id, strategy, pulls, client, delay_s=delay_s, pulled=pulled)
+        return stats._replace(copy_executors=self.reader.transport.take_executed())
 
     def close(self) -> None:
         self.links.close()
