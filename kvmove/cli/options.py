@@ -181,7 +181,8 @@ PlacementOpt = Annotated[
     PlacementMode,
     typer.Option(
         "--placement",
-        help="Trainer and engine ranks apart, or sharing devices (not built yet).",
+        help="Trainer and engine ranks on separate devices, or sharing them (colocated: a region that stays on "
+        "its device is a device-to-device copy).",
         rich_help_panel=PANEL_RUN,
     ),
 ]
