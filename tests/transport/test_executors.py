@@ -27,9 +27,10 @@ def _names(plan: CopyPlan, peer: bool = False, available: frozenset[str] = BOTH)
 
 def test_narrow_rows_go_to_the_kernel_and_big_copies_to_the_copy_engine() -> None:
     plan = _plan([NARROW, WIDE_2D, BIG])
-    assert _names(plan) == [("triton", 1), ("driver", 2)]
     assert _names(plan, peer=True) == [("triton", 1), ("driver", 2)]
-    parts = assign_executors(plan, False, BOTH)
+    assert _names(plan) == [("triton", 3)]  # inside one GPU the two shares would run one after the other
+    assert _names(_plan([WIDE_2D, BIG])) == [("driver", 2)]  # nothing narrow: the copy engine
+    parts = assign_executors(plan, True, BOTH)
     assert sum(p.nbytes for _, p in parts) == plan.nbytes
 
 
