@@ -165,7 +165,7 @@ def _key(t: torch.Tensor) -> tuple[object, ...]:
 def _progressions(items: Sequence[tuple[torch.Tensor, ...]], members: list[int], limit: int | None) -> list[list[int]]:
     """``members`` (one class, sorted by first-role offset) cut into evenly spaced runs, greedily: each run starts
     at the first free member and takes, of the steps to the next CANDIDATES free members, the longest run."""
-    offsets = [tuple(t.storage_offset() for t in items[i]) for i in members]
+    offsets = [tuple(int(t.storage_offset()) for t in items[i]) for i in members]
     extents = [_extent(t) for t in items[members[0]]]
     numel = items[members[0]][0].numel()
     most = 1 if not numel else len(members) if limit is None else max(1, limit // numel)
