@@ -106,6 +106,8 @@ class TrainerRank:
         with self._cond:
             for key in [k for k in self._pulls if k[1] == engine]:
                 del self._pulls[key]
+            for program in [k for k in self._programs if k[1] == engine]:
+                del self._programs[program]
 
     # -- the sync loop -------------------------------------------------------------------------------------
     def run_sync(self, sync: TrainerSync, published: Callable[[int], None] | None = None) -> TrainerStats:
