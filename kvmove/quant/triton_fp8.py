@@ -47,6 +47,10 @@ def _block_fp8_kernel(
     stride_m,
     stride_r,
     stride_c,
+    q_stride_m,
+    q_stride_r,
+    s_stride_m,
+    s_stride_r,
     BLOCK: tl.constexpr,
     FMAX: tl.constexpr,
 ):
@@ -64,11 +68,9 @@ def _block_fp8_kernel(
     scale = tl.where(amax == 0.0, 1.0, tl.div_rn(amax, tl.full((1, 1), FMAX, tl.float32)))
     y = tl.div_rn(x, tl.broadcast_to(scale, (BLOCK, BLOCK)))
     y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
-    dst = q_ptr + mat * rows * cols + r[:, None] * cols + c[None, :]
+    dst = q_ptr + mat * q_stride_m + r[:, None] * q_stride_r + c[None, :]
     tl.store(dst, _e4m3_bytes(y).to(tl.uint8), mask=mask)
-    n_r = tl.cdiv(rows, BLOCK)
-    n_c = tl.cdiv(cols, BLOCK)
-    s_off = mat * n_r * n_c + pid_r * n_c + pid_c
+    s_off = mat * s_stride_m + pid_r * s_stride_r + pid_c
     tl.store(s_ptr + s_off + tl.zeros((1, 1), dtype=tl.int64), scale)
 
 
@@ -79,10 +81,22 @@ def quantize_triton(x: torch.Tensor, block: int) -> BlockQuantized:
     mats = x.reshape(-1, rows, cols) if lead else x.unsqueeze(0)
     q = torch.empty(mats.shape, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((mats.shape[0], brows, bcols), dtype=torch.float32, device=x.device)
-    if x.numel():
-        for first in range(0, mats.shape[0], _MAX_GRID_Z):
-            part = slice(first, first + _MAX_GRID_Z)
-            src, qd, sd = mats[part], q[part].view(torch.uint8), s[part]
-            grid = (brows, bcols, src.shape[0])
-            _block_fp8_kernel[grid](src, qd, sd, rows, cols, *src.stride(), BLOCK=block, FMAX=FP8_MAX)
+    quantize_triton_into(mats, q, s, block)
     return BlockQuantized(q.view(*lead, rows, cols), s.view(*lead, brows, bcols))
+
+
+def quantize_triton_into(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int) -> None:
+    """Quantize the ``(n, R, C)`` stack ``x`` (any strides) into ``weight`` (``(n, R, C)`` FP8 whose rows are
+    contiguous) and ``scale`` (``(n, R/block, C/block)`` float32 whose rows are contiguous), both of any matrix
+    and row strides: e.g. views of a pull's slot, so the quantized bytes need no further copy."""
+    if not x.numel():
+        return
+    q8 = weight.view(torch.uint8)
+    for first in range(0, x.shape[0], _MAX_GRID_Z):
+        part = slice(first, first + _MAX_GRID_Z)
+        src, qd, sd = x[part], q8[part], scale[part]
+        grid = (scale.shape[1], scale.shape[2], src.shape[0])
+        _block_fp8_kernel[grid](
+            src, qd, sd, x.shape[1], x.shape[2], *src.stride(), *qd.stride()[:2], *sd.stride()[:2],
+            BLOCK=block, FMAX=FP8_MAX,
+        )  # fmt: skip

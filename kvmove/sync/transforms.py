@@ -5,10 +5,14 @@ trainer's :func:`pack` and the engine's :class:`Lander` look it up here, so neit
 - ``plain``: the trainer serves the region as the engine's loader reads it (a view of its tensor); the engine
   copies it into the region.
 - ``trainer``: the trainer quantizes the entry's BF16 cover (with the other covers of the pull, batched:
-  kvmove.quant.batch; Triton on CUDA) and serves the FP8 weight and scale parts of its regions; the engine
-  copies each into its region.
+  kvmove.sync.programs; Triton on CUDA; straight into the slot when the parts are the whole cover's) and serves
+  the FP8 weight and scale parts of its regions; the engine copies each into its region.
 - ``engine``: the trainer serves its BF16 piece of a cover; the engine stages it, and once every piece of the
   cover has landed quantizes the cover on its own device and copies the parts into their regions.
+
+Both halves add their work to a program (kvmove.sync.programs) rather than run it one tensor at a time: a
+pull's covers quantize in a few batched calls, its parts copy in a few strided copies, and a pull over memory
+that outlives the sync replays the program built for it at init.
 
 Both sides reach the same bits as the engine's own quantizer on the whole tensor: whole blocks quantize alone
 to the whole tensor's bits (kvmove.quant.fp8).
@@ -16,18 +20,18 @@ to the whole tensor's bits (kvmove.quant.fp8).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from kvmove.quant import BlockQuantized
-from kvmove.quant.batch import quantize_many
-from kvmove.sync.planning.entries import ENGINE, PLAIN, TRAINER, Entry, EntryPlan
+from kvmove.quant import BlockQuantized, scale_shape
+from kvmove.sync.planning.entries import ENGINE, PLAIN, TRAINER, Cover, Entry, EntryPlan
 from kvmove.sync.planning.packing import PackLayout, ServeSpec, pack_layout, part_views, payload
-from kvmove.sync.planning.plan import Box, Region, ShardingPlan
+from kvmove.sync.planning.plan import Box, Region, ShardingPlan, contiguous_strides
 from kvmove.sync.planning.recording import StridedView
+from kvmove.sync.programs import Program, ProgramBuilder
 
 
 class Held(NamedTuple):
@@ -42,14 +46,42 @@ def read_box(box: Box, held: Held) -> torch.Tensor:
     return held.tensor[tuple(slice(a - o, b - o) for a, b, o in zip(box.start, box.stop, held.box.start, strict=True))]
 
 
-# -- trainer halves ----------------------------------------------------------------------------------------------
-def _serve_view(spec: ServeSpec, held: Held, _: BlockQuantized | None) -> list[torch.Tensor]:
-    return [payload(part, spec.shape, held.tensor) for part in spec.parts]
+# -- trainer halves: each adds what serving ``spec`` takes to a program, writing parts into ``dsts`` ----------------
+def _serve_view(b: ProgramBuilder, spec: ServeSpec, held: Held, dsts: list[torch.Tensor]) -> bool:
+    persistent = True
+    for part, dst in zip(spec.parts, dsts, strict=True):
+        data = payload(part, spec.shape, held.tensor)
+        persistent &= data.untyped_storage().data_ptr() == held.tensor.untyped_storage().data_ptr()
+        b.copy(dst.view(data.shape), data)
+    return persistent  # an op chain that copied made a tensor of this sync only
 
 
-def _serve_quantized(spec: ServeSpec, _: Held, q: BlockQuantized | None) -> list[torch.Tensor]:
-    assert q is not None
-    return [quantized_part(q, part.part, part.src) for part in spec.parts]
+def _serve_quantized(b: ProgramBuilder, spec: ServeSpec, held: Held, dsts: list[torch.Tensor]) -> bool:
+    cover = read_box(spec.box, held)
+    scales = scale_shape(cover.shape)
+    whole = {p.part: d for p, d in zip(spec.parts, dsts, strict=True) if _whole(p.src, cover.shape, scales, p.part)}
+    if len(spec.parts) == 2 and set(whole) == {"weight", "scale"}:  # the slot holds the quantized cover as it is
+        b.quantize(cover, spec.tensor, whole["weight"].view(cover.shape), whole["scale"].view(scales))
+        return True
+
+    def parts(weight: torch.Tensor, scale: torch.Tensor) -> None:
+        q = BlockQuantized(weight, scale)
+        for part, dst in zip(spec.parts, dsts, strict=True):
+            data = quantized_part(q, part.part, part.src)
+            b.copy(dst.view(data.shape), data)
+
+    b.quantize(cover, spec.tensor, then=parts)
+    return True
+
+
+def _whole(view: StridedView | None, shape: torch.Size, scales: tuple[int, ...], part: str) -> bool:
+    """Whether ``view`` is all of the quantized cover's ``part``, in order (its bytes are the part's own)."""
+    full = tuple(shape) if part == "weight" else scales
+    return view is not None and (view.offset, tuple(view.shape), tuple(view.stride)) == (
+        0,
+        full,
+        tuple(contiguous_strides(full)),
+    )
 
 
 def quantized_part(q: BlockQuantized, part: str, view: StridedView | None) -> torch.Tensor:
@@ -58,66 +90,101 @@ def quantized_part(q: BlockQuantized, part: str, view: StridedView | None) -> to
     return view.apply(q.weight if part == "weight" else q.scale_inv)
 
 
-def _serve_box(spec: ServeSpec, held: Held, _: BlockQuantized | None) -> list[torch.Tensor]:
-    return [read_box(spec.box, held)]
+def _serve_box(b: ProgramBuilder, spec: ServeSpec, held: Held, dsts: list[torch.Tensor]) -> bool:
+    data = read_box(spec.box, held)
+    b.copy(dsts[0].view(data.shape), data)
+    return True
 
 
 # -- engine halves -----------------------------------------------------------------------------------------------
 class Lander:
-    """The engine side of one sync: lands pulled entries in the parameters, assembling and quantizing covers.
+    """The engine side of syncs: lands pulled entries in the parameters, assembling and quantizing covers.
 
     Pieces of one cover may arrive in several pulls (one per trainer rank holding a piece), all of one group;
-    a cover is quantized, landed and dropped once its last piece arrives. Not thread-safe: one loader at a time.
+    a cover is quantized, landed and dropped once its last piece arrives. A pull landed with a ``key`` (its
+    pull and receive slot) whose entries only copy has its program kept and replayed in later syncs
+    (:meth:`prepare` builds it at init). Not thread-safe: one loader at a time.
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], plan: ShardingPlan, entries: EntryPlan) -> None:
         self.params, self.regions, self.entries = params, plan.regions, entries
         self._staged: dict[int, _Staged] = {}
         self._ready: list[int] = []
+        self._programs: dict[Hashable, Program] = {}
 
     @property
     def pending_covers(self) -> int:
         """Covers with pieces still missing (0 once a sync's pulls all landed)."""
         return len(self._staged)
 
-    def land(self, entries: Sequence[Entry], buf: torch.Tensor) -> None:
+    def reset(self) -> None:
+        """Start a sync: drop covers a failed sync left half-assembled."""
+        self._staged.clear()
+        self._ready = []
+
+    def prepare(self, entries: Sequence[Entry], buf: torch.Tensor, key: Hashable) -> None:
+        """Build (at init) the program :meth:`land` replays for ``key`` when ``entries`` only copy."""
+        if all(not TRANSFORMS[e.transform].stages for e in entries):
+            self._programs[key] = self._program(entries, buf)
+
+    def land(self, entries: Sequence[Entry], buf: torch.Tensor, key: Hashable | None = None) -> None:
         """Land ``entries`` (one pull's, packed as :func:`pack` packs them) from ``buf``."""
-        views = iter(part_views(buf, [n for e in entries for n in e.sizes]))
-        for entry in entries:
-            TRANSFORMS[entry.transform].land(self, entry, [next(views) for _ in entry.sizes])
+        program = self._programs.get(key) if key is not None else None
+        if program is None:
+            program = self._program(entries, buf)
+            if key is not None and program.persistent:
+                self._programs[key] = program
+        program.run()
         self._quantize_ready()
         if buf.is_cuda:  # the slot is reusable, and the time real, only once the copies ran
             torch.cuda.current_stream(buf.device).synchronize()
 
-    def copy(self, entry: Entry, parts: list[torch.Tensor]) -> None:
+    def _program(self, entries: Sequence[Entry], buf: torch.Tensor) -> Program:
+        builder, persistent = ProgramBuilder(), True
+        views = iter(part_views(buf, [n for e in entries for n in e.sizes]))
+        for entry in entries:
+            persistent &= TRANSFORMS[entry.transform].land(self, builder, entry, [next(views) for _ in entry.sizes])
+        return builder.build(persistent)
+
+    def copy(self, b: ProgramBuilder, entry: Entry, parts: list[torch.Tensor]) -> bool:
         for i, raw in zip(entry.regions, parts, strict=True):
             region = self.regions[i]
-            self._write(region, raw.view(region.dtype).view(region.dst.shape))
+            b.copy(self._dst(region), raw.view(region.dtype).view(region.dst.shape))
+        return True
 
-    def stage(self, entry: Entry, parts: list[torch.Tensor]) -> None:
+    def stage(self, b: ProgramBuilder, entry: Entry, parts: list[torch.Tensor]) -> bool:
         cover = self.entries.covers[entry.cover]
         staged = self._staged.get(entry.cover)
         if staged is None:
             tensor = torch.empty(cover.box.shape, dtype=cover.dtype, device=parts[0].device)
             staged = self._staged[entry.cover] = _Staged(tensor, cover.pieces)
         piece = parts[0].view(cover.dtype).view(entry.box.shape)
-        read_box(entry.box, Held(staged.tensor, cover.box)).copy_(piece, non_blocking=True)
+        b.copy(read_box(entry.box, Held(staged.tensor, cover.box)), piece)
         staged.missing -= 1
         if staged.missing == 0:
             self._ready.append(entry.cover)
+        return False  # staging memory lives for one sync
 
     def _quantize_ready(self) -> None:
         if not self._ready:
             return
-        covers = [self.entries.covers[c] for c in self._ready]
-        staging = [self._staged.pop(c).tensor for c in self._ready]
+        builder = ProgramBuilder()
+        for c in self._ready:
+            cover, staged = self.entries.covers[c], self._staged.pop(c)
+            builder.quantize(staged.tensor, cover.tensor, then=self._cover_parts(builder, cover))
         self._ready = []
-        for cover, q in zip(covers, quantize_many(staging, [c.tensor for c in covers]), strict=True):
-            for i, part in zip(cover.regions, cover.parts, strict=True):
-                self._write(self.regions[i], quantized_part(q, part.part, part.view))
+        builder.build(persistent=False).run()
 
-    def _write(self, region: Region, data: torch.Tensor) -> None:
-        region.dst.apply(self.params[region.param].data).copy_(data, non_blocking=True)
+    def _cover_parts(self, b: ProgramBuilder, cover: Cover) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        def land(weight: torch.Tensor, scale: torch.Tensor) -> None:
+            q = BlockQuantized(weight, scale)
+            for i, part in zip(cover.regions, cover.parts, strict=True):
+                b.copy(self._dst(self.regions[i]), quantized_part(q, part.part, part.view))
+
+        return land
+
+    def _dst(self, region: Region) -> torch.Tensor:
+        return region.dst.apply(self.params[region.param].data)
 
 
 @dataclass
@@ -136,31 +203,45 @@ class Transform:
     name: str
     summary: str
     quantizes: bool
-    """The trainer quantizes the box it reads before serving the parts (``serve`` gets the result)."""
-    serve: Callable[[ServeSpec, Held, BlockQuantized | None], list[torch.Tensor]]
-    land: Callable[[Lander, Entry, list[torch.Tensor]], None]
+    """The trainer quantizes the box it reads before serving the parts."""
+    stages: bool
+    """The engine assembles the entry with others before landing it (its landing is not replayed)."""
+    serve: Callable[[ProgramBuilder, ServeSpec, Held, list[torch.Tensor]], bool]
+    """Adds serving an entry into the slot parts to a program; whether all it reads outlives the sync."""
+    land: Callable[[Lander, ProgramBuilder, Entry, list[torch.Tensor]], bool]
+    """Adds landing an entry's parts to a program; whether all it writes outlives the sync."""
 
 
 TRANSFORMS: dict[str, Transform] = {
     t.name: t
     for t in (
-        Transform(PLAIN, "served as the loader reads it", False, _serve_view, Lander.copy),
-        Transform(TRAINER, "quantized on the trainer: FP8 crosses the link", True, _serve_quantized, Lander.copy),
-        Transform(ENGINE, "a BF16 piece of a cover the engine quantizes", False, _serve_box, Lander.stage),
+        Transform(PLAIN, "served as the loader reads it", False, False, _serve_view, Lander.copy),
+        Transform(TRAINER, "quantized on the trainer: only FP8 crosses", True, False, _serve_quantized, Lander.copy),
+        Transform(ENGINE, "a BF16 piece of a cover the engine quantizes", False, True, _serve_box, Lander.stage),
     )
 }
 
 
-def pack(slot: torch.Tensor, specs: Sequence[ServeSpec], held: Sequence[Held]) -> PackLayout:
-    """Serve each spec from what the trainer holds into ``slot``, quantizing every cover of the pull at once."""
+class PackProgram(NamedTuple):
+    program: Program
+    nbytes: int
+    """The packed payload's bytes (with alignment)."""
+
+
+def pack_program(slot: torch.Tensor, specs: Sequence[ServeSpec], held: Sequence[Held]) -> PackProgram:
+    """What serving ``specs`` from what the trainer holds into ``slot`` takes: every cover of the pull quantized
+    in batched calls (straight into the slot where a part is a whole cover's), every part copied in batches.
+    Persistent (replayable) when everything is read from raw shards in the arena."""
     layout = pack_layout([n for s in specs for n in s.sizes])
-    quant = [k for k, s in enumerate(specs) if TRANSFORMS[s.transform].quantizes]
-    covers = quantize_many([read_box(specs[k].box, held[k]) for k in quant], [specs[k].tensor for k in quant])
-    quantized: dict[int, BlockQuantized] = dict(zip(quant, covers, strict=True))
+    builder, persistent = ProgramBuilder(), True
     offsets = iter(layout.offsets)
-    for k, (spec, source) in enumerate(zip(specs, held, strict=True)):
-        served = TRANSFORMS[spec.transform].serve(spec, source, quantized.get(k))
-        for part, data in zip(spec.parts, served, strict=True):
-            off = next(offsets)
-            slot[off : off + part.nbytes].view(part.dtype).view(data.shape).copy_(data)
-    return layout
+    for spec, source in zip(specs, held, strict=True):
+        dsts = [slot[(o := next(offsets)) : o + p.nbytes].view(p.dtype) for p in spec.parts]
+        persistent &= TRANSFORMS[spec.transform].serve(builder, spec, source, dsts) and spec.shard
+    return PackProgram(builder.build(persistent), layout.nbytes)
+
+
+def pack(slot: torch.Tensor, specs: Sequence[ServeSpec], held: Sequence[Held]) -> PackLayout:
+    """Serve each spec from what the trainer holds into ``slot`` (:func:`pack_program`, run once)."""
+    pack_program(slot, specs, held).program.run()
+    return pack_layout([n for s in specs for n in s.sizes])

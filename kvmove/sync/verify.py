@@ -165,8 +165,12 @@ def verify_plans(
             references[coord.local] = {n: p.data for n, p in ref.named_parameters()}
         got = engine.build(cfg, layout, coord)
         plan, entries = plans[coord.local], source_map.entries[coord.local]
-        lander = Lander(dict(got.named_parameters()), plan, entries)
-        for entry, rank in zip(entries.entries, source_map.sources[e], strict=True):
+        params = dict(got.named_parameters())
+        lander = Lander(params, plan, entries)
+        for i, (entry, rank) in enumerate(zip(entries.entries, source_map.sources[e], strict=True)):
+            if (e, i) in source_map.pieces:  # read directly piece by piece, each from its rank's raw shard
+                mismatches += [f"engine rank {e}: {m}" for m in _land_pieces(source_map.pieces[(e, i)], held, params)]
+                continue
             spec = ServeSpec.of(entry, plan, entries, tuple(full[entry.tensor].shape))
             source = held.shard(entry.tensor, rank) if entry.shard else held.gathered(entry.tensor, rank)
             if entry.transform == PLAIN:
@@ -181,6 +185,23 @@ def verify_plans(
             if not bits_equal(p.data, references[coord.local][name]):
                 mismatches.append(f"engine rank {e}: {name}")
     return VerifyResult(not mismatches, layout.world, checked, tuple(mismatches))
+
+
+def _land_pieces(pieces: Sequence[tuple[int, Region]], held: _Holdings, params: dict[str, nn.Parameter]) -> list[str]:
+    """Write each piece of a region read in pieces as its direct read does: the piece's view of the raw shard of
+    the rank routed to serve it, into its part of the parameter. Returns what could not be read there."""
+    bad = []
+    for rank, piece in pieces:
+        try:
+            shard = held.shard(piece.hf_name, rank)
+            if piece.src is None or not shard.box.contains(piece.box):
+                raise PlanError(f"its raw shard {shard.box} does not hold the piece")
+            data = relative_view(piece.src, tuple(held.full[piece.hf_name].shape), shard.box).apply(shard.tensor)
+        except PlanError as exc:
+            bad.append(f"{piece.param} piece {piece.box} <- trainer rank {rank}: {exc}")
+            continue
+        piece.dst.apply(params[piece.param].data).copy_(data)
+    return bad
 
 
 class _Holdings:

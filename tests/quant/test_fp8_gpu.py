@@ -38,3 +38,17 @@ def test_batched_triton_stacks_give_the_cpu_bits() -> None:
     got = quantize_many([on_gpu[i * 256 * 320 : (i + 1) * 256 * 320].view(256, 320) for i in range(6)])
     for q, x in zip(got, experts, strict=True):
         assert same_bits(q, quantize(x, backend="torch"))
+
+
+def test_quantize_into_strided_slot_views_gives_the_cpu_bits() -> None:
+    from kvmove.quant.quantizer import quantize_into
+
+    x = torch.randn(3, 256, 320, dtype=torch.bfloat16)
+    step = 256 * 320 + 48 + 16 * 4
+    slot = torch.zeros(3 * step, dtype=torch.uint8, device="cuda")
+    weight = slot.as_strided((3, 256, 320), (step, 320, 1)).view(torch.float8_e4m3fn)
+    scale = slot[256 * 320 :].view(torch.float32).as_strided((3, 2, 3), (step // 4, 3, 1))
+    quantize_into(x.cuda(), weight, scale, backend="triton")
+    want = quantize(x, backend="torch")
+    assert torch.equal(weight.view(torch.uint8).cpu(), want.weight.view(torch.uint8))
+    assert torch.equal(scale.cpu(), want.scale_inv)

@@ -36,3 +36,16 @@ def test_nan_block_gets_a_non_finite_scale() -> None:
     x[5, 200] = float("nan")
     s = quantize_triton(x, BLOCK).scale_inv
     assert bool(torch.isfinite(s[0, 0])) and not bool(torch.isfinite(s[0, 1]))
+
+
+def test_interpreted_kernel_writes_into_strided_views_of_a_slot() -> None:
+    from kvmove.quant.triton_fp8 import quantize_triton_into
+
+    x = torch.randn(3, 256, 320, dtype=torch.bfloat16)
+    step = 256 * 320 + 48 + 16 * 4  # each matrix's weight, then its scales, then padding, in one byte slot
+    slot = torch.zeros(3 * step, dtype=torch.uint8)
+    weight = slot.as_strided((3, 256, 320), (step, 320, 1)).view(torch.float8_e4m3fn)
+    scale = slot[256 * 320 :].view(torch.float32).as_strided((3, 2, 3), (step // 4, 3, 1))
+    quantize_triton_into(x, weight, scale, BLOCK)
+    want = quantize_torch(x)
+    assert torch.equal(weight.view(torch.uint8), want.weight.view(torch.uint8)) and torch.equal(scale, want.scale_inv)

@@ -11,8 +11,10 @@ from typing import Any, NamedTuple
 
 from kvmove.engines import get_engine
 from kvmove.models.checkpoint import SCALE_SUFFIX, engine_tensors
+from kvmove.models.tensors import hf_tensors
 from kvmove.quant import FP8_DTYPE
 from kvmove.sync.config import SyncConfig
+from kvmove.sync.planning.direct import DirectPlanner
 from kvmove.sync.planning.ownership import Ownership
 from kvmove.sync.planning.plan import ShardingPlan, plan_engine
 from kvmove.sync.planning.routing import SourceMap, route
@@ -74,7 +76,9 @@ def _report(
     s: Strategy,
 ) -> DryRunReport:
     start = time.perf_counter()
-    smap = route(plans, config.engine, ownership, s, shard_reads=config.options.direct)
+    # NOTE: routed as a sync routes it (direct pulls, pieces), so the verification covers what a sync reads
+    direct = DirectPlanner(ownership, hf_tensors(config.model)) if config.options.direct and s.direct else None
+    smap = route(plans, config.engine, ownership, s, direct, shard_reads=config.options.direct)
     seconds = plan_seconds + time.perf_counter() - start
     verified: bool | None = None
     mismatches: tuple[str, ...] = ()

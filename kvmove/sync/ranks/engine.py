@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -64,15 +64,30 @@ class EngineRank:
         self.model, self.plan = model, plan
         self.recv = {strategy: list(r) for strategy, r in recv.items()}
         self.params = dict(model.named_parameters())
+        self._landers: dict[str, tuple[PullPlan, Lander]] = {}
 
     def recv_bytes(self, strategy: str) -> int:
         return sum(r.numel() for r in self.recv.get(strategy, ()))
 
-    def lander(self, pulls: PullPlan) -> Lander:
-        """What lands one sync's packed pulls in this rank's parameters (kvmove.sync.transforms)."""
+    def lander(self, strategy: str, pulls: PullPlan) -> Lander:
+        """What lands ``strategy``'s packed pulls in this rank's parameters (kvmove.sync.transforms); one per
+        strategy, kept across syncs with the programs it replays."""
         if pulls.plan is None:
             raise KvmoveError(f"engine rank {pulls.engine}: its pull plan carries no entries")
-        return Lander(self.params, self.plan, pulls.plan)
+        kept = self._landers.get(strategy)
+        if kept is None or kept[0] is not pulls:
+            kept = self._landers[strategy] = (pulls, Lander(self.params, self.plan, pulls.plan))
+        return kept[1]
+
+    def prepare(self, strategy: str, pulls: PullPlan) -> None:
+        """Warm start: build, at init, the program landing each packed pull from each receive slot."""
+        lander, recv = self.lander(strategy, pulls), self.recv.get(strategy, [])
+        assert pulls.plan is not None
+        for i, pull in enumerate(pulls.pulls):
+            if not pull.direct:
+                entries = [pulls.plan.entries[k] for k in pull.entries]
+                for k, buf in enumerate(recv):
+                    lander.prepare(entries, buf, (i, k))
 
     def run_sync(
         self,
@@ -132,7 +147,8 @@ class _PullLoop:
         self.received = self.k = 0
         self.ahead = client.start_direct([self._direct(i) for i in direct]) if overlap.direct_ahead and direct else None
         self.recv = engine.recv.get(strategy.name, [])
-        self.lander = engine.lander(pulls)
+        self.lander = engine.lander(strategy.name, pulls)
+        self.lander.reset()
         background = overlap.background_load and self.packed and self.recv
         self.loader = _Loader(self.lander, self.recv) if background else None
         # NOTE: with requests ahead, the trainer packs pull k+1 while this rank reads pull k
@@ -171,10 +187,10 @@ class _PullLoop:
         entries = [self.pulls.plan.entries[k] for k in pull.entries]
         if self.loader is None:
             t2 = time.perf_counter()
-            self.lander.land(entries, self.recv[slot_index])
+            self.lander.land(entries, self.recv[slot_index], (i, slot_index))
             self.load += time.perf_counter() - t2
         else:
-            self.loader.submit(slot_index, entries)
+            self.loader.submit(slot_index, entries, (i, slot_index))
 
     def close(self) -> None:
         try:
@@ -203,7 +219,7 @@ class _Loader:
 
     def __init__(self, lander: Lander, recv: list[torch.Tensor]) -> None:
         self.lander, self.recv = lander, recv
-        self.jobs: queue.Queue[tuple[int, list[Entry]] | None] = queue.Queue()
+        self.jobs: queue.Queue[tuple[int, list[Entry], Hashable] | None] = queue.Queue()
         self.busy = [threading.Event() for _ in recv]
         for e in self.busy:
             e.set()
@@ -218,20 +234,20 @@ class _Loader:
         if self.error is not None:
             raise self.error
 
-    def submit(self, slot: int, entries: list[Entry]) -> None:
+    def submit(self, slot: int, entries: list[Entry], key: Hashable) -> None:
         self.busy[slot].clear()
-        self.jobs.put((slot, entries))
+        self.jobs.put((slot, entries, key))
 
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
-            slot, entries = job
+            slot, entries, key = job
             t0 = time.perf_counter()
             try:
                 if self.stream is not None:  # loads overlap the next read, which runs on the default stream
                     with torch.cuda.stream(self.stream):
-                        self.lander.land(entries, self.recv[slot])
+                        self.lander.land(entries, self.recv[slot], key)
                 else:
-                    self.lander.land(entries, self.recv[slot])
+                    self.lander.land(entries, self.recv[slot], key)
             except BaseException as exc:  # surfaced to the puller at its next wait
                 self.error = exc
             self.seconds += time.perf_counter() - t0

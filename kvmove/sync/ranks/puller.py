@@ -2,10 +2,11 @@
 
 ``open_puller`` is init step 5 on the engine side: it allocates and registers the receive slots and the
 parameters direct pulls write, connects the transport to every source trainer rank, prepares every batch of direct
-reads (peer access, copy plans, NIXL requests: a first sync then costs what the next ones do) and opens two control
-connections to each, by address (pack requests, answered in order; finish notes, on their own connection so
-a pack waiting for its group never holds up the note that releases an earlier one). Nothing here needs Ray,
-so a process that is not a launched rank (e.g. a worker inside an inference engine) can pull too.
+reads (peer access, copy plans, NIXL requests) and the programs landing each packed pull (a first sync then
+costs what the next ones do) and opens two control connections to each, by address (pack requests, answered in
+order; finish notes, on their own connection so a pack waiting for its group never holds up the note that
+releases an earlier one). Nothing here needs Ray, so a process that is not a launched rank (e.g. a worker
+inside an inference engine) can pull too.
 """
 
 from __future__ import annotations
@@ -181,4 +182,7 @@ def open_puller(
         transport.connect(ep.info)
     reader = ByteReader(transport, endpoints, descs, params)
     reader.prepare(init)
-    return Puller(init, EngineRank(model, plan, recv), reader, TrainerLinks(init))
+    rank = EngineRank(model, plan, recv)
+    for strategy, pulls in init.pulls.items():
+        rank.prepare(strategy, pulls)
+    return Puller(init, rank, reader, TrainerLinks(init))

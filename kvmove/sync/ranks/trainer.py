@@ -21,9 +21,10 @@ from kvmove.sync.planning.blueprint import PullSpecs, TrainerSync
 from kvmove.sync.planning.direct import shard_views
 from kvmove.sync.planning.packing import ServeSpec
 from kvmove.sync.planning.plan import Box
+from kvmove.sync.programs import Streams
 from kvmove.sync.ranks.control import Packed, TrainerEndpoint, TrainerStats
 from kvmove.sync.ranks.source import Gathered, WeightSource
-from kvmove.sync.transforms import Held, pack
+from kvmove.sync.transforms import Held, PackProgram, pack_program
 from kvmove.transport import Transport
 
 
@@ -76,20 +77,37 @@ class TrainerRank:
         self._extra = self._peak_extra = 0
         self._served = self._pulls_served = 0
         self._pack_seconds = 0.0
+        self._programs: dict[tuple[str, int, int, int], PackProgram] = {}
+        self._streams = Streams()
 
     def slot_bytes(self, strategy: str) -> int:
         return sum(s.numel() for s in self.slots.get(strategy, ()))
 
     def register_pulls(self, strategy: str, engine: int, pulls: PullSpecs) -> None:
-        """Cache what engine rank ``engine`` will ask for under ``strategy``: pull id -> (group, slice specs)."""
+        """Cache what engine rank ``engine`` will ask for under ``strategy``: pull id -> (group, slice specs); and,
+        for pulls served from raw shards alone, the program packing each into each slot, run once (warm start:
+        Triton compiles its kernel for these shapes now, not in the first sync)."""
         with self._cond:
             for pull_id, spec in pulls.items():
                 self._pulls[(strategy, engine, pull_id)] = spec
+        for pull_id, (_, specs) in pulls.items():
+            if not specs or not all(s.shard and s.tensor in self._shards for s in specs):
+                continue
+            held = [self._shards[s.tensor] for s in specs]
+            for slot, buf in enumerate(self.slots.get(strategy, ())):
+                packing = pack_program(buf, specs, held)
+                if packing.program.persistent and not packing.program.scratch_bytes:
+                    self._programs[(strategy, engine, pull_id, slot)] = packing
+                    if slot == 0:
+                        with self._streams.on(buf, 0):
+                            packing.program.run(check=False)
 
     def forget_engine(self, engine: int) -> None:
         with self._cond:
             for key in [k for k in self._pulls if k[1] == engine]:
                 del self._pulls[key]
+            for program in [k for k in self._programs if k[1] == engine]:
+                del self._programs[program]
 
     # -- the sync loop -------------------------------------------------------------------------------------
     def run_sync(self, sync: TrainerSync, published: Callable[[int], None] | None = None) -> TrainerStats:
@@ -202,10 +220,13 @@ class TrainerRank:
             self._slot_owner[(strategy, slot)] = engine
             held = [self._held(state, group, s) for s in specs]
         t0 = time.perf_counter()
+        buf = self.slots[strategy][slot]
         try:
-            layout = pack(self.slots[strategy][slot], specs, held)
-            if self.slots[strategy][slot].is_cuda:  # a reader in another process must see finished bytes
-                torch.cuda.current_stream(self.slots[strategy][slot].device).synchronize()
+            packing = self._programs.get((strategy, engine, pull_id, slot)) or pack_program(buf, specs, held)
+            with self._streams.on(buf, slot) as stream:  # one stream per slot: packs of two slots overlap
+                packing.program.run()  # its one synchronization, if it quantized
+                if stream is not None and not packing.program.quantize:  # a reader elsewhere sees finished bytes
+                    stream.synchronize()
         except Exception:
             self.release_slot(strategy, slot)
             raise
@@ -213,7 +234,7 @@ class TrainerRank:
             self._pack_seconds += time.perf_counter() - t0
             self._served += sum(n for s in specs for n in s.sizes)
             self._pulls_served += 1
-        return Packed(slot, layout.nbytes)
+        return Packed(slot, packing.nbytes)
 
     def _held(self, state: _State, group: int, spec: ServeSpec) -> Held:
         """What ``spec`` is served from: this rank's raw shard, or the tensor it materialized for ``group``."""

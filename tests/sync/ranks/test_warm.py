@@ -66,3 +66,33 @@ def test_interleaved_alternates_trainer_ranks_keeping_each_ranks_group_order() -
     for t in (0, 1):
         mine = [pulls[i].group for i in order if pulls[i].trainer == t]
         assert mine == sorted(mine)
+
+
+def test_trainer_builds_and_runs_its_pack_programs_at_init() -> None:
+    """Pulls served from raw shards get their programs at init, one per slot (a Triton kernel compiles there, in
+    the warm-up run): every cover quantizes straight into the slot, a few launches for a whole layer's experts."""
+    import torch
+
+    from kvmove.layout import EngineLayout
+    from kvmove.sync.config import SyncConfig
+    from kvmove.sync.driver.dryrun import build_plans
+    from kvmove.sync.planning.blueprint import Blueprint
+    from kvmove.sync.ranks.source import ShardedSource
+    from kvmove.sync.ranks.trainer import TrainerRank
+    from kvmove.sync.strategies import STRATEGIES
+
+    v3 = STRATEGIES["v3"]
+    config = SyncConfig(resolve_model("qwen3-moe-fp8-tiny"), TrainerLayout(), EngineLayout(), (v3,))
+    plans, _ = build_plans(config)
+    blueprint = Blueprint(config.model, config.trainer, config.engine, plans, [v3], config.options)
+    specs = blueprint.specs("v3", 0)[0]
+    source = ShardedSource(config.model, config.trainer, 0, None)  # type: ignore[arg-type]  # one rank: no gathers
+    source.step(0)
+    count, nbytes = blueprint.slot_sizes()[0]["v3"]
+    rank = TrainerRank(source, {"v3": [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(count)]}, 0)
+    rank.register_pulls("v3", 0, specs)
+    assert set(rank._programs) == {("v3", 0, p, s) for p in specs for s in range(count)}
+    covers = sum(len(s) for _, s in specs.values())
+    launches = sum(p.program.launches for p in rank._programs.values()) // count
+    assert all(not p.program.scratch_bytes for p in rank._programs.values()) and 2 * launches < covers
+    assert rank.slots["v3"][0].any() and not rank.slots["v3"][1].any()  # warmed on slot 0 only

@@ -1,0 +1,236 @@
+"""Pull programs: the device work of one packed pull, planned once as a few batched steps and replayed.
+
+Packing a pull on the trainer (quantize its covers, copy every part into the slot) and landing it on the engine
+(copy every part into its region) is the same work every sync: the same plan, the same arena and parameter
+views, the same registered slots. A :class:`Program` holds that work as batched steps:
+
+- quantizations of covers that are evenly spaced views of one storage (a layer's experts back to back in the
+  arena) with outputs evenly spaced too, as one ``(n, R, C)`` call each (one Triton launch on CUDA), written
+  straight into the slot when a part is the whole cover's weight or scales (no further copy), else into scratch;
+- copies of same-shaped parts whose sources and destinations are both evenly spaced (every expert's projection
+  out of the slot into a fused ``w13``), as one strided copy each.
+
+:func:`stacked_runs` finds those runs. Running a program synchronizes at most once: the finiteness of every scale
+it computed is read back in one go. Programs over persistent memory (raw shards in the arena, registered slots,
+parameters) are built once at init and replayed; others are built per pull.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvmove.quant import FP8_DTYPE, NonFiniteWeightError, scale_shape
+from kvmove.quant.batch import MAX_BATCH_ELEMENTS
+from kvmove.quant.quantizer import default_backend, non_finite_blocks, quantize_into
+
+
+@dataclass(frozen=True)
+class QuantizeStep:
+    """Quantize the ``(n, R, C)`` stack ``src`` into ``weight`` and ``scale`` (views of a slot or of scratch)."""
+
+    src: torch.Tensor
+    weight: torch.Tensor
+    scale: torch.Tensor
+    name: str
+
+
+@dataclass(frozen=True)
+class CopyStep:
+    dst: torch.Tensor
+    src: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Program:
+    """Quantizations, then copies (which may read what the quantizations wrote)."""
+
+    quantize: tuple[QuantizeStep, ...]
+    copies: tuple[CopyStep, ...]
+    persistent: bool
+    """Every view is of memory that outlives the sync (so the program may be replayed in later syncs)."""
+    scratch_bytes: int = 0
+    """Scratch it allocated for quantized covers whose parts are not all of them (held while it is kept)."""
+
+    @property
+    def launches(self) -> int:
+        return len(self.quantize) + len(self.copies)
+
+    def run(self, check: bool = True) -> None:
+        """Run the steps (on the current stream); with ``check``, NonFiniteWeightError if a quantized block held
+        inf or NaN: reading that back is the program's one host synchronization (none without quantizations)."""
+        for q in self.quantize:
+            quantize_into(q.src, q.weight, q.scale, name=q.name)
+        for c in self.copies:
+            c.dst.copy_(c.src, non_blocking=True)
+        if check and self.quantize and (bad := int(non_finite_blocks([q.scale for q in self.quantize]))):
+            names = ", ".join(q.name for q in self.quantize)
+            raise NonFiniteWeightError(f"cannot quantize {names}: {bad} of their blocks hold inf or NaN")
+
+
+class ProgramBuilder:
+    """Collects quantizations and copies (one per cover or part), then batches them into a :class:`Program`."""
+
+    def __init__(self) -> None:
+        self._quant: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, str]] = []
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._later: list[tuple[int, Callable[[torch.Tensor, torch.Tensor], None]]] = []
+
+    def quantize(
+        self,
+        src: torch.Tensor,
+        name: str,
+        weight: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
+        then: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> None:
+        """Quantize the matrix ``src`` into ``weight``/``scale`` (both or neither: then into scratch, and
+        ``then(weight, scale)`` is called with the scratch views once they exist, to add copies out of them)."""
+        self._quant.append((src, weight, scale, name))
+        if then is not None:
+            self._later.append((len(self._quant) - 1, then))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._copies.append((dst, src))
+
+    def build(self, persistent: bool) -> Program:
+        scratch = self._scratch_steps()
+        steps = [*self._direct_steps(), *scratch]
+        copies = [CopyStep(dst, src) for _, (dst, src) in stacked_runs([c for c in self._copies if c[0].numel()])]
+        nbytes = sum(q.weight.nbytes + q.scale.nbytes for q in scratch)
+        return Program(tuple(steps), tuple(copies), persistent, nbytes)
+
+    def _direct_steps(self) -> list[QuantizeStep]:
+        jobs = [(i, (s, w, c)) for i, (s, w, c, _) in enumerate(self._quant) if w is not None and c is not None]
+        out = []
+        for run, (src, w, s) in stacked_runs([j for _, j in jobs], _limit(jobs[0][1][0]) if jobs else None):
+            out.append(QuantizeStep(src, w, s, _label([self._quant[jobs[k][0]][3] for k in run])))
+        return out
+
+    def _scratch_steps(self) -> list[QuantizeStep]:
+        jobs = [i for i, (_, w, _, _) in enumerate(self._quant) if w is None]
+        later = dict(self._later)
+        out = []
+        limit = _limit(self._quant[jobs[0]][0]) if jobs else None
+        for run, (src,) in stacked_runs([(self._quant[i][0],) for i in jobs], limit):
+            weight = torch.empty(src.shape, dtype=FP8_DTYPE, device=src.device)
+            scale = torch.empty(scale_shape(src.shape), dtype=torch.float32, device=src.device)
+            out.append(QuantizeStep(src, weight, scale, _label([self._quant[jobs[k]][3] for k in run])))
+            for k, i in enumerate(run):
+                if jobs[i] in later:
+                    later[jobs[i]](weight[k], scale[k])
+        return out
+
+
+def _label(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} (and {len(names) - 1} more)"
+
+
+def _limit(t: torch.Tensor) -> int | None:
+    """Elements per quantization call: the torch path holds a float32 copy of its input; Triton needs no cap."""
+    return None if default_backend(t) == "triton" else MAX_BATCH_ELEMENTS
+
+
+CANDIDATES = 8
+"""Second members tried per run (the step is the one giving the longest run): a layer's experts interleave gate
+and up projections in the arena, while a pull's slot holds every expert's three covers in turn."""
+
+
+def stacked_runs(
+    items: Sequence[tuple[torch.Tensor, ...]], limit: int | None = None
+) -> list[tuple[list[int], tuple[torch.Tensor, ...]]]:
+    """Group ``items`` (tuples of tensors, one per role) into runs that strided stacks cover: within a run every
+    role's tensors share storage, dtype, shape and strides, and lie evenly spaced without overlap. Each run: its
+    item indices and, per role, the ``(n, *shape)`` stack (one item: its tensors with a leading dim of 1).
+    ``limit``: at most this many elements per stack of the first role."""
+    classes: dict[tuple[object, ...], list[int]] = defaultdict(list)
+    for i, item in enumerate(items):
+        classes[tuple(_key(t) for t in item)].append(i)
+    out = []
+    for members in classes.values():
+        members.sort(key=lambda i: items[i][0].storage_offset())
+        out += [(run, _stack(items, run)) for run in _progressions(items, members, limit)]
+    return out
+
+
+def _key(t: torch.Tensor) -> tuple[object, ...]:
+    return (t.untyped_storage().data_ptr(), t.device, t.dtype, tuple(t.shape), tuple(t.stride()))
+
+
+def _progressions(items: Sequence[tuple[torch.Tensor, ...]], members: list[int], limit: int | None) -> list[list[int]]:
+    """``members`` (one class, sorted by first-role offset) cut into evenly spaced runs, greedily: each run starts
+    at the first free member and takes, of the steps to the next CANDIDATES free members, the longest run."""
+    offsets = [tuple(int(t.storage_offset()) for t in items[i]) for i in members]
+    extents = [_extent(t) for t in items[members[0]]]
+    numel = items[members[0]][0].numel()
+    most = 1 if not numel else len(members) if limit is None else max(1, limit // numel)
+    where: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for k, off in enumerate(offsets):
+        where[off].append(k)
+    free = dict.fromkeys(range(len(members)))  # an insertion-ordered set
+    runs = []
+    for a in range(len(members)):
+        if a not in free:
+            continue
+        del free[a]
+        best = [a]
+        for b in [k for k in free if k > a][:CANDIDATES] if most > 1 else []:
+            step = [y - x for x, y in zip(offsets[a], offsets[b], strict=True)]
+            if any(d < e for d, e in zip(step, extents, strict=True)):
+                continue
+            run = [a, b]
+            while len(run) < most:
+                want = tuple(x + d for x, d in zip(offsets[run[-1]], step, strict=True))
+                nxt = next((k for k in where.get(want, ()) if k in free and k not in run), None)
+                if nxt is None:
+                    break
+                run.append(nxt)
+            best = run if len(run) > len(best) else best
+        for k in best[1:]:
+            del free[k]
+        runs.append([members[k] for k in best])
+    return runs
+
+
+def _stack(items: Sequence[tuple[torch.Tensor, ...]], run: list[int]) -> tuple[torch.Tensor, ...]:
+    first = items[run[0]]
+    if len(run) == 1:
+        return tuple(t.unsqueeze(0) for t in first)
+    second = items[run[1]]
+    return tuple(
+        t.as_strided((len(run), *t.shape), (u.storage_offset() - t.storage_offset(), *t.stride()), t.storage_offset())
+        for t, u in zip(first, second, strict=True)
+    )
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements of storage from ``t``'s first element to just past its last."""
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+
+
+class Streams:
+    """One CUDA stream per key (a serve slot), so that programs of different slots overlap on the device; on CPU
+    the same code runs with no stream."""
+
+    def __init__(self) -> None:
+        self._streams: dict[tuple[Hashable, torch.device], torch.cuda.Stream] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def on(self, buf: torch.Tensor, key: Hashable) -> Iterator[torch.cuda.Stream | None]:
+        """Run the body on ``key``'s stream after what the current stream already queued (CPU: as it is)."""
+        if not buf.is_cuda:
+            yield None
+            return
+        with self._lock:
+            stream = self._streams.get((key, buf.device))
+            if stream is None:
+                stream = self._streams[(key, buf.device)] = torch.cuda.Stream(buf.device)
+        stream.wait_stream(torch.cuda.current_stream(buf.device))
+        with torch.cuda.stream(stream):
+            yield stream
