@@ -23,7 +23,7 @@ from kvmove.engines.vllm.checkpoint import write_model_dir
 from kvmove.errors import KvmoveError
 from kvmove.models.config import ModelConfig
 from kvmove.rl.trainer_rank import answer_engine_call
-from kvmove.sync.ranks.control import Address, Completion, Sampling
+from kvmove.sync.ranks.control import Address, Completion, EngineStats, Sampling
 from kvmove.sync.ranks.wire import ControlServer
 
 ENV = {
@@ -86,6 +86,16 @@ class VllmEngines:
         for e, llm in enumerate(self.llms):
             ((bad, compared),) = llm.collective_rpc(verify_saved, args=(checkpoint,))
             out.append(EngineCheck(e, tuple(bad), compared))
+        return out
+
+    def received(self) -> list[EngineStats]:
+        """Each engine worker's pull stats of the last update (``kvmove.engines.vllm.rpc.sync_report``)."""
+        from kvmove.engines.vllm.rpc import sync_report
+
+        out = []
+        for llm in self.llms:
+            ((stats, _finish_s),) = llm.collective_rpc(sync_report)
+            out.append(EngineStats(*stats))  # a NamedTuple crosses vLLM's msgpack as a plain list
         return out
 
     def versions(self) -> list[str | None]:

@@ -79,7 +79,7 @@ class SyncReport(NamedTuple):
     seconds: float
     """Wall time of ``send_weights`` on the trainer ranks (start, update, finish on every engine)."""
     bytes: int
-    """Bytes the trainer ranks served to the engines' pulls."""
+    """Bytes the engines' workers pulled into their staging models."""
     verified: bool
     mismatches: tuple[str, ...]
     """``engine e: key`` for every key an engine computes with other bits than the trainer's checkpoint."""
@@ -123,12 +123,13 @@ class EngineSeam:
     def update(self, version: int) -> SyncReport:
         start = time.perf_counter()
         sent: list[SendReport] = self.launcher.call(self.trainers, SendWeights(version), WORK_TIMEOUT_S)
+        assert all(r.version == version for r in sent)
         seconds = time.perf_counter() - start
         assert self.config.reference is not None
         checks = self.engines.check(self.config.reference.format(version=version))
         bad = tuple(f"engine {c.engine}: {key}" for c in checks for key in c.mismatches)
         verified = not bad and all(c.compared > 0 for c in checks)
-        nbytes = sum(r.stats.bytes_served for r in sent)
+        nbytes = sum(stats.bytes_received for stats in self.engines.received())
         versions = tuple(self.engines.versions())
         return SyncReport(version, self.strategy, seconds, nbytes, verified, bad, len(checks), versions)
 
