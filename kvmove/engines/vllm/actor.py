@@ -95,6 +95,8 @@ class VllmEngineHost(EngineHost):
     ``weights`` (tests): start vLLM from these HF tensors on disk instead of dummy weights.
     """
 
+    daemon = False  # vLLM starts its engine core as a child process
+
     def __init__(self, spec: RankSpec, weights: Mapping[str, torch.Tensor] | None = None) -> None:
         self._weights = weights
         super().__init__(spec)
