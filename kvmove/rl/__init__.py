@@ -2,6 +2,8 @@
 
 ``rollouts`` (completions scored by a reward, group-relative advantages, each trainer rank's share) ->
 ``learner`` (the trainer ranks: an FSDP2 transformers model, a REINFORCE step on the rollouts, a checkpoint per
-step) -> ``loop`` (train, sync with verification, roll out, repeat). The engines are reached through one small
-seam (``loop.EngineSeam``) so the way weights reach them can change without touching the loop.
+step) -> ``trainer_rank`` (a trainer process: the policy and kvmove's trainer engine of vLLM's weight-transfer API)
+-> ``engines`` (the live vLLM ``LLM`` engines in the driver, serving the trainer's weight-sync calls) -> ``loop``
+(train, sync with verification, roll out, repeat). The loop reaches trainers and engines through one small seam
+(``loop.EngineSeam``).
 """

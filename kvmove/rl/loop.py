@@ -1,15 +1,20 @@
 """The RL loop: train on the last rollouts, sync the new weights into the live engines (verified), roll out from
 them, score; once per step, ``RlConfig.steps`` times.
 
-The trainer ranks are ``kvmove.rl.learner``'s FSDP2 policy (2 processes on CPU, gloo); the engines are vLLM
-replicas (``engine_kind="vllm"``), each in kvmove's engine host. Everything the loop asks of the engines goes
-through :class:`EngineSeam`: ``update`` (today kvmove's sync driver, whose vLLM engine host calls vLLM's own RL
-API -- ``init_weight_transfer_engine`` once, then ``start_weight_update`` / ``update_weights`` /
-``finish_weight_update`` with the ``kvmove`` backend -- inside the engine's process) and ``rollout``.
+Wired as an RL framework wires kvmove, through vLLM's own RL API alone: the trainer ranks are
+``kvmove.rl.learner``'s FSDP2 policy (2 processes on CPU, gloo), each building kvmove's trainer-side engine with
+``WeightTransferTrainerFactory.trainer_init`` (``kvmove.rl.trainer_rank``); the engines are plain ``vllm.LLM``
+objects in the driver (``kvmove.rl.engines``, vLLM's default multi-process mode, backend ``kvmove``). A sync is
+``send_weights()`` on every trainer rank, whose rank 0 calls ``init_weight_transfer_engine`` once, then
+``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` on every engine; each vLLM worker pulls
+its share with v3 from the trainer ranks. Everything the loop asks of the engines goes through
+:class:`EngineSeam`: ``update`` (then a bit-exact check in every worker against the checkpoint the trainer saved)
+and ``rollout`` (from the same ``LLM`` objects).
 """
 
 from __future__ import annotations
 
+import secrets
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -21,21 +26,22 @@ from typing import Any, NamedTuple
 from kvmove.errors import KvmoveError
 from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.rl.engines import VllmEngines
 from kvmove.rl.learner import RlTrainer, TrainReport
 from kvmove.rl.rollouts import Rollouts, TokenPatternReward, score
-from kvmove.sync.config import Placement, SyncConfig
-from kvmove.sync.driver.cluster import Cluster
-from kvmove.sync.driver.faults import FaultHooks
-from kvmove.sync.driver.result import SyncResult
-from kvmove.sync.driver.run import start
-from kvmove.sync.driver.step import run_sync
-from kvmove.sync.ranks.control import Completion, Generate, Sampling, TrainStep
-from kvmove.sync.strategies import Strategy, parse_strategies
+from kvmove.rl.trainer_rank import JoinEngines, RlTrainerHost, SendReport, SendWeights
+from kvmove.sync.config import Placement, Side, SyncConfig
+from kvmove.sync.launchers import get_launcher
+from kvmove.sync.launchers.base import Launcher, RankHandle
+from kvmove.sync.ranks.control import Completion, PickAddress, Sampling, TrainStep
+from kvmove.sync.ranks.host import RankSpec
+from kvmove.sync.strategies import parse_strategies
 
 Progress = Callable[[str], None]
 DEFAULT_PROMPTS = ("the hot", "a of to", "and in it", "that was for")
 WORK_TIMEOUT_S = 600.0
-"""A training step or a rollout may take minutes on a loaded CPU (vLLM compiles its CPU kernels at first use)."""
+"""A training step, a sync or a rollout may take minutes on a loaded CPU (vLLM compiles its CPU kernels at first
+use)."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ class RlConfig:
     strategy: str = "v3"
     transport: str = "auto"
     launcher: str = "processes"
-    """How the ranks start (``processes``, or ``ray``: the same hosts as Ray actors)."""
+    """How the trainer ranks start (``processes``, or ``ray``: the same hosts as Ray actors)."""
     prompts: tuple[str, ...] = DEFAULT_PROMPTS
     samples: int = 4
     """Sampled completions per prompt (one group: their mean reward is the baseline)."""
@@ -61,9 +67,25 @@ class RlConfig:
     seed: int = 0
     work_dir: str | None = None
     """Where the trainer's checkpoints and the tokenizer go (None: a temporary directory)."""
-    engine_kind: str = "vllm"
     deadline_s: float = 300.0
     """Seconds a sync waits without progress before a peer counts as gone (2 shared cores can be very slow)."""
+
+
+class SyncReport(NamedTuple):
+    """One sync of the loop: the trainer's weights of ``version`` into every engine, checked in every worker."""
+
+    version: int
+    strategy: str
+    seconds: float
+    """Wall time of ``send_weights`` on the trainer ranks (start, update, finish on every engine)."""
+    bytes: int
+    """Bytes the engines' workers pulled into their staging models."""
+    verified: bool
+    mismatches: tuple[str, ...]
+    """``engine e: key`` for every key an engine computes with other bits than the trainer's checkpoint."""
+    live_engines: int
+    weight_versions: tuple[str | None, ...]
+    """What each engine reports (``LLM.get_weight_version``) after the sync."""
 
 
 class RlStep(NamedTuple):
@@ -74,7 +96,7 @@ class RlStep(NamedTuple):
     """Mean over trainer ranks of the REINFORCE loss on the previous step's rollouts (None: step 1 trains not)."""
     logprob_gap: float | None
     train_seconds: float
-    sync: SyncResult
+    sync: SyncReport
     reward: float
     """Mean reward of this step's sampled rollouts (from the weights just synced)."""
     rollout_seconds: float
@@ -84,34 +106,46 @@ class RlStep(NamedTuple):
 
 
 class EngineSeam:
-    """What the loop asks of the engines. ``update``: bring the trainer's step ``version`` into every live engine
-    (verified); ``rollout``: completions of the prompts, split over the live engine replicas."""
+    """What the loop asks of the trainer ranks and the engines. ``update``: bring the trainer's step ``version``
+    into every live engine through vLLM's weight-transfer API (verified); ``rollout``: completions of the prompts,
+    split over the engines; ``train``: one step on every trainer rank."""
 
-    def __init__(self, cluster: Cluster, strategy: Strategy) -> None:
-        self.cluster, self.strategy = cluster, strategy
-        self.hooks = FaultHooks((), cluster.config.engine)
+    def __init__(self, launcher: Launcher, trainers: Sequence[RankHandle], engines: VllmEngines, config: SyncConfig):
+        self.launcher, self.trainers, self.engines, self.config = launcher, list(trainers), engines, config
+        self.strategy = config.strategies[0].name
 
-    def update(self, version: int) -> SyncResult:
-        return run_sync(self.cluster, self.hooks, self.strategy, version, version)
+    def join(self) -> None:
+        """Every trainer rank builds its policy and kvmove's trainer engine; rank 0 inits the engines' side."""
+        (store,) = self.launcher.call(self.trainers[:1], PickAddress(), WORK_TIMEOUT_S)
+        join = JoinEngines(store, self.engines.address, self.strategy, self.config.transport)
+        self.launcher.call(self.trainers, join, WORK_TIMEOUT_S)
+
+    def update(self, version: int) -> SyncReport:
+        start = time.perf_counter()
+        sent: list[SendReport] = self.launcher.call(self.trainers, SendWeights(version), WORK_TIMEOUT_S)
+        assert all(r.version == version for r in sent)
+        seconds = time.perf_counter() - start
+        assert self.config.reference is not None
+        checks = self.engines.check(self.config.reference.format(version=version))
+        bad = tuple(f"engine {c.engine}: {key}" for c in checks for key in c.mismatches)
+        verified = not bad and all(c.compared > 0 for c in checks)
+        nbytes = sum(stats.bytes_received for stats in self.engines.received())
+        versions = tuple(self.engines.versions())
+        return SyncReport(version, self.strategy, seconds, nbytes, verified, bad, len(checks), versions)
 
     def rollout(self, prompts: Sequence[tuple[int, ...]], sampling: Sampling) -> list[list[Completion]]:
         """Per prompt (in order), its ``sampling.n`` completions."""
-        c = self.cluster
-        live = c.live_engines()
-        parts = [tuple(prompts[i :: len(live)]) for i in range(len(live))]
-        used = [k for k, p in enumerate(parts) if p]
-        calls = [c.engines[live[k]].submit(Generate(parts[k], sampling)) for k in used]
-        outs: list[list[Completion]] = c.launcher.gather(calls, WORK_TIMEOUT_S)
-        per_prompt: list[list[Completion]] = [[] for _ in prompts]
-        for k, done in zip(used, outs, strict=True):
-            for j, completion in enumerate(done):
-                per_prompt[k + (j // sampling.n) * len(live)].append(completion)
-        return per_prompt
+        return self.engines.generate(prompts, sampling)
+
+    def train(self, rollouts: Rollouts) -> list[TrainReport]:
+        """One training step on every trainer rank (each takes its share of ``rollouts``)."""
+        reports: list[TrainReport] = self.launcher.call(self.trainers, TrainStep(rollouts), WORK_TIMEOUT_S)
+        return reports
 
 
 def sync_config(config: RlConfig, checkpoints: Path) -> SyncConfig:
-    """The sync half of the run: the FSDP2 policy as the source, the engines, verification against the
-    checkpoint the policy saves at each step."""
+    """What the trainer ranks start from: the FSDP2 policy (its factory), the layouts, the strategy, and where
+    the policy saves the checkpoint of each synced step (what every sync is verified against)."""
     return SyncConfig(
         model=resolve_model(config.model),
         trainer=TrainerLayout(dp=config.trainers),
@@ -121,7 +155,7 @@ def sync_config(config: RlConfig, checkpoints: Path) -> SyncConfig:
         verify=True,
         seed=config.seed,
         placement=Placement(launcher=config.launcher),
-        engine_kind=config.engine_kind,
+        engine_kind="vllm",
         source=RlTrainer(str(checkpoints), config.lr),
         reference=str(checkpoints / "step-{version}"),
         deadline_s=config.deadline_s,
@@ -149,22 +183,40 @@ def run_rl(config: RlConfig, progress: Progress | None = None) -> Iterator[RlSte
     """Start the trainer ranks and engines, then ``config.steps`` steps (see module docstring); a sync that does
     not verify ends the run after its step is reported."""
     check(config)
+    say = progress or (lambda _m: None)
     with ExitStack() as stack:
         work = Path(config.work_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvmove-rl-")))
-        tokenizer = load_tokenizer(work / "tokenizer", resolve_model(config.model).vocab_size)
-        texts = token_texts(tokenizer, resolve_model(config.model).vocab_size)
-        reward = TokenPatternReward(texts, config.reward_pattern)
-        prompts = [tuple(tokenizer.encode(p).ids) for p in config.prompts]
-        sc = sync_config(config, work / "checkpoints")
-        cluster = start(sc, progress)
-        stack.callback(cluster.close)
-        seam = EngineSeam(cluster, sc.strategies[0])
+        seam, texts, prompts, reward = _start(config, work, stack, say)
         rollouts: Rollouts | None = None
         for step in range(1, config.steps + 1):
             result, rollouts = _step(config, seam, step, rollouts, prompts, reward, texts)
             yield result
             if not result.sync.verified:
                 return
+
+
+def _start(
+    config: RlConfig, work: Path, stack: ExitStack, say: Progress
+) -> tuple[EngineSeam, list[str], list[tuple[int, ...]], TokenPatternReward]:
+    """The tokenizer and reward, the trainer processes, the engines, and the trainer engines joined to them."""
+    cfg = resolve_model(config.model)
+    tokenizer = load_tokenizer(work / "tokenizer", cfg.vocab_size)
+    texts = token_texts(tokenizer, cfg.vocab_size)
+    reward = TokenPatternReward(texts, config.reward_pattern)
+    prompts = [tuple(tokenizer.encode(p).ids) for p in config.prompts]
+    sc = sync_config(config, work / "checkpoints")
+    authkey = secrets.token_bytes(32)
+    launcher = get_launcher(config.launcher)(sc)
+    stack.callback(launcher.close)
+    say(f"starting {config.trainers} trainer processes ({config.launcher}) and {config.engines} vLLM engines")
+    specs = [RankSpec(Side.TRAINER, r, sc, "cpu", authkey) for r in range(config.trainers)]
+    trainers = launcher.start([(RlTrainerHost, spec) for spec in specs])
+    engines = VllmEngines(cfg, config.engines, authkey, config.seed)
+    stack.callback(engines.close)
+    seam = EngineSeam(launcher, trainers, engines, sc)
+    say("trainer ranks: trainer_init (kvmove backend); engines: init_weight_transfer_engine")
+    seam.join()
+    return seam, texts, prompts, reward
 
 
 def _step(
@@ -177,7 +229,7 @@ def _step(
     texts: list[str],
 ) -> tuple[RlStep, Rollouts]:
     t0 = time.perf_counter()
-    reports = train(seam.cluster, rollouts) if rollouts is not None else []
+    reports = seam.train(rollouts) if rollouts is not None else []
     t1 = time.perf_counter()
     synced = seam.update(step)
     t2 = time.perf_counter()
@@ -190,13 +242,6 @@ def _step(
     text = tuple("".join(texts[t] for t in g) for g in greedy)
     result = RlStep(step, loss, gap, t1 - t0, synced, fresh.mean_reward, t3 - t2, text, tuple(greedy))
     return result, fresh
-
-
-def train(cluster: Cluster, rollouts: Rollouts) -> list[TrainReport]:
-    """One training step on every trainer rank (each takes its share of ``rollouts``)."""
-    calls = [t.submit(TrainStep(rollouts)) for t in cluster.trainers]
-    reports: list[TrainReport] = cluster.launcher.gather(calls, WORK_TIMEOUT_S)
-    return reports
 
 
 def token_texts(tokenizer: Any, vocab_size: int) -> list[str]:

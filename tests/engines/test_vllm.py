@@ -104,6 +104,29 @@ def test_synced_vllm_matches_vllm_loaded_from_disk(
         cluster.close()
 
 
+def test_kvmoves_engine_host_goes_through_the_join_path(vllm_ray: Any) -> None:
+    # the host's vLLM runs in vLLM's default multi-process mode: its worker built its puller from the join info
+    # (this host's registry), in another process; the host's own process holds no kvmove session
+    from kvmove.sync.driver.faults import FaultHooks
+    from kvmove.sync.driver.run import start
+    from kvmove.sync.driver.step import run_sync
+
+    cluster = start(_config("qwen2-vllm", "v3", trainer="tp=1"))
+    engine = cluster.engines[0].actor  # type: ignore[attr-defined]
+    try:
+        result = run_sync(cluster, FaultHooks((), cluster.config.engine), parse_strategies("v3")[0], 1, 1)
+        assert result.verified and result.bytes > 0, (result.mismatches, result.notes)
+        state = vllm_ray.get(engine.invoke.remote("transfer_state"))
+        host_pid = vllm_ray.get(engine.invoke.remote("pid"))
+        assert state.pid != host_pid, "the worker runs in vLLM's engine core process, not the host's"
+        assert state.joined is not None and state.joined["authkey"] == cluster.authkey.hex()
+        assert state.joined["transport"] == "nixl"
+        assert vllm_ray.get(engine.invoke.remote("host_sessions")) == []
+        assert vllm_ray.get(engine.invoke.remote("generate", PROMPTS[:1], 4))[0] != []
+    finally:
+        cluster.close()
+
+
 def test_layouts_that_do_not_match_the_running_engine_are_refused() -> None:
     from kvmove.engines.vllm import check_layout
 

@@ -114,7 +114,9 @@ def engine() -> Iterator[Engine]:
     cfg = resolve_model(MODEL)
     with tempfile.TemporaryDirectory(prefix="kvmove-vllm-test-") as tmp:
         weights = _checkpoint(cfg, 0)
-        llm = start_llm(cfg, write_model_dir(cfg, Path(tmp), weights), load_format="auto", transfer=True)
+        llm = start_llm(
+            cfg, write_model_dir(cfg, Path(tmp), weights), load_format="auto", transfer=True, in_process=True
+        )
         eng = Engine(llm, None, None, cfg, dict(weights))  # type: ignore[arg-type]
         eng.attach()
         yield eng

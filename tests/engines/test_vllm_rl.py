@@ -200,3 +200,41 @@ def test_async_llm_keeps_generation_across_three_verified_updates(setup: tuple[T
     finally:
         llm.shutdown()
         loop.stop()
+
+
+def test_llm_with_two_tensor_parallel_workers_on_cpu(
+    setup: tuple[Trainer, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # tensor_parallel_size=2 on CPU: vLLM's automatic OpenMP binding wants one NUMA node per worker, so each worker
+    # is bound to one core by hand; the two workers share a replica key and each pulls its own shards
+    import vllm
+
+    from kvmove.engines.vllm.clients import LLMClient
+    from kvmove.engines.vllm.rpc import verify_worker
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two tensor-parallel CPU workers need two cores")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in sorted(os.sched_getaffinity(0))[:2]))
+    trainer, model_dir = setup
+    llm = vllm.LLM(
+        model=str(model_dir), dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
+        tensor_parallel_size=2, weight_transfer_config={"backend": "kvmove"},
+    )  # fmt: skip
+    try:
+
+        def generate() -> list[list[int]]:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy(), use_tqdm=False)
+            return [list(o.outputs[0].token_ids) for o in outs]
+
+        first = generate()
+        engine = _trainer_engine(trainer, LLMClient(llm))
+        assert engine.trainer.fleet.layout.tp == 2 and engine.trainer.fleet.layout.replicas == 1
+        for version in (2, 1):
+            trainer.step(version)
+            engine.send_weights(weight_version=str(version))
+            assert llm.collective_rpc(verify_worker, args=(SEED, version)) == [[], []], f"version {version}"
+            assert (generate() == first) is (version == 1)
+        engine.shutdown()
+        llm.shutdown_weight_transfer_engine()
+    finally:
+        llm.llm_engine.engine_core.shutdown()

@@ -30,22 +30,29 @@ def _logprob(directory: Path, tokens: tuple[int, ...]) -> float:
 
 
 def test_the_policy_trains_on_rollouts_and_every_sync_verifies(tmp_path: Path) -> None:
-    from kvmove.rl.loop import EngineSeam, RlConfig, sync_config, train
+    import dataclasses
+
+    from kvmove.rl.loop import RlConfig, sync_config
+    from kvmove.sync.driver.faults import FaultHooks
     from kvmove.sync.driver.run import start
+    from kvmove.sync.driver.step import run_sync
     from kvmove.sync.ranks.control import TrainStep
 
-    rl = RlConfig(model="qwen3-moe-tiny", engines=1, launcher="processes", transport="gloo", engine_kind="reference")
-    config = sync_config(rl, tmp_path)
+    rl = RlConfig(model="qwen3-moe-tiny", engines=1, launcher="processes", transport="gloo")
+    config = dataclasses.replace(sync_config(rl, tmp_path), engine_kind="reference")
     cluster = start(config)
     try:
-        seam = EngineSeam(cluster, config.strategies[0])
-        assert seam.update(1).verified is True
+
+        def update(version: int) -> bool | None:
+            return run_sync(cluster, FaultHooks((), config.engine), config.strategies[0], version, version).verified
+
+        assert update(1) is True
         # rank 0 gets samples 0 and 2, rank 1 samples 1 and 3: each rank sees a good and a bad sample
         samples = [Sample(PROMPT, GOOD, (0.0,) * 4, 1.0, 1.0), Sample(PROMPT, BAD, (0.0,) * 4, 0.0, -1.0)] * 2
-        reports = train(cluster, Rollouts(tuple(samples)))
+        reports = cluster.launcher.call(cluster.trainers, TrainStep(Rollouts(tuple(samples))), 600)
         assert [r.rank for r in reports] == [0, 1] and all(r.samples == 2 and r.tokens == 8 for r in reports)
         assert all(r.logprob_gap > 0 for r in reports)  # the engine log-probs given here are 0: not the trainer's
-        assert seam.update(2).verified is True
+        assert update(2) is True
         with pytest.raises(KvmoveError, match="trains on Rollouts, not str"):
             cluster.launcher.call(cluster.trainers, TrainStep("not rollouts"), 60)
     finally:

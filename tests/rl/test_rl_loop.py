@@ -1,6 +1,8 @@
-"""The RL loop end to end (needs vLLM: ``make test-vllm`` runs it): 2 FSDP2 trainer processes, 2 live vLLM engines,
-2 steps; every sync verified against the trainer's checkpoint, the engines' log-probabilities of their samples
-matching the trainer's on the synced weights, and the greedy generations following the trained weights."""
+"""The RL loop end to end (needs vLLM: ``make test-vllm`` runs it): 2 FSDP2 trainer processes, each with kvmove's
+trainer engine of vLLM's weight-transfer API, and 2 live vLLM ``LLM`` engines (default multi-process mode), 2
+steps; every sync verified in the workers against the trainer's checkpoint, the engines' log-probabilities of
+their samples matching the trainer's on the synced weights, and the greedy generations following the trained
+weights."""
 
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ def test_two_rl_steps_train_sync_verify_and_change_the_generations(tmp_path: Pat
     steps = list(run_rl(config))
     assert [s.step for s in steps] == [1, 2]
     for s in steps:
-        assert s.sync.verified is True and s.sync.live_engines == 2, (s.step, s.sync.mismatches, s.sync.notes)
-        assert s.sync.strategy == "v3" and s.sync.bytes > 0
+        assert s.sync.verified is True and s.sync.live_engines == 2, (s.step, s.sync.mismatches)
+        assert s.sync.strategy == "v3" and s.sync.bytes > 0 and s.sync.version == s.step
+        assert s.sync.weight_versions == (str(s.step), str(s.step))  # vLLM's finish_weight_update(version)
         assert 0.0 <= s.reward <= 1.0 and len(s.greedy_tokens) == 4 and all(len(g) == 6 for g in s.greedy_tokens)
     assert steps[0].loss is None and steps[1].loss is not None and steps[1].loss != 0.0
     # the trainer scores the engines' samples with the weights the engines were synced to: same distribution

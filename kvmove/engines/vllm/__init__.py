@@ -3,9 +3,9 @@
 Pipeline: ``checkpoint`` (a model directory vLLM can start from: config.json, a locally trained tokenizer,
 optionally weights) -> ``actor`` (the host of one vLLM engine replica: kvmove's engine host running a
 live vLLM, started by either launcher) -> ``transfer`` (the ``kvmove`` backend of vLLM's weight-transfer API,
-registered through the ``vllm.general_plugins`` entry point by :func:`register`), which a worker reaches either
-through ``session`` (an in-process bridge: kvmove's own actor) or by address from init info alone (``join``: any
-engine mode, what ``trainer`` sends) -> ``trainer`` (kvmove's engine in vLLM's ``WeightTransferTrainerFactory``:
+registered through the ``vllm.general_plugins`` entry point by :func:`register`; each worker's state is a
+``session``), whose puller each worker builds by address from init info alone (``join``: any engine mode, what
+``trainer`` and kvmove's own ``actor`` send) -> ``trainer`` (kvmove's engine in vLLM's ``WeightTransferTrainerFactory``:
 an RL framework syncs through vLLM's documented calls alone; ``clients`` drive an ``LLM`` or ``AsyncLLM`` of the
 trainer's own process) -> ``rpc`` (what a worker runs for ``collective_rpc``: verification, reports).
 

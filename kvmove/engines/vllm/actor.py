@@ -1,10 +1,14 @@
 """The host of one vLLM engine replica: kvmove's engine host (``kvmove.sync.ranks.engine_host``) running a live
 vLLM, started by either launcher (``ENGINES["vllm"].host`` names it).
 
-vLLM runs in-process here (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor), so the ``kvmove``
-weight-transfer backend it creates shares this process and reaches the host through a session
-(kvmove.engines.vllm.session). The plan is a dry run of vLLM's own loader on the staging model; syncs pull into
-the staging tensors and vLLM's four-step update (start, update, finish) brings them into the live engine.
+The host is one user of the path any RL framework takes (``kvmove.engines.vllm.join``): it starts a plain
+``vllm.LLM`` in vLLM's default multi-process mode with ``weight_transfer_config={"backend": "kvmove"}``, opens
+an engine registry of its own and hands the worker the join info through ``init_weight_transfer_engine``. The
+worker, in the engine core's process, dry-runs vLLM's loader on its staging model, registers that plan here and
+builds its own puller from the ``PullerInit`` the host publishes for it (what kvmove's driver sends at init step
+5). A sync is vLLM's update (``start_weight_update``, ``update_weights``, ``finish_weight_update``); the worker's
+stats, the bit-exact check and the live parameters come back through ``collective_rpc``
+(``kvmove.engines.vllm.rpc``).
 """
 
 from __future__ import annotations
@@ -21,30 +25,37 @@ from torch import nn
 
 from kvmove.engines.vllm import BACKEND, check_layout, import_vllm
 from kvmove.engines.vllm.checkpoint import write_model_dir
-from kvmove.engines.vllm.session import Received, open_session, staging_plan
-from kvmove.engines.vllm.verify import computed_state, mismatches
+from kvmove.engines.vllm.rpc import TransferState, check_weights, live_state, pack, sync_report, transfer_state
 from kvmove.errors import KvmoveError
 from kvmove.models.config import ModelConfig
-from kvmove.sync.planning.formats import get_format
+from kvmove.sync.embedded.member import JoinInfo
+from kvmove.sync.embedded.registry import EngineRegistry
 from kvmove.sync.planning.plan import ShardingPlan
-from kvmove.sync.ranks.control import Completion, EngineStats, Generate, RunPulls, VerifyResult
+from kvmove.sync.ranks.control import Completion, EngineStats, Generate, OpenPuller, RunPulls, VerifyResult
 from kvmove.sync.ranks.engine_host import EngineHost
 from kvmove.sync.ranks.host import RankSpec, handles
+from kvmove.transport import EndpointInfo, Transport
 
 __all__ = ["VllmEngineHost", "check_layout", "start_llm"]
 
 ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # EngineCore and worker in this process: the session reaches them
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc of kvmove.engines.vllm.rpc's functions
 }
 MAX_MODEL_LEN = 256
 
 
-def start_llm(cfg: ModelConfig, model_dir: Path, *, load_format: str, transfer: bool) -> Any:
-    """An in-process vLLM ``LLM`` of ``cfg`` from ``model_dir``; a clear error if vLLM cannot build it."""
+def start_llm(cfg: ModelConfig, model_dir: Path, *, load_format: str, transfer: bool, in_process: bool = False) -> Any:
+    """A vLLM ``LLM`` of ``cfg`` from ``model_dir``, in vLLM's default multi-process mode (``in_process``: the
+    engine core and worker in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, where a test reaches the
+    worker's backend directly); a clear error if vLLM cannot build it."""
     os.environ.update(ENV)
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     vllm = import_vllm()
     kwargs: dict[str, Any] = {"weight_transfer_config": {"backend": BACKEND}} if transfer else {}
     try:
@@ -79,82 +90,71 @@ def _first_line(exc: BaseException) -> str:
 
 
 class VllmEngineHost(EngineHost):
-    """One vLLM engine replica (one rank): a live ``LLM``, its staging model, plan and puller.
+    """One vLLM engine replica (one rank): a live ``LLM`` whose worker joined this host's registry.
 
     ``weights`` (tests): start vLLM from these HF tensors on disk instead of dummy weights.
     """
 
+    daemon = False  # vLLM starts its engine core as a child process
+
     def __init__(self, spec: RankSpec, weights: Mapping[str, torch.Tensor] | None = None) -> None:
         self._weights = weights
-        self._command: RunPulls | None = None
         super().__init__(spec)
 
-    def build_model(self) -> nn.Module:
-        """Start vLLM with kvmove's weight-transfer backend; the served (live) model is vLLM's."""
-        cfg = self.config.model
-        check_layout(self.config.engine)
-        self._dir = tempfile.TemporaryDirectory(prefix="kvmove-vllm-")
-        model_dir = write_model_dir(cfg, Path(self._dir.name), self._weights)
-        self.session = open_session()
-        load_format = "auto" if self._weights is not None else "dummy"
-        self.llm = start_llm(cfg, model_dir, load_format=load_format, transfer=True)
-        self.llm.init_weight_transfer_engine({"init_info": {"session": self.session.key}})
-        self.session.puller, self.session.release = self._pull_into_staging, self._release
-        live, _ = self.session.require()
-        return live
+    def open_transport(self) -> Transport | None:  # type: ignore[override]
+        """None: the worker opens its own transport endpoint (from the join info) in its own process."""
+        return None
 
-    def target(self) -> nn.Module:
-        """Pulls land in the staging model; vLLM's finish step re-processes them into the live one."""
-        return self.session.require()[1]
+    def build_model(self) -> nn.Module:
+        """Start vLLM and init its ``kvmove`` backend with this host's join info: the worker registers here. The
+        served model lives in the worker's process (reached through ``collective_rpc``), so this returns an empty
+        module."""
+        c = self.config
+        check_layout(c.engine)
+        if c.tensor_format != "hf":
+            raise KvmoveError(f"the vLLM engine loads HF checkpoints: --tensor-format {c.tensor_format} is not served")
+        self._dir = tempfile.TemporaryDirectory(prefix="kvmove-vllm-")
+        model_dir = write_model_dir(c.model, Path(self._dir.name), self._weights)
+        self.registry = EngineRegistry(self.spec.authkey, self.address.host)
+        load_format = "auto" if self._weights is not None else "dummy"
+        self.llm = start_llm(c.model, model_dir, load_format=load_format, transfer=True)
+        where = self.registry.address
+        join = JoinInfo(where.host, where.port, self.spec.authkey.hex(), c.transport, c.deadline_s)
+        self.llm.init_weight_transfer_engine({"init_info": join.payload()})
+        (self.member,) = self.registry.members()  # tp=1: one worker
+        return nn.Module()
 
     def make_plan(self) -> ShardingPlan:
-        """Init step 3: dry-run vLLM's own ``load_weights`` on the (unprocessed) staging model."""
-        c = self.config
-        source = get_format(c.tensor_format).source_tensors(c.model, c.trainer)
-        self.session.plan = staging_plan(c.model, self.target(), c.engine, self.spec.rank, source=source)
-        return self.session.plan
+        """Init step 3: the plan the worker recorded with vLLM's own ``load_weights`` on its staging model."""
+        return self.member.register.plan
+
+    @handles(OpenPuller)
+    def open_puller(self, command: OpenPuller) -> EndpointInfo:
+        """Init step 5: publish the worker's ``PullerInit`` (it fetches it at its first update)."""
+        self.registry.publish(self.member.ticket, command.init)
+        return self.member.register.endpoint
 
     def pull(self, command: RunPulls) -> EngineStats:
-        """vLLM's update: start, update_weights (the puller fills the staging tensors), finish (re-process)."""
+        """vLLM's update: start, update_weights (the worker pulls into its staging tensors), finish."""
         start = time.perf_counter()
-        self._command = command
         overlap = command.strategy.overlap
         info = {"sync_id": command.sync_id, "strategy": command.strategy.name, "pipelined": overlap.background_load}
         info |= {"delay_s": command.delay_s, "timeout_s": self.config.deadline_s}
+        info |= {"die_after_pulls": command.die_after_pulls}
         self.llm.start_weight_update()
         self.llm.update_weights({"update_info": info})
         self.llm.finish_weight_update(weight_version=str(command.sync_id))
-        stats: EngineStats = self.session.last_stats
-        return stats._replace(
-            seconds=time.perf_counter() - start, load_seconds=stats.load_seconds + self.session.finish_seconds
-        )
-
-    def _pull_into_staging(self, _info: dict[str, Any]) -> Received:
-        """The session's puller (called by the kvmove backend inside ``update_weights``): one sync into the
-        staging tensors. A sync moves the whole checkpoint: every tensor of the plan."""
-        if self._command is None or self._puller is None:
-            raise KvmoveError("vLLM engine host: no sync in progress, or the session was shut down")
-        with torch.no_grad():
-            stats = super().pull(self._command)
-        return Received(stats, frozenset(r.hf_name for r in self.plan.regions))
-
-    def _release(self) -> None:
-        """The session's release hook: drop the receiving side and deregister what it registered."""
-        if self._puller is not None:
-            self._puller.close()
-        self._puller = None
-        self.transport.close()
+        ((stats, finish_s),) = self.llm.collective_rpc(sync_report)
+        report = EngineStats(*stats)  # a NamedTuple crosses vLLM's msgpack as a plain list
+        return report._replace(seconds=time.perf_counter() - start, load_seconds=report.load_seconds + finish_s)
 
     def verify(self, version: int, seed: int) -> VerifyResult:
-        """Bit-exact check of what the live model computes with (parameters and the read-back weights of its
-        linear kernels, kvmove.engines.vllm.verify) against vLLM's own loader and post-processing fed the full
-        checkpoint of ``version`` on a fresh model."""
-        live, _ = self.session.require()
-        assert self.session.reference is not None
-        want = computed_state(self.session.reference(self.reference(version, seed, "cpu").items()))
-        got = computed_state(live)
-        bad = mismatches(got, want)
-        return VerifyResult(not bad, 1, len(got), tuple(bad))
+        """Bit-exact check, in the worker, of what the live model computes with (parameters and the read-back
+        weights of its linear kernels, kvmove.engines.vllm.verify) against vLLM's own loader and post-processing
+        fed the full checkpoint of ``version`` on a fresh model."""
+        weights = pack(self.reference(version, seed, "cpu"))
+        ((bad, compared),) = self.llm.collective_rpc(check_weights, args=(weights,))
+        return VerifyResult(not bad, 1, compared, tuple(bad))
 
     @handles(Generate)
     def generate_rollouts(self, command: Generate) -> list[Completion]:
@@ -174,8 +174,15 @@ class VllmEngineHost(EngineHost):
     # -- for tests and reports (RankActor.invoke) -----------------------------------------------------------
     def live_params(self) -> dict[str, torch.Tensor]:
         """What the live model computes with (kvmove.engines.vllm.verify.computed_state)."""
-        live, _ = self.session.require()
-        return computed_state(live)
+        from safetensors.torch import load
+
+        (state,) = self.llm.collective_rpc(live_state)
+        return load(state)
+
+    def transfer_state(self) -> TransferState:
+        """How the worker's backend is wired (its process, session, and the join info its puller came from)."""
+        (state,) = self.llm.collective_rpc(transfer_state)
+        return TransferState(*state)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16) -> list[list[int]]:
         """Greedy continuations of token-id prompts."""
@@ -186,3 +193,21 @@ class VllmEngineHost(EngineHost):
 
     def pid(self) -> int:
         return os.getpid()
+
+    def host_sessions(self) -> list[str]:
+        """The kvmove sessions open in this host's own process (none: the worker holds its session)."""
+        from kvmove.engines.vllm.session import SESSIONS
+
+        return sorted(SESSIONS)
+
+    def close(self) -> None:
+        """Release the worker's transfer side, stop vLLM, close the registry; idempotent."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            try:
+                llm.shutdown_weight_transfer_engine()
+            finally:
+                llm.llm_engine.engine_core.shutdown()
+        if getattr(self, "registry", None) is not None:
+            self.registry.shutdown()
+        super().close()

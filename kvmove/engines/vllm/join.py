@@ -54,7 +54,7 @@ def join(s: Session, info: JoinInfo, vllm_config: Any, device: Any) -> None:
     assert s.staging is not None
     s.plan = staging_plan(model, s.staging, EngineLayout(tp=place.tp), place.local)
     member = FleetMember(info, place, model, s.staging, s.plan, device)
-    s.puller, s.release = _puller(member), member.close
+    s.puller, s.release, s.joined = _puller(member), member.close, info
 
 
 def _puller(member: FleetMember) -> Any:

@@ -2,12 +2,13 @@
 ``kvmove`` backend is initialized: the bit-exact check ``--verify`` makes.
 
 In vLLM's multi-process engines a function crosses processes only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``;
-in-process (``uni``, kvmove's engine actor) it is a plain call.
+in-process (``uni``) it is a plain call. kvmove's engine host (``actor``) drives its vLLM through these. Replies
+cross vLLM's msgpack: a NamedTuple arrives as a plain list (the caller rebuilds it).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 
 def verify_worker(worker: Any, seed: int, version: int) -> list[str]:
@@ -24,3 +25,64 @@ def verify_report(worker: Any, seed: int, version: int) -> tuple[list[str], int]
 
     weights = seeded_checkpoint(served_model(worker.vllm_config), seed, version)
     return worker.weight_transfer_engine.check(weights)
+
+
+def verify_saved(worker: Any, directory: str) -> tuple[list[str], int]:
+    """The keys where what the live model computes with differs from vLLM's own loader and processing fed the
+    checkpoint a trainer saved in ``directory`` (``save_pretrained``'s safetensors), and how many were compared."""
+    from kvmove.engines.vllm.join import served_model
+    from kvmove.sync.verify import saved_checkpoint
+
+    weights = saved_checkpoint(served_model(worker.vllm_config), directory)
+    return worker.weight_transfer_engine.check(weights)
+
+
+def check_weights(worker: Any, checkpoint: bytes) -> tuple[list[str], int]:
+    """:func:`verify_saved` against a full HF checkpoint sent along, in safetensors' bytes (:func:`pack`: tensors
+    in a ``collective_rpc`` argument do not survive vLLM's msgpack as tensors)."""
+    from safetensors.torch import load
+
+    return worker.weight_transfer_engine.check(load(checkpoint))
+
+
+def pack(weights: dict[str, Any]) -> bytes:
+    """``weights`` as safetensors' bytes, for :func:`check_weights`."""
+    from safetensors.torch import save
+
+    return save({n: t.contiguous() for n, t in weights.items()})
+
+
+def live_state(worker: Any) -> bytes:
+    """What the live model computes with (``kvmove.engines.vllm.verify.computed_state``), as :func:`pack`'s
+    bytes (``safetensors.torch.load`` reads them)."""
+    from kvmove.engines.vllm.verify import computed_state
+
+    return pack(computed_state(worker.weight_transfer_engine.current().require()[0]))
+
+
+class SyncReport(NamedTuple):
+    """The worker's side of the last update: its puller's stats and the seconds ``finish`` took."""
+
+    stats: Any
+    finish_seconds: float
+
+
+def sync_report(worker: Any) -> SyncReport:
+    s = worker.weight_transfer_engine.current()
+    return SyncReport(s.last_stats, s.finish_seconds)
+
+
+class TransferState(NamedTuple):
+    """How the worker's ``kvmove`` backend is wired (what tests check of kvmove's own engine host)."""
+
+    pid: int
+    session: str
+    joined: dict[str, Any] | None
+    """The join info its puller was built from (None: a puller attached in-process)."""
+
+
+def transfer_state(worker: Any) -> TransferState:
+    import os
+
+    s = worker.weight_transfer_engine.current()
+    return TransferState(os.getpid(), s.key, None if s.joined is None else s.joined.payload())

@@ -1,11 +1,15 @@
-"""The in-process bridge between a kvmove engine actor and the ``kvmove`` backend inside its vLLM worker.
+"""A worker's kvmove session: what the ``kvmove`` backend inside one vLLM worker holds, in the worker's process.
 
-The actor runs vLLM in-process (one EngineCore, the ``uni`` executor), so the weight-transfer engine vLLM
-creates lives in the actor's own process. The actor opens a :class:`Session` under a key and passes the key in
-``init_info``; the engine attaches the live model, the staging model and vLLM's own loader to it; every
-``update_weights`` then calls back into the actor's puller, which moves bytes into the staging tensors and
-says which checkpoint tensors it delivered (:class:`Received`). ``shutdown_weight_transfer_engine`` closes the
-session: the actor's transfer resources are released and the session leaves the table.
+``init_weight_transfer_engine`` opens a :class:`Session` and attaches the live model, the staging model and vLLM's
+own loader to it; with the trainer's join info (what kvmove's trainer engine and kvmove's own engine host send)
+the worker then builds its own puller (``kvmove.engines.vllm.join``) and records the join info in ``joined``.
+Every ``update_weights`` calls the puller, which moves bytes into the staging tensors and says which checkpoint
+tensors it delivered (:class:`Received`). ``shutdown_weight_transfer_engine`` closes the session: its transfer
+resources are released and it leaves the process's table.
+
+A caller in the worker's own process (vLLM in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) may instead open a
+session itself, pass its key in ``init_info`` and attach its own puller: the backend's tests do, to feed chosen
+tensors. Nothing of kvmove's engines uses that.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ class Session:
     """Set by the actor: runs one sync's pulls into the staging tensors."""
     release: Callable[[], None] | None = None
     """Set by the actor: frees what its pulls hold (registrations of the staging tensors, connections)."""
+    joined: Any = None
+    """The trainer's join info (kvmove.sync.embedded.member.JoinInfo) the worker's puller was built from; None
+    for a session whose puller an in-process caller attached."""
     last_stats: Any = None
     finish_seconds: float = 0.0
     log: list[str] = field(default_factory=list)
@@ -69,7 +76,7 @@ class Session:
     def close(self) -> None:
         """Release the actor's transfer resources and drop every model reference; the session is unusable."""
         release, self.release = self.release, None
-        self.live = self.staging = self.reference = self.plan = self.puller = None
+        self.live = self.staging = self.reference = self.plan = self.puller = self.joined = None
         self.last_stats = None
         if release is not None:
             release()

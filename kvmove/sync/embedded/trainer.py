@@ -79,6 +79,16 @@ class TrainerSettings:
     """The trainer layout of a kvmove ``WeightSource`` (None for a framework's iterable source: data parallel)."""
 
 
+@dataclass(frozen=True)
+class Given:
+    """The ``SyncConfig.source`` of a rank hosted over a source its framework built (it is never rebuilt)."""
+
+    source: WeightSource
+
+    def __call__(self, _ctx: Any) -> WeightSource:
+        return self.source
+
+
 class EmbeddedTrainer:
     """Trainer rank ``rank`` (see the module docstring); ``source`` is a kvmove ``WeightSource`` (with
     ``settings.layout``) or a framework's re-iterable source (``kvmove.sync.embedded.source``)."""
@@ -102,7 +112,7 @@ class EmbeddedTrainer:
     def _init(self, source: Any) -> None:
         self.authkey: bytes = self.group.broadcast(secrets.token_bytes(32) if self.rank == 0 else None)
         self.fleet: Fleet = self.group.agree(self._register_engines)
-        config = self._config()
+        config = self._config(source)
         self.source = (
             source if isinstance(source, WeightSource) else IterableSource(source, config.model, self.settings.device)
         )
@@ -123,7 +133,9 @@ class EmbeddedTrainer:
         self.client.init_weight_transfer_engine(join.payload())
         return self.registry.close()
 
-    def _config(self) -> SyncConfig:
+    def _config(self, source: Any) -> SyncConfig:
+        """The run's config; a kvmove ``WeightSource`` declares what each rank holds (its own shards, e.g. an
+        FSDP2 model's), so the layout's placement rules are not imposed on it."""
         s, model = self.settings, self.fleet.model
         layout = s.layout or data_parallel(self.group.world)
         if layout.world != self.group.world:
@@ -139,6 +151,7 @@ class EmbeddedTrainer:
             self.transport,
             deadline_s=s.deadline_s,
             options=s.options,
+            source=Given(source) if isinstance(source, WeightSource) else None,
         )
 
     def _serve_engines(self, config: SyncConfig, hellos: list[TrainerHello]) -> list[TrainerSync]:

@@ -2,13 +2,16 @@
 
 Each process builds its host and reports the address of its control server; the driver then sends commands
 over authenticated TCP connections (a pool per rank, so several commands can be in flight, as with Ray actors).
-A process exits when the driver closes its start pipe or goes away, so nothing outlives the run.
+A process exits when the driver closes its start pipe or goes away, so nothing outlives the run. Rank processes are
+daemons, except for hosts that start processes of their own (``Host.daemon``: vLLM's engine core).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import weakref
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_connections
@@ -94,12 +97,15 @@ class ProcessLauncher(Launcher):
         super().__init__(config)
         self._ctx = mp.get_context("spawn")
         self.ranks: list[ProcessRank] = []
+        # NOTE: multiprocessing joins non-daemonic children at exit, and a rank waits for its start pipe to close:
+        # this runs first (atexit is last in, first out) and closes every rank a crashed driver left open
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     def start(self, ranks: Sequence[tuple[type[Host], RankSpec]]) -> list[RankHandle]:
         started = []
         for host, spec in ranks:
             parent, child = self._ctx.Pipe()
-            process = self._ctx.Process(target=serve_rank, args=(host, spec, child), daemon=True)
+            process = self._ctx.Process(target=serve_rank, args=(host, spec, child), daemon=host.daemon)
             process.start()
             child.close()
             started.append(ProcessRank(spec, process, parent))
@@ -140,6 +146,12 @@ class ProcessLauncher(Launcher):
         for rank in sorted(self.ranks, key=lambda r: r.spec.side is Side.TRAINER):
             rank.stop()
         self.ranks.clear()
+
+
+def _close_at_exit(launcher: weakref.ref[ProcessLauncher]) -> None:
+    alive = launcher()
+    if alive is not None:
+        alive.close()
 
 
 def _exit(rank: ProcessRank) -> str:

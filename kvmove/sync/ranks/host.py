@@ -64,6 +64,9 @@ class Host:
     """Base of trainer and engine hosts: command dispatch, control server, memory reports."""
 
     _handlers: ClassVar[dict[type, Callable[..., Any]]] = {}
+    daemon: ClassVar[bool] = True
+    """The processes launcher starts the rank's process as a daemon; False for a host whose engine starts
+    processes of its own (vLLM's engine core: a daemonic process may have no children)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
