@@ -72,6 +72,25 @@ class Program:
             names = ", ".join(q.name for q in self.quantize)
             raise NonFiniteWeightError(f"cannot quantize {names}: {bad} of their blocks hold inf or NaN")
 
+    def warm(self, restore: bool = False) -> None:
+        """Run every step once at init, the finiteness check's reduction included but not read back (the memory may
+        hold any bits then): so that a first sync launches nothing for the first time (Triton kernels compile,
+        lazily loaded CUDA kernels load, each stream's allocator pool gets its block) and costs what the next do.
+
+        ``restore``: first copy every destination back into its source, so the copies then write back the bytes
+        already there and the destinations (an engine's live parameters) end as they were. Only for programs that
+        only copy, from sources no two copies share (a pull's parts: each has its own bytes of the slot)."""
+        if restore and self.quantize:
+            raise ValueError("a program that quantizes cannot restore what it overwrites")
+        for c in self.copies if restore else ():
+            c.src.copy_(c.dst, non_blocking=True)
+        for q in self.quantize:
+            quantize_into(q.src, q.weight, q.scale, name=q.name)
+        for c in self.copies:
+            c.dst.copy_(c.src, non_blocking=True)
+        if self.quantize:
+            non_finite_blocks([q.scale for q in self.quantize])
+
 
 class ProgramBuilder:
     """Collects quantizations and copies (one per cover or part), then batches them into a :class:`Program`."""
@@ -101,7 +120,8 @@ class ProgramBuilder:
     def build(self, persistent: bool) -> Program:
         scratch = self._scratch_steps()
         steps = [*self._direct_steps(), *scratch]
-        copies = [CopyStep(dst, src) for _, (dst, src) in stacked_runs([c for c in self._copies if c[0].numel()])]
+        runs = stacked_runs([c for c in self._copies if c[0].numel()])
+        copies = [CopyStep(*as_words(dst, src)) for _, (dst, src) in runs]
         nbytes = sum(q.weight.nbytes + q.scale.nbytes for q in scratch)
         return Program(tuple(steps), tuple(copies), persistent, nbytes)
 
@@ -125,6 +145,26 @@ class ProgramBuilder:
                 if jobs[i] in later:
                     later[jobs[i]](weight[k], scale[k])
         return out
+
+
+WORDS = (torch.int64, torch.int32, torch.int16)
+"""Integer words a byte-exact copy may move its elements as, widest first."""
+
+
+def as_words(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dst`` and ``src`` (one dtype: the copy moves bytes) as the widest integer words both views allow (rows,
+    strides and offsets multiples of the word), else as they are. torch's copy of non-contiguous views moves one
+    element per load: a strided copy of 1-byte FP8 weights as 8-byte words issues 8x fewer loads."""
+    if dst.dtype != src.dtype or dst.shape != src.shape or not dst.dim():
+        return dst, src
+    for word in WORDS:
+        if word.itemsize <= dst.element_size():
+            break
+        try:
+            return dst.view(word), src.view(word)
+        except RuntimeError:  # a row, stride or offset that is not a multiple of the word
+            continue
+    return dst, src
 
 
 def _label(names: Sequence[str]) -> str:

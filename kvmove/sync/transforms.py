@@ -123,9 +123,12 @@ class Lander:
         self._ready = []
 
     def prepare(self, entries: Sequence[Entry], buf: torch.Tensor, key: Hashable) -> None:
-        """Build (at init) the program :meth:`land` replays for ``key`` when ``entries`` only copy."""
+        """Build (at init) the program :meth:`land` replays for ``key`` when ``entries`` only copy, and run it once
+        leaving the parameters as they are (``Program.warm`` with ``restore``: the slot first takes the bytes it
+        lands), so its copy kernels load now, not in the first sync. The caller synchronizes."""
         if all(not TRANSFORMS[e.transform].stages for e in entries):
-            self._programs[key] = self._program(entries, buf)
+            program = self._programs[key] = self._program(entries, buf)
+            program.warm(restore=True)
 
     def land(self, entries: Sequence[Entry], buf: torch.Tensor, key: Hashable | None = None) -> None:
         """Land ``entries`` (one pull's, packed as :func:`pack` packs them) from ``buf``."""

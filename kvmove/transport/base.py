@@ -270,7 +270,7 @@ class Transport(ABC):
             raise TransportError(
                 f"local buffer {local.endpoint}#{local.buffer_id} is not registered with this endpoint"
             )
-        spans = check_ranges(remote, local, ranges)
+        spans = self._spans(Read(remote, local, ranges), remember=False)  # prepared ranges: checked at init
         start = time.perf_counter()
         if len(spans):
             self._read(peer, remote, self._buffers[local.buffer_id], spans)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvmove.quant import NonFiniteWeightError, quantize, scale_shape
-from kvmove.sync.programs import ProgramBuilder, stacked_runs
+from kvmove.sync.programs import ProgramBuilder, as_words, stacked_runs
 
 E, R, C = 4, 256, 320  # 4 experts; (R, C) gate/up, (C, R) down; the last column block partial
 
@@ -63,6 +63,7 @@ def test_parts_copy_into_a_fused_parameter_in_one_copy() -> None:
         b.copy(w13[e, R:], ups[e])
     program = b.build(persistent=True)
     assert len(program.copies) == 1  # gate, up, gate, ... evenly spaced on both sides
+    assert program.copies[0].dst.dtype == torch.int64  # 640-byte rows move as 8-byte words
     program.run()
     assert torch.equal(w13, torch.stack([torch.cat([gates[e], ups[e]]) for e in range(E)]))
 
@@ -99,3 +100,53 @@ def test_a_non_finite_block_fails_the_program_naming_it() -> None:
     with pytest.raises(NonFiniteWeightError, match=r"experts\.0\.gate_proj\.weight \(and 3 more\): 1 of"):
         program.run()
     program.run(check=False)  # a warm-up run does not read the scales back
+
+
+def test_a_warm_up_runs_every_step_without_reading_the_scales_back() -> None:
+    gates, _, _ = _arena()
+    gates[1][0, 0] = float("inf")  # an init-time arena may hold any bits
+    slot = torch.zeros(1 << 20, dtype=torch.uint8)
+    b = ProgramBuilder()
+    for x, (w, s) in zip(gates, _slot_parts(slot, gates), strict=True):
+        b.quantize(x, "w", w, s)
+    program = b.build(persistent=True)
+    program.warm()  # no NonFiniteWeightError: nothing is read back
+    assert slot.any()
+    with pytest.raises(ValueError, match="cannot restore"):
+        program.warm(restore=True)
+
+
+def test_a_restoring_warm_up_leaves_the_destinations_bit_for_bit() -> None:
+    """An engine's landing program warmed at init: the slot first takes the parameter's bytes, then lands them back,
+    so a live parameter (any bits, NaN payloads included) is unchanged and every copy ran."""
+    fused = torch.randint(0, 256, (E, 2 * R, C), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    before = fused.view(torch.uint8).clone()
+    slot = torch.zeros(2 * E * R * C, dtype=torch.uint8)
+    b = ProgramBuilder()
+    for e in range(E):
+        for half in range(2):
+            at = (2 * e + half) * R * C
+            b.copy(fused[e, half * R : (half + 1) * R], slot[at : at + R * C].view(torch.float8_e4m3fn).view(R, C))
+    program = b.build(persistent=True)
+    assert len(program.copies) < 2 * E
+    program.warm(restore=True)
+    assert torch.equal(fused.view(torch.uint8), before)
+    assert torch.equal(slot.view(E, 2 * R, C), before)  # each part took its destination's bytes
+
+
+def test_byte_copies_move_as_the_widest_words_both_sides_allow() -> None:
+    slot = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    fused = torch.zeros(8, 64, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    cases = [  # (dst, src, word): rows of 48 bytes at offset 16 -> 16-byte multiples; 12 -> 4; 6 at offset 2 -> 2
+        (fused[:, 16:], slot[:384].view(torch.float8_e4m3fn).view(8, 48), torch.int64),
+        (fused[:, 4:16], slot[400:496].view(torch.float8_e4m3fn).view(8, 12), torch.int32),
+        (fused[:, 2:8], slot[512:560].view(torch.float8_e4m3fn).view(8, 6), torch.int16),
+        (fused[:, 1:2], slot[600:608].view(torch.float8_e4m3fn).view(8, 1), torch.float8_e4m3fn),
+    ]
+    for dst, src, word in cases:
+        d, s = as_words(dst, src)
+        assert d.dtype == s.dtype == word
+        d.copy_(s)
+        assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
+    mixed = torch.zeros(8, 12, dtype=torch.float32), torch.zeros(8, 12, dtype=torch.bfloat16)
+    assert as_words(*mixed)[0].dtype == torch.float32  # not a byte copy: left alone

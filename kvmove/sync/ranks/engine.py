@@ -80,7 +80,8 @@ class EngineRank:
         return kept[1]
 
     def prepare(self, strategy: str, pulls: PullPlan) -> None:
-        """Warm start: build, at init, the program landing each packed pull from each receive slot."""
+        """Warm start: build, at init, the program landing each packed pull from each receive slot, and run each
+        once, leaving the parameters as they are (``Lander.prepare``): a first sync costs what the next ones do."""
         lander, recv = self.lander(strategy, pulls), self.recv.get(strategy, [])
         assert pulls.plan is not None
         for i, pull in enumerate(pulls.pulls):
@@ -88,6 +89,8 @@ class EngineRank:
                 entries = [pulls.plan.entries[k] for k in pull.entries]
                 for k, buf in enumerate(recv):
                     lander.prepare(entries, buf, (i, k))
+        if recv and recv[0].is_cuda:  # the warm-up's copies are done before init returns
+            torch.cuda.synchronize(recv[0].device)
 
     def run_sync(
         self,

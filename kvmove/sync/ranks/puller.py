@@ -14,11 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from kvmove.errors import KvmoveError
+from kvmove.sync.planning.packing import pack_layout
 from kvmove.sync.planning.plan import ShardingPlan
+from kvmove.sync.planning.schedule import PullPlan
 from kvmove.sync.ranks.control import EngineStats, Finish, Pack, Packed, PullerInit, TrainerEndpoint
 from kvmove.sync.ranks.engine import EngineRank
 from kvmove.sync.ranks.wire import ControlClient
@@ -70,10 +73,20 @@ class ByteReader:
         params: Mapping[str, BufferDesc],
     ) -> None:
         self.transport, self.trainers, self.recv, self.params = transport, trainers, recv, params
+        self._slot_ranges: dict[tuple[str, int, int, int, int], np.ndarray] = {}
 
     def read(self, strategy: str, trainer: int, slot: int, recv: int, nbytes: int) -> float:
-        remote = self.trainers[trainer].slots[strategy][slot]
-        return self.transport.read(remote, self.recv[strategy][recv], [(0, 0, nbytes)]).seconds
+        r = self.slot_read(strategy, trainer, slot, recv, nbytes)
+        return self.transport.read(r.remote, r.local, r.ranges).seconds
+
+    def slot_read(self, strategy: str, trainer: int, slot: int, recv: int, nbytes: int) -> Read:
+        """The read of a packed pull's ``nbytes`` from ``trainer``'s serve slot into receive slot ``recv``; its
+        ranges are one array per such read, so the read prepared at init is the one a sync makes."""
+        key = (strategy, trainer, slot, recv, nbytes)
+        ranges = self._slot_ranges.get(key)
+        if ranges is None:
+            ranges = self._slot_ranges[key] = np.array([[0, 0, nbytes]], dtype=np.int64)
+        return Read(self.trainers[trainer].slots[strategy][slot], self.recv[strategy][recv], ranges)
 
     def reads(self, pulls: Sequence[tuple[int, Sequence[tuple[str, Any]]]]) -> list[Read]:
         """The reads of direct pulls: (trainer, (parameter, byte spans) runs) -> one read per parameter."""
@@ -92,13 +105,31 @@ class ByteReader:
 
     def prepare(self, init: PullerInit) -> None:
         """Warm start: prepare, at init, every batch of direct reads a sync may start (each pull's alone, and every
-        pull of a strategy at once), so the first sync costs what the next ones do."""
-        for pulls in init.pulls.values():
+        pull of a strategy at once) and every read of a packed pull (each serve slot it may be packed into, into
+        each receive slot), so the first sync costs what the next ones do."""
+        for strategy, pulls in init.pulls.items():
             direct = [(p.trainer, p.direct) for p in pulls.pulls if p.direct]
             for batch in ([d] for d in direct):
                 self.transport.prepare(self.reads(batch))
             if len(direct) > 1:
                 self.transport.prepare(self.reads(direct))
+            for trainer, nbytes in packed_reads(pulls):
+                for slot in range(len(self.trainers[trainer].slots.get(strategy, ()))):
+                    for recv in range(len(self.recv.get(strategy, ()))):
+                        self.transport.prepare([self.slot_read(strategy, trainer, slot, recv, nbytes)])
+
+
+def packed_reads(pulls: PullPlan) -> set[tuple[int, int]]:
+    """(trainer rank, bytes) of the reads of ``pulls``' packed pulls: a packed pull's bytes with the 16-byte
+    alignment of each part, as the trainer's ``pack`` lays them out."""
+    if pulls.plan is None:
+        return set()
+    entries = pulls.plan.entries
+    return {
+        (p.trainer, pack_layout([n for k in p.entries for n in entries[k].sizes]).nbytes)
+        for p in pulls.pulls
+        if not p.direct and p.entries
+    }
 
 
 class _Client:

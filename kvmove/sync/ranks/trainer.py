@@ -85,8 +85,9 @@ class TrainerRank:
 
     def register_pulls(self, strategy: str, engine: int, pulls: PullSpecs) -> None:
         """Cache what engine rank ``engine`` will ask for under ``strategy``: pull id -> (group, slice specs); and,
-        for pulls served from raw shards alone, the program packing each into each slot, run once (warm start:
-        Triton compiles its kernel for these shapes now, not in the first sync)."""
+        for pulls served from raw shards alone, the program packing each into each slot, each run once on its
+        slot's stream (warm start: Triton compiles for these shapes, each slot's stream and allocator pool and the
+        finiteness check's kernels come to exist now, so the first sync runs nothing for the first time)."""
         with self._cond:
             for pull_id, spec in pulls.items():
                 self._pulls[(strategy, engine, pull_id)] = spec
@@ -98,9 +99,11 @@ class TrainerRank:
                 packing = pack_program(buf, specs, held)
                 if packing.program.persistent and not packing.program.scratch_bytes:
                     self._programs[(strategy, engine, pull_id, slot)] = packing
-                    if slot == 0:
-                        with self._streams.on(buf, 0):
-                            packing.program.run(check=False)
+                    with self._streams.on(buf, slot):
+                        packing.program.warm()
+        for buf in self.slots.get(strategy, ())[:1]:
+            if buf.is_cuda:  # the warm-up's work is done before init returns, not queued into the first sync
+                torch.cuda.synchronize(buf.device)
 
     def forget_engine(self, engine: int) -> None:
         with self._cond:
