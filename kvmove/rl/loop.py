@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from kvmove.engines import get_engine
 from kvmove.errors import KvmoveError
 from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
@@ -175,6 +176,7 @@ def check(config: RlConfig) -> None:
             f"{n} rollouts ({len(config.prompts)} prompts x {config.samples}) do not split evenly over "
             f"{config.trainers} trainer ranks"
         )
+    get_engine("vllm").check_dtype(resolve_model(config.model))
     if len(parse_strategies(config.strategy)) != 1:
         raise KvmoveError("the RL loop syncs with one strategy (e.g. --strategy v3)")
 

