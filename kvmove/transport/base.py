@@ -218,6 +218,8 @@ class Transport(ABC):
         self._peers: dict[str, EndpointInfo] = {}
         self._closed = False
         self._checked: dict[tuple[int, BufferDesc, BufferDesc], tuple[Any, np.ndarray]] = {}
+        self._prepared_spans: dict[int, np.ndarray] = {}
+        """The checked spans of prepared reads, by identity (held here, so an id is never reused)."""
         self.executed: dict[str, int] = {}
         """Bytes moved by each copy executor (``kvmove.transport.executors``; "views": torch copies) since
         :meth:`take_executed`; transports that run copy plans fill it."""
@@ -312,9 +314,15 @@ class Transport(ABC):
         if remember and isinstance(r.ranges, np.ndarray):
             if len(self._checked) >= MAX_CHECKED:
                 self._checked.clear()
+                self._prepared_spans.clear()
             r.ranges.flags.writeable = False
             self._checked[key] = (r.ranges, spans)  # NOTE: holding the ranges keeps their id from being reused
+            self._prepared_spans[id(spans)] = spans
         return spans
+
+    def is_prepared(self, spans: np.ndarray) -> bool:
+        """Whether ``spans`` are the checked spans of a prepared read (the same array every batch reads them)."""
+        return self._prepared_spans.get(id(spans)) is spans
 
     def _items(self, reads: Sequence[Read], remember: bool = False) -> list[ReadItem]:
         self._check_open()
@@ -340,6 +348,7 @@ class Transport(ABC):
             self._closed = True
             self._close()
             self._checked.clear()
+            self._prepared_spans.clear()
             self._buffers.clear()
             self._peers.clear()
 

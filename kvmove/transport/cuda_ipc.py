@@ -108,10 +108,11 @@ class CudaIpcTransport(Transport):
 
     def _batch(self, items: list[ReadItem]) -> _Batch:
         """The executor of ``items`` (reads from one source device) as one copy plan relative to this endpoint's
-        base tensor; built once per batch of the same span arrays, in any order (prepared reads keep theirs: see
-        ``Transport.prepare``)."""
+        base tensor. A batch of prepared reads (``Transport.prepare``: the same span arrays every sync) is built
+        once and found again in any order; any other batch (fresh ranges each time) is built for this call only."""
+        cached = all(self.is_prepared(i.spans) for i in items)
         key = tuple(sorted((id(i.spans), i.remote.endpoint, i.remote.buffer_id, i.local.data_ptr()) for i in items))
-        hit = self._batches.get(key)
+        hit = self._batches.get(key) if cached else None
         if hit is not None and {id(a) for a in hit.spans} == {id(i.spans) for i in items}:
             return hit  # NOTE: the batch holds its span arrays, so equal ids are the same arrays (in any order)
         for item in items:
@@ -127,9 +128,10 @@ class CudaIpcTransport(Transport):
             peer = self._source(items[0].remote).device != self.device
             run = executors(plan, self._base(), peer, f"cuda-ipc read from {items[0].remote.endpoint}")
         batch = _Batch(tuple(i.spans for i in items), run, sum(int(i.spans[:, 2].sum()) for i in items))
-        if len(self._batches) >= PLAN_CACHE:
-            self._batches.clear()
-        self._batches[key] = batch
+        if cached:
+            if len(self._batches) >= PLAN_CACHE:
+                self._batches.clear()
+            self._batches[key] = batch
         return batch
 
     def _base(self) -> torch.Tensor:

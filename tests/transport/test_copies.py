@@ -123,6 +123,7 @@ def test_prepared_reads_are_checked_once_and_frozen() -> None:
         assert first[0].spans is again[0].spans  # checked once, at prepare
         assert first[1].spans is not again[1].spans  # unprepared ranges are checked every time
         assert first[0].spans.tolist() == [[0, 0, 128]]  # coalesced as check_ranges does
+        assert reader.is_prepared(first[0].spans) and not reader.is_prepared(first[1].spans)  # what may be cached
         with pytest.raises(ValueError, match="read-only"):
             prepared[0, 2] = 1  # a prepared plan cannot change under the endpoint
         reader.take_executed()
