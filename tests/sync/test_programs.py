@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvmove.quant import NonFiniteWeightError, quantize, scale_shape
-from kvmove.sync.programs import ProgramBuilder, as_words, stacked_runs
+from kvmove.quant.batch import stacked_runs
+from kvmove.sync.programs import ProgramBuilder, as_words
 
 E, R, C = 4, 256, 320  # 4 experts; (R, C) gate/up, (C, R) down; the last column block partial
 
