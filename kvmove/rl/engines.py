@@ -19,20 +19,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from kvmove.engines.vllm import BACKEND, import_vllm
+from kvmove.engines.vllm.actor import ENV, MAX_MODEL_LEN
 from kvmove.engines.vllm.checkpoint import write_model_dir
 from kvmove.errors import KvmoveError
 from kvmove.models.config import ModelConfig
 from kvmove.rl.trainer_rank import answer_engine_call
 from kvmove.sync.ranks.control import Address, Completion, EngineStats, Sampling
 from kvmove.sync.ranks.wire import ControlServer
-
-ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # the per-sync check runs in each worker (collective_rpc)
-}
-MAX_MODEL_LEN = 256
 
 
 class EngineCheck(NamedTuple):

@@ -31,7 +31,7 @@ from kvmove.models.config import ModelConfig
 from kvmove.sync.embedded.member import JoinInfo
 from kvmove.sync.embedded.registry import EngineRegistry
 from kvmove.sync.planning.plan import ShardingPlan
-from kvmove.sync.ranks.control import Completion, EngineStats, Generate, OpenPuller, RunPulls, VerifyResult
+from kvmove.sync.ranks.control import EngineStats, OpenPuller, RunPulls, VerifyResult
 from kvmove.sync.ranks.engine_host import EngineHost
 from kvmove.sync.ranks.host import RankSpec, handles
 from kvmove.transport import EndpointInfo, Transport
@@ -76,12 +76,6 @@ def start_llm(cfg: ModelConfig, model_dir: Path, *, load_format: str, transfer: 
     except Exception as exc:
         raise KvmoveError(f"vLLM could not run {cfg.name} ({cfg.architecture}) here: {_first_line(exc)}") from exc
     return llm
-
-
-def _sampled_logprobs(completion: Any) -> tuple[float, ...]:
-    """The log-probability vLLM reports for each token it sampled (``logprobs=0``: the sampled one only)."""
-    steps = completion.logprobs or ()
-    return tuple(float(step[t].logprob) for step, t in zip(steps, completion.token_ids, strict=True))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -155,21 +149,6 @@ class VllmEngineHost(EngineHost):
         weights = pack(self.reference(version, seed, "cpu"))
         ((bad, compared),) = self.llm.collective_rpc(check_weights, args=(weights,))
         return VerifyResult(not bad, 1, compared, tuple(bad))
-
-    @handles(Generate)
-    def generate_rollouts(self, command: Generate) -> list[Completion]:
-        """Rollouts from the live weights: ``n`` continuations per prompt, each sampled token's log-probability
-        as vLLM computed it (the raw model distribution)."""
-        s = command.sampling
-        params = import_vllm().SamplingParams(
-            n=s.n, temperature=s.temperature, max_tokens=s.max_tokens, seed=s.seed, ignore_eos=True, logprobs=0
-        )
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in command.prompts], params, use_tqdm=False)
-        return [
-            Completion(tuple(o.prompt_token_ids), tuple(c.token_ids), _sampled_logprobs(c))
-            for o in outs
-            for c in o.outputs
-        ]
 
     # -- for tests and reports (RankActor.invoke) -----------------------------------------------------------
     def live_params(self) -> dict[str, torch.Tensor]:

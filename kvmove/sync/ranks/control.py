@@ -314,15 +314,6 @@ class VerifyWeights(Command):
 
 
 @dataclass(frozen=True)
-class Generate(Command):
-    """Decode ``prompts`` (token ids) with the live engine's current weights -> list[Completion], ``sampling.n``
-    per prompt, prompt by prompt (engines that serve requests; the reference engine does not)."""
-
-    prompts: tuple[tuple[int, ...], ...]
-    sampling: Sampling
-
-
-@dataclass(frozen=True)
 class MeasureCopy(Command):
     """Copy ceiling of this run's link: GB/s of a ``nbytes`` copy from ``source`` to this rank's device -> float."""
 
