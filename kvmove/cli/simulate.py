@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # NOTE: imported where used, so `kvmove --help` loads neither
     from kvmove.bench.results import Row
     from kvmove.bench.sim.costs import CostBook
     from kvmove.bench.sim.setup import Spec
+    from kvmove.bench.sim.validation import Validation
 
 ResultsOpt = Annotated[Path, typer.Option("--results", help="Measured rows (costs) and where rows are written.")]
 
@@ -91,27 +92,32 @@ def simulate(
     Example: kvmove bench simulate --regenerate    (every simulated row in results/, from the measured rows there)
     """
     from kvmove.bench.sim.costs import load_cost_file, parse_cost_flags
+    from kvmove.bench.sim.measure import costs_from_rows
     from kvmove.bench.sim.rows import adhoc_rows, regenerate, write_rows
     from kvmove.bench.sim.setup import Spec
     from kvmove.bench.sim.strategies import parse_sim_strategies
-    from kvmove.bench.sim.tables import costs_frame, predictions_frame, summary_line, validation_frame
-    from kvmove.bench.sim.validation import validate
+    from kvmove.bench.sim.tables import costs_frame, predictions_frame
+    from kvmove.bench.sim.validation import validate_all
 
     overrides = {**(load_cost_file(costs) if costs else {}), **parse_cost_flags(cost or [])}
     if do_regenerate:
-        path, rows, book = regenerate(results, overrides)
-        checks = validate(book)
-        render.frame(validation_frame(checks), "published figures vs predictions (validation)")
-        render.line(summary_line(checks))
-        render.line(f"{len(rows)} simulated rows -> {path}; costs without a measurement of ours: {_defaults(book)}")
+        path, rows, book, judged = regenerate(results, overrides)
+        _render_validation(judged, as_json)
+        note = f"{len(rows)} simulated rows -> {path}; costs without a measurement of ours: {_defaults(book)}"
+        if as_json:
+            render.json_lines([{"kind": "regenerated", "path": str(path), "rows": len(rows)}])
+        else:
+            render.line(note)
         return
     book = _book(results, overrides)
     if show_costs:
         render.frame(costs_frame(book), "simulator costs and the rows they come from")
     if do_validate:
-        checks = validate(book)
-        render.frame(validation_frame(checks), "published figures vs predictions (validation)")
-        render.line(summary_line(checks))
+        from kvmove.bench.sim.rows import measured_rows
+
+        base = costs_from_rows(measured_rows(results))
+        base = base.with_values(overrides, "set by --cost/--costs") if overrides else base
+        _render_validation(validate_all(base, measured_rows(results)), as_json)
         return
     spec = Spec(
         model, trainer, engine, replicas, trainer_nodes, engine_nodes, cluster, placement, transport, fanout, dtype,
@@ -129,11 +135,32 @@ def simulate(
 
 
 def _book(results: Path, overrides: dict[str, float]) -> CostBook:
+    """Costs from the measured rows under ``results``, the unmeasurable ones fitted on the training figures."""
+    from kvmove.bench.sim.fitting import fit
     from kvmove.bench.sim.measure import costs_from_rows
     from kvmove.bench.sim.rows import measured_rows
 
     book = costs_from_rows(measured_rows(results))
-    return book.with_values(overrides, "set by --cost/--costs") if overrides else book
+    book = book.with_values(overrides, "set by --cost/--costs") if overrides else book
+    return fit(book).book
+
+
+def _render_validation(judged: Validation, as_json: bool) -> None:
+    """The validation table, the fitted values and the summary: a table and lines, or JSON lines."""
+    from kvmove.bench.sim.tables import fitted_records, summary_line, validation_frame, validation_records
+    from kvmove.bench.sim.validation import orders, summary
+
+    if as_json:
+        render.json_lines([{"kind": "figure", **r} for r in validation_records(judged)])
+        render.json_lines([{"kind": "fitted", **r} for r in fitted_records(judged)])
+        render.json_lines([{"kind": "order", "slower": a, "faster": b, "kept": k} for a, b, k in orders(judged.checks)])
+        render.json_lines([{"kind": "summary", **summary(judged.checks, judged.own)}])
+        return
+    import pandas as pd
+
+    render.frame(validation_frame(judged), "published figures and our held-out runs vs predictions (validation)")
+    render.frame(pd.DataFrame(fitted_records(judged)), "fitted parameters (no measurement of ours can set them)")
+    render.line(summary_line(judged))
 
 
 def _defaults(book: CostBook) -> str:
