@@ -50,7 +50,10 @@ RecordOpt = Annotated[bool, typer.Option("--record", help="Append the rows to RE
 DoRegenerateOpt = Annotated[
     bool, typer.Option("--regenerate", help="Rewrite RESULTS/simulated.parquet: every simulated row.")
 ]
-DoValidateOpt = Annotated[bool, typer.Option("--validate", help="Every published figure vs its prediction.")]
+DoValidateOpt = Annotated[
+    bool,
+    typer.Option("--validate", help="Published figures (training/held-out) and our held-out runs vs predictions."),
+]
 ShowCostsOpt = Annotated[bool, typer.Option("--show-costs", help="Print the cost book and its sources.")]
 
 
@@ -109,22 +112,27 @@ def simulate(
         else:
             render.line(note)
         return
-    book = _book(results, overrides)
-    if show_costs:
-        render.frame(costs_frame(book), "simulator costs and the rows they come from")
     if do_validate:
         from kvmove.bench.sim.rows import measured_rows
 
-        base = costs_from_rows(measured_rows(results))
-        base = base.with_values(overrides, "set by --cost/--costs") if overrides else base
-        _render_validation(validate_all(base, measured_rows(results)), as_json)
+        measured = measured_rows(results)
+        base = costs_from_rows(measured)
+        judged = validate_all(base.with_values(overrides, "set by --cost/--costs") if overrides else base, measured)
+        if show_costs and judged.fit is not None:
+            render.frame(costs_frame(judged.fit.book), "simulator costs and the rows they come from")
+        _render_validation(judged, as_json)
         return
     spec = Spec(
         model, trainer, engine, replicas, trainer_nodes, engine_nodes, cluster, placement, transport, fanout, dtype,
         quantize_on, block, direct, via_host, "published" if published_constraints else "kvmove", group_size,
         cold=cold, overrides=tuple(override or []),
     )  # fmt: skip
-    predictions, rows = adhoc_rows(spec, parse_sim_strategies(strategy), book)
+    spec.build()  # a bad setup is refused before any cost is fitted
+    chosen = parse_sim_strategies(strategy)
+    book = _book(results, overrides)
+    if show_costs:
+        render.frame(costs_frame(book), "simulator costs and the rows they come from")
+    predictions, rows = adhoc_rows(spec, chosen, book)
     if as_json:
         render.json_lines(_json(r) for r in rows)
     else:

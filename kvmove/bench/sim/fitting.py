@@ -152,11 +152,15 @@ def _golden(loss: Callable[[float], float], a: float, b: float) -> float:
     return best[1]
 
 
-def leave_one_source_out(book: CostBook, figures: tuple[Figure, ...] = FIGURES) -> dict[str, float]:
-    """Figure key -> its prediction by the fit made without any figure of its source."""
+def leave_one_source_out(
+    book: CostBook, figures: tuple[Figure, ...] = FIGURES, full: Fit | None = None
+) -> dict[str, float]:
+    """Figure key -> its prediction by the fit made without any figure of its source (a source with no training
+    figure leaves the fit as it is: ``full``, when given, is reused)."""
     out: dict[str, float] = {}
+    trained = {f.source for f in figures if f.key in training_keys()}
     for source in dict.fromkeys(f.source for f in figures):
-        refit = fit(book, figures, leave_out=source)
+        refit = full if full is not None and source not in trained else fit(book, figures, leave_out=source)
         for f in figures:
             if f.source == source:
                 out[f.key] = predicted(f, refit.book)

@@ -156,7 +156,7 @@ ONE_GPU: dict[str, Match] = {
     "materialize_s": _ONE_GPU,
     "pack_call_s": _ONE_GPU,
     "load_call_s": _ONE_GPU,
-    "pull_op_s": Match(("colocated",), ("gpu-copy",), gathers=("none",)),
+    "pull_op_s": _ONE_GPU,
     "broadcast_op_s": _NO_ROWS,
     "cold_s_per_byte": _ONE_GPU,
 }

@@ -85,7 +85,7 @@ def validate(
 def validate_all(measured: CostBook, rows: pd.DataFrame | None, figures: tuple[Figure, ...] = FIGURES) -> Validation:
     """Fit on the training figures, predict every figure (and leave each source out), judge our own runs."""
     fitted, own_book = fit(measured, figures), one_gpu_book(rows)
-    checks = validate(fitted.book, figures, leave_one_source_out(measured, figures))
+    checks = validate(fitted.book, figures, leave_one_source_out(measured, figures, fitted))
     return Validation(checks, fitted, own_checks(rows, own_book), own_book)
 
 

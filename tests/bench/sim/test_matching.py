@@ -90,13 +90,13 @@ def test_no_prediction_beats_its_speed_of_light(repo_validation) -> None:
         assert v.figures and repo_validation.fit.book.costs[name].kind == "fitted"
 
 
-def test_validate_json_is_json_lines(monkeypatch) -> None:
+def test_validate_json_is_json_lines(monkeypatch, tmp_path) -> None:
     few = tuple(f for f in FIGURES if f.key in ("vllm-qwen3-v2", "vllm-qwen3-v3"))
     monkeypatch.setattr(sim_validation, "validate_all", lambda book, rows: validate_all(book, rows, few))
-    out = CliRunner().invoke(app, ["bench", "simulate", "--validate", "--json"])
+    out = CliRunner().invoke(app, ["bench", "simulate", "--validate", "--json", "--results", str(tmp_path)])
     assert out.exit_code == 0, out.output
     lines = [json.loads(line) for line in out.stdout.strip().splitlines()]
     figures = [x for x in lines if x["kind"] == "figure"]
-    assert [x["figure"] for x in figures if x["role"] != "held-out (ours)"] == ["vllm-qwen3-v2", "vllm-qwen3-v3"]
+    assert [(x["figure"], x["role"]) for x in figures] == [("vllm-qwen3-v2", "training"), ("vllm-qwen3-v3", "held-out")]
     assert {x["kind"] for x in lines} == {"figure", "fitted", "order", "summary"}
     assert lines[-1]["kind"] == "summary" and "held_out_median_abs_error_pct" in lines[-1]
