@@ -111,7 +111,8 @@ class Cost:
         return SPECS[self.name].unit
 
     def commits(self) -> list[str]:
-        return sorted({r.commit[:8] for r in self.rows})
+        """The commits of the rows behind it (a fitted cost: ``figure KEY`` for each training figure)."""
+        return sorted({f"figure {r.name}" if r.suite == "published" else r.commit[:8] for r in self.rows})
 
 
 def check_value(name: str, value: float) -> None:
