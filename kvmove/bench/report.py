@@ -4,7 +4,8 @@ Library only: it returns data; the CLI (kvmove.cli.report) renders it as a table
 Weight syncs are grouped into runs (kvmove.bench.runs): one row per (commit, setup), faulty syncs apart.
 Unreadable or empty files are skipped with a note (the report says which); unknown columns are kept.
 Published figures come from the simulated rows that carry them (``extra.published``): the validation table
-shows each next to its prediction with the error, good or bad, and whether it set any cost (it never does).
+shows each next to its prediction with the error, good or bad, its role (training: it set a fitted parameter;
+held-out) and its leave-one-source-out error; kvmove's own held-out runs appear in the same table.
 """
 
 from __future__ import annotations
@@ -166,11 +167,13 @@ def report_from_rows(rows: pd.DataFrame, notes: list[str] | None = None) -> Repo
 VALIDATION_COLUMNS = (
     "figure",
     "setup",
+    "role",
     "strategy",
     "metric",
     "published",
     "predicted",
     "error_pct",
+    "loso_error_pct",
     "used_for_costs",
     "source",
 )
@@ -188,13 +191,15 @@ def validation_table(rows: pd.DataFrame) -> pd.DataFrame:
         recs[pub["figure"]] = {
             "figure": pub["figure"],
             "setup": pub.get("what", ""),
+            "role": pub.get("role", "held-out"),
             "strategy": r["strategy"],
             "metric": pub.get("metric", "seconds"),
             "published": float(pub["value"]),
             "predicted": float(pub["predicted"]),
             "error_pct": float(pub["error_pct"]),
+            "loso_error_pct": pub.get("loso_error_pct"),
             "used_for_costs": "yes" if pub.get("used_for_costs") else "no",
-            "source": pub.get("url", ""),
+            "source": pub.get("url", "") or pub.get("source", ""),
         }
     return pd.DataFrame(list(recs.values()), columns=list(VALIDATION_COLUMNS))
 

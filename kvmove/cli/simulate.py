@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # NOTE: imported where used, so `kvmove --help` loads neither
     from kvmove.bench.results import Row
     from kvmove.bench.sim.costs import CostBook
     from kvmove.bench.sim.setup import Spec
+    from kvmove.bench.sim.validation import Validation
 
 ResultsOpt = Annotated[Path, typer.Option("--results", help="Measured rows (costs) and where rows are written.")]
 
@@ -49,7 +50,10 @@ RecordOpt = Annotated[bool, typer.Option("--record", help="Append the rows to RE
 DoRegenerateOpt = Annotated[
     bool, typer.Option("--regenerate", help="Rewrite RESULTS/simulated.parquet: every simulated row.")
 ]
-DoValidateOpt = Annotated[bool, typer.Option("--validate", help="Every published figure vs its prediction.")]
+DoValidateOpt = Annotated[
+    bool,
+    typer.Option("--validate", help="Published figures (training/held-out) and our held-out runs vs predictions."),
+]
 ShowCostsOpt = Annotated[bool, typer.Option("--show-costs", help="Print the cost book and its sources.")]
 
 
@@ -91,34 +95,44 @@ def simulate(
     Example: kvmove bench simulate --regenerate    (every simulated row in results/, from the measured rows there)
     """
     from kvmove.bench.sim.costs import load_cost_file, parse_cost_flags
+    from kvmove.bench.sim.measure import costs_from_rows
     from kvmove.bench.sim.rows import adhoc_rows, regenerate, write_rows
     from kvmove.bench.sim.setup import Spec
     from kvmove.bench.sim.strategies import parse_sim_strategies
-    from kvmove.bench.sim.tables import costs_frame, predictions_frame, summary_line, validation_frame
-    from kvmove.bench.sim.validation import validate
+    from kvmove.bench.sim.tables import costs_frame, predictions_frame
+    from kvmove.bench.sim.validation import validate_all
 
     overrides = {**(load_cost_file(costs) if costs else {}), **parse_cost_flags(cost or [])}
     if do_regenerate:
-        path, rows, book = regenerate(results, overrides)
-        checks = validate(book)
-        render.frame(validation_frame(checks), "published figures vs predictions (validation)")
-        render.line(summary_line(checks))
-        render.line(f"{len(rows)} simulated rows -> {path}; costs without a measurement of ours: {_defaults(book)}")
+        path, rows, book, judged = regenerate(results, overrides)
+        _render_validation(judged, as_json)
+        note = f"{len(rows)} simulated rows -> {path}; costs without a measurement of ours: {_defaults(book)}"
+        if as_json:
+            render.json_lines([{"kind": "regenerated", "path": str(path), "rows": len(rows)}])
+        else:
+            render.line(note)
         return
-    book = _book(results, overrides)
-    if show_costs:
-        render.frame(costs_frame(book), "simulator costs and the rows they come from")
     if do_validate:
-        checks = validate(book)
-        render.frame(validation_frame(checks), "published figures vs predictions (validation)")
-        render.line(summary_line(checks))
+        from kvmove.bench.sim.rows import measured_rows
+
+        measured = measured_rows(results)
+        base = costs_from_rows(measured)
+        judged = validate_all(base.with_values(overrides, "set by --cost/--costs") if overrides else base, measured)
+        if show_costs and judged.fit is not None:
+            render.frame(costs_frame(judged.fit.book), "simulator costs and the rows they come from")
+        _render_validation(judged, as_json)
         return
     spec = Spec(
         model, trainer, engine, replicas, trainer_nodes, engine_nodes, cluster, placement, transport, fanout, dtype,
         quantize_on, block, direct, via_host, "published" if published_constraints else "kvmove", group_size,
         cold=cold, overrides=tuple(override or []),
     )  # fmt: skip
-    predictions, rows = adhoc_rows(spec, parse_sim_strategies(strategy), book)
+    spec.build()  # a bad setup is refused before any cost is fitted
+    chosen = parse_sim_strategies(strategy)
+    book = _book(results, overrides)
+    if show_costs:
+        render.frame(costs_frame(book), "simulator costs and the rows they come from")
+    predictions, rows = adhoc_rows(spec, chosen, book)
     if as_json:
         render.json_lines(_json(r) for r in rows)
     else:
@@ -129,11 +143,32 @@ def simulate(
 
 
 def _book(results: Path, overrides: dict[str, float]) -> CostBook:
+    """Costs from the measured rows under ``results``, the unmeasurable ones fitted on the training figures."""
+    from kvmove.bench.sim.fitting import fit
     from kvmove.bench.sim.measure import costs_from_rows
     from kvmove.bench.sim.rows import measured_rows
 
     book = costs_from_rows(measured_rows(results))
-    return book.with_values(overrides, "set by --cost/--costs") if overrides else book
+    book = book.with_values(overrides, "set by --cost/--costs") if overrides else book
+    return fit(book).book
+
+
+def _render_validation(judged: Validation, as_json: bool) -> None:
+    """The validation table, the fitted values and the summary: a table and lines, or JSON lines."""
+    from kvmove.bench.sim.tables import fitted_records, summary_line, validation_frame, validation_records
+    from kvmove.bench.sim.validation import orders, summary
+
+    if as_json:
+        render.json_lines([{"kind": "figure", **r} for r in validation_records(judged)])
+        render.json_lines([{"kind": "fitted", **r} for r in fitted_records(judged)])
+        render.json_lines([{"kind": "order", "slower": a, "faster": b, "kept": k} for a, b, k in orders(judged.checks)])
+        render.json_lines([{"kind": "summary", **summary(judged.checks, judged.own)}])
+        return
+    import pandas as pd
+
+    render.frame(validation_frame(judged), "published figures and our held-out runs vs predictions (validation)")
+    render.frame(pd.DataFrame(fitted_records(judged)), "fitted parameters (no measurement of ours can set them)")
+    render.line(summary_line(judged))
 
 
 def _defaults(book: CostBook) -> str:

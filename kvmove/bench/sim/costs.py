@@ -75,6 +75,18 @@ SPECS: dict[str, CostSpec] = {
         CostSpec("broadcast_op_s", "s", "one NCCL broadcast of one tensor, bytes excluded", 20e-6),
         CostSpec("reload_layer_s", "s", "engine: vLLM layer-wise reload of one decoder layer, bytes excluded", 1e-3),
         CostSpec("cold_s_per_byte", "s/B", "first (cold) sync: extra seconds per byte registered on a rank", 0.0),
+        CostSpec(
+            "nic_efficiency",
+            "fraction",
+            "RDMA and NCCL traffic through a node's NICs / NIC line rate",
+            "pull_efficiency",
+        ),
+        CostSpec(
+            "host_register_s_per_byte", "s/B", "host-memory sources: registering and staging each byte they send", 0.0
+        ),
+        CostSpec(
+            "broadcast_nic_op_s", "s", "one NCCL broadcast of one tensor across nodes, bytes excluded", "broadcast_op_s"
+        ),
     )
 }
 
@@ -99,7 +111,8 @@ class Cost:
         return SPECS[self.name].unit
 
     def commits(self) -> list[str]:
-        return sorted({r.commit[:8] for r in self.rows})
+        """The commits of the rows behind it (a fitted cost: ``figure KEY`` for each training figure)."""
+        return sorted({f"figure {r.name}" if r.suite == "published" else r.commit[:8] for r in self.rows})
 
 
 def check_value(name: str, value: float) -> None:

@@ -140,3 +140,13 @@ NOT_SIMULATED = (
      "trillion-parameter sync in 5-10 s on thousands of GPUs: no model layout, node or engine setup is published"),
     ("checkpoint-engine headline", CKPT, "'about 20 s for Kimi-K2 across thousands of GPUs': no setup stated"),
 )  # fmt: skip
+
+ORDERS: tuple[tuple[str, str], ...] = (
+    ("vllm-qwen3-v1", "vllm-qwen3-v2"),
+    ("vllm-qwen3-v2", "vllm-qwen3-v3"),
+    ("skyrl-qwen3-broadcast", "vllm-qwen3-v1"),
+    *((f"lmsys-{k[0]}-nccl", f"lmsys-{k[0]}-rdma") for k in _LMSYS_ROWS),
+    *((f"ckpt-{k[0]}-p2p", f"ckpt-{k[0]}-broadcast") for k in _CKPT_ROWS),
+)
+"""(slower, faster) as each source publishes them: vLLM's V1 > V2 > V3 and SkyRL's broadcast > V1; LMSYS's NCCL
+broadcast > RDMA P2P per model; checkpoint-engine's P2P > broadcast per setup (its table has P2P slower)."""

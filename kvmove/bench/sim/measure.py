@@ -23,6 +23,7 @@ import pandas as pd
 from kvmove.bench.sim.costs import Cost, CostBook, RowRef, default_book
 from kvmove.bench.sim.counts import Counts, row_counts
 from kvmove.bench.sim.hardware import Gpu, gpu_of_hardware
+from kvmove.bench.sim.matching import TARGETS, Match, row_setup
 from kvmove.errors import KvmoveError
 from kvmove.layout import TrainerLayout
 from kvmove.models import resolve_model
@@ -39,21 +40,38 @@ Extractor = Callable[[pd.DataFrame], list[Sample]]
 
 
 _MEMO: dict[tuple[int, str, str], float] = {}
+_FULL: dict[str, pd.DataFrame] = {}
+"""The whole decorated frame of the book being built (a run's device copy ceiling is read from it)."""
+
+RowFilter = Callable[[Any], bool]
 
 
-def costs_from_rows(rows: pd.DataFrame | None) -> CostBook:
-    """The cost book: every cost some rows measure, the others at their named defaults."""
+def costs_from_rows(rows: pd.DataFrame | None, target: str = "cluster", keep: RowFilter | None = None) -> CostBook:
+    """The cost book for ``target`` (``kvmove.bench.sim.matching.TARGETS``): each cost from the newest commit of
+    the rows whose setup its declaration for that target accepts (and ``keep``, a held-out split, passes); the
+    others at their named defaults."""
+    if target not in TARGETS:
+        raise KvmoveError(f"unknown cost target {target!r} (known: {', '.join(TARGETS)})")
     if rows is None or rows.empty:
         return default_book()
     _MEMO.clear()
-    df = _decorate(rows)
+    df = _decorate(rows, TARGETS[target], keep)
+    _FULL["df"] = df
     known: dict[str, Cost] = {}
     for name, (kind, extract, note) in EXTRACTORS.items():
-        samples = _newest(extract(df))
+        samples = _newest(extract(_rows_for(df, name)))
         if samples:
             value = statistics.median(s.value for s in samples)
-            known[name] = Cost(name, _clip(name, value), kind, tuple(s.ref for s in samples), note)
+            match = TARGETS[target][name]
+            known[name] = Cost(
+                name, _clip(name, value), kind, tuple(s.ref for s in samples), f"{note}; rows of {match.label()}"
+            )
     return default_book(known)
+
+
+def _rows_for(df: pd.DataFrame, name: str) -> pd.DataFrame:
+    """The rows whose setup may measure ``name`` for the book's target."""
+    return df[df[f"ok:{name}"]] if len(df) else df
 
 
 def _clip(name: str, value: float) -> float:
@@ -73,7 +91,7 @@ def _newest(samples: list[Sample]) -> list[Sample]:
     return [s for s in samples if s.ref.commit == newest]
 
 
-def _decorate(rows: pd.DataFrame) -> pd.DataFrame:
+def _decorate(rows: pd.DataFrame, matches: dict[str, Match], keep: RowFilter | None) -> pd.DataFrame:
     df = rows[rows["kind"] == "measured"].copy()
     if "timestamp" in df.columns:
         df = df.sort_values("timestamp", kind="stable")
@@ -83,6 +101,10 @@ def _decorate(rows: pd.DataFrame) -> pd.DataFrame:
     df["gpu"] = df["hardware"].map(gpu_of_hardware)
     for c in ("bytes", "seconds", "gbps"):
         df[c] = pd.to_numeric(df[c], errors="coerce").fillna(0.0)
+    df["setup"] = [row_setup(r) for _, r in df.iterrows()] if len(df) else []
+    kept = df.apply(keep, axis=1).astype(bool) if keep is not None and len(df) else True
+    for name, match in matches.items():
+        df[f"ok:{name}"] = df["setup"].map(match).astype(bool) & kept if len(df) else []
     return df
 
 
@@ -104,6 +126,8 @@ def _ref(r: Any) -> RowRef:
         if x
     )
     setup += f" {r.get('transport', '')}".rstrip()
+    if "setup" in r:
+        setup += f" {r['setup'].placement} x{r['setup'].gpus}"
     if "direct" in e:
         setup += " direct" if e["direct"] else " packed"
     if "sync" in e:
@@ -144,7 +168,7 @@ def _transfer_efficiency(transport: str) -> Extractor:
         out = []
         for _, r in _syncs(df, transport, ("v2", "v3")).iterrows():
             rate = float(r["extra_d"].get("transfer_gbps", 0.0))
-            line = r["gpu"].nvlink_gbps if r["extra_d"].get("link", "nvlink") == "nvlink" else 0.0
+            line = _line_gbps(r)
             if rate > 0 and line > 0:
                 out.append(Sample(rate / line, _ref(r)))
         return out
@@ -152,8 +176,17 @@ def _transfer_efficiency(transport: str) -> Extractor:
     return extract
 
 
+def _line_gbps(r: Any) -> float:
+    """The line rate of the link a sync row's transfer used: a device copy (HBM / 2) when trainer and engine
+    share the GPU, NVLink between two GPUs (unless the row names another link in ``extra.link``)."""
+    if r["setup"].path == "gpu-copy":
+        return float(r["gpu"].hbm_gbps) / 2
+    return float(r["gpu"].nvlink_gbps) if r["extra_d"].get("link", "nvlink") == "nvlink" else 0.0
+
+
 def _copy_rate(df: pd.DataFrame, commit: str, gpu: Gpu) -> float:
     """Bytes/s a device copy moves in the run of ``commit`` (its ceiling row), else the vendor's HBM / 2."""
+    df = _FULL.get("df", df)
     key = (id(df), "copy", f"{commit} {gpu.name}")
     if key not in _MEMO:
         rows = df[(df["git_commit"] == commit) & df["name"].astype(str).str.startswith("ceiling device copy")]
@@ -210,14 +243,15 @@ def _bytes_at(efficiency: str) -> Callable[[Any, pd.DataFrame], float]:
 
 def _transfer_bytes(r: Any, df: pd.DataFrame) -> float:
     efficiency = "pull_efficiency" if r["transport"] == "nixl" else "ipc_efficiency"
-    return float(r["bytes"]) / (r["gpu"].nvlink_gbps * 1e9 * _median(df, efficiency))
+    return float(r["bytes"]) / (_line_gbps(r) * 1e9 * _median(df, efficiency))
 
 
 def _median(df: pd.DataFrame, name: str) -> float:
-    """The value ``name``'s extractor gives on ``df`` (1.0 without rows), computed once per book."""
+    """The value ``name``'s extractor gives on the book's rows for it (1.0 without rows), computed once per book."""
+    df = _FULL.get("df", df)
     key = (id(df), "median", name)
     if key not in _MEMO:
-        samples = _newest(EXTRACTORS[name][1](df))
+        samples = _newest(EXTRACTORS[name][1](_rows_for(df, name)))
         _MEMO[key] = statistics.median(s.value for s in samples) if samples else 1.0
     return _MEMO[key]
 
@@ -242,7 +276,7 @@ def _broadcast_op(df: pd.DataFrame) -> list[Sample]:
         transfer = float(r["phases_d"].get("transfer", 0.0))
         if counts is None or transfer <= 0:
             continue
-        rate = r["gpu"].nvlink_gbps * 1e9 * _median(df, "nccl_efficiency")
+        rate = _line_gbps(r) * 1e9 * _median(df, "nccl_efficiency")
         out.append(Sample((transfer - r["bytes"] / rate) / counts.tensors, _ref(r)))
     return out
 
@@ -342,3 +376,8 @@ EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
         "micro-benchmark: one small NCCL all-gather between the two GPUs",
     ),
 }
+
+
+def decorated(rows: pd.DataFrame) -> pd.DataFrame:
+    """Measured rows with their parsed ``phases_d``/``extra_d``, GPU preset and :class:`RowSetup` (``setup``)."""
+    return _decorate(rows, TARGETS["cluster"], None)

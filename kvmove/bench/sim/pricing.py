@@ -153,8 +153,12 @@ def _phase_table(st: Steps, traffic: Traffic, s: SimSetup, book: CostBook) -> np
     pack_times = 1.0 if (s.constraints.synchronized_replicas or traffic.strategy.broadcast) else _served(s)
     t = st.t
     gather = _gather(st, s, book)
+    host = t["send"] if s.trainer.kind == "host" else t["h2d"]
     pack = _rank_max(
-        t["calls"] * book["pack_call_s"] + t["pack"] / (copy * book["pack_efficiency"]) + 1.5 * t["quant"] / quant
+        t["calls"] * book["pack_call_s"]
+        + t["pack"] / (copy * book["pack_efficiency"])
+        + 1.5 * t["quant"] / quant
+        + host * book["host_register_s_per_byte"]
     )
     if not traffic.strategy.broadcast:
         pack *= pack_times
@@ -181,7 +185,7 @@ def _gather(st: Steps, s: SimSetup, book: CostBook) -> np.ndarray:
     per_rank = st.t["yield"] * book["materialize_s"] + st.t["h2d"] / (c.pcie_rate * book["h2d_efficiency"])
     for n, (ops, nbytes) in st.gather.items():
         inside = n <= c.gpus_per_node or (s.trainer.kind == "fsdp" and s.trainer.shard <= c.gpus_per_node)
-        rate = (c.nvlink_rate if inside else c.gpu_nic_rate) * book["nccl_efficiency"]
+        rate = c.nvlink_rate * book["nccl_efficiency"] if inside else c.gpu_nic_rate * book["nic_efficiency"]
         per_rank = per_rank + ops * book["collective_s"] + nbytes / rate
     return _rank_max(per_rank)
 
@@ -190,15 +194,18 @@ def _transfer(st: Steps, traffic: Traffic, s: SimSetup, book: CostBook) -> np.nd
     broadcast = traffic.strategy.broadcast
     eff = book["nccl_efficiency"] if broadcast else book[EFFICIENCY[s.transport]]
     served = 1.0 if broadcast else _served(s)
-    link, _ = _links(st.t["send"] * served, st.e["recv"], s, eff, st.max_request, broadcast)
+    link, _ = _links(st.t["send"] * served, st.e["recv"], s, eff, st.max_request, broadcast, book["nic_efficiency"])
     e = st.e
+    # a direct pull reads all of its regions from one trainer shard as one batch (kvmove.sync.strategies)
+    packed, direct = e["pulls"] - e["direct_pulls"], e["direct_pulls"]
     ops = {
-        "pull": e["pulls"] * (book["request_s"] + book["pull_op_s"]) + e["direct"] * book["pull_op_s"],
-        "push": (e["pulls"] + e["direct"]) * book["pull_op_s"] + book["request_s"],
-        "nccl": (e["pulls"] + e["direct"]) * book["broadcast_op_s"],
-        "cuda-ipc": e["pulls"] * book["request_s"] + e["direct"] * book["pull_op_s"],
+        "pull": packed * (book["request_s"] + book["pull_op_s"]) + direct * book["pull_op_s"],
+        "push": (packed + direct) * book["pull_op_s"] + book["request_s"],
+        "nccl": (packed + direct) * book["broadcast_op_s"],
+        "cuda-ipc": packed * book["request_s"] + direct * book["pull_op_s"],
     }[s.transport]
-    overhead = _rank_max(st.t["regions"]) * book["broadcast_op_s"] if broadcast else _rank_max(ops)
+    per_tensor = book["broadcast_op_s"] if _local_link(s, True) else book["broadcast_nic_op_s"]
+    overhead = _rank_max(st.t["regions"]) * per_tensor if broadcast else _rank_max(ops)
     if s.constraints.synchronized_replicas and s.engine.replicas > 1:
         overhead = overhead + book["request_s"]
     return link + overhead
@@ -207,15 +214,22 @@ def _transfer(st: Steps, traffic: Traffic, s: SimSetup, book: CostBook) -> np.nd
 def _relay(st: Steps, s: SimSetup, book: CostBook) -> np.ndarray:
     if not s.relay_depth:
         return np.zeros(len(st.times))
-    eff = book[EFFICIENCY[s.transport]]
-    forward = _rank_max(st.e["recv"]) * s.relay_children / (s.cluster.gpu_nic_rate * eff)
+    forward = _rank_max(st.e["recv"]) * s.relay_children / (s.cluster.gpu_nic_rate * book["nic_efficiency"])
     return forward + _rank_max(st.e["pulls"]) * (book["request_s"] + book["pull_op_s"])
 
 
 def _links(
-    send: np.ndarray, recv: np.ndarray, s: SimSetup, eff: float, largest: np.ndarray, broadcast: bool
+    send: np.ndarray,
+    recv: np.ndarray,
+    s: SimSetup,
+    eff: float,
+    largest: np.ndarray,
+    broadcast: bool,
+    nic: float | None = None,
 ) -> tuple[np.ndarray, str]:
-    """Per step, the busiest link's seconds at ``eff`` (and its name, by total)."""
+    """Per step, the busiest link's seconds (and its name, by total): NVLink/PCIe at the transport's ``eff``,
+    NICs at ``nic`` (the NIC efficiency; ``eff`` when not given)."""
+    nic = eff if nic is None else nic
     c = s.cluster
     local = _local_link(s, broadcast)
     if local:
@@ -224,15 +238,15 @@ def _links(
         return np.maximum(worst, largest / (line * eff)), name
     gpn = c.gpus_per_node
     candidates = {
-        "trainer GPU NIC": np.maximum(_rank_max(send), largest) / (c.gpu_nic_rate * eff),
-        "trainer node NICs": _node_max(send, gpn) / (c.node_nic_rate * eff),
+        "trainer GPU NIC": np.maximum(_rank_max(send), largest) / (c.gpu_nic_rate * nic),
+        "trainer node NICs": _node_max(send, gpn) / (c.node_nic_rate * nic),
     }
     if broadcast:  # NCCL's rings and trees carry a broadcast into each node once, then over NVLink
-        candidates["engine node NICs"] = _rank_max(recv) / (c.node_nic_rate * eff)
+        candidates["engine node NICs"] = _rank_max(recv) / (c.node_nic_rate * nic)
         candidates["engine NVLink"] = _rank_max(recv) / (c.nvlink_rate * eff)
     else:
-        candidates["engine GPU NIC"] = _rank_max(recv) / (c.gpu_nic_rate * eff)
-        candidates["engine node NICs"] = _engine_node(recv, s) / (c.node_nic_rate * eff)
+        candidates["engine GPU NIC"] = _rank_max(recv) / (c.gpu_nic_rate * nic)
+        candidates["engine node NICs"] = _engine_node(recv, s) / (c.node_nic_rate * nic)
     name = max(candidates, key=lambda k: float(candidates[k].sum()))
     return np.max(np.vstack(list(candidates.values())), axis=0), name
 
@@ -257,7 +271,9 @@ def _speed_of_light(traffic: Traffic, s: SimSetup, st: Steps, by_stage: bool) ->
 
 def _local_link(s: SimSetup, broadcast: bool = False) -> tuple[str, float] | None:
     """The link a sync uses when it never crosses nodes' NICs: PCIe from host memory (a broadcast copies to
-    the device first and then uses NVLink), NVLink between GPUs."""
+    the device first and then uses NVLink), NVLink between GPUs, a device copy (HBM / 2) on a one-GPU node."""
+    if s.cluster.gpus_per_node == 1 and s.placement == "colocated" and s.trainer.kind != "host":
+        return "device copy", s.cluster.hbm_rate / 2
     if s.trainer.kind == "host" and s.placement == "colocated" and s.nodes == 1 and not broadcast:
         return "host PCIe", s.cluster.pcie_rate
     if s.nodes == 1 or (s.placement == "colocated" and s.trainer.kind != "host"):

@@ -19,11 +19,12 @@ from kvmove.bench.sim.costs import CostBook
 from kvmove.bench.sim.hardware import Cluster
 from kvmove.bench.sim.measure import costs_from_rows
 from kvmove.bench.sim.models import sim_model
+from kvmove.bench.sim.ownruns import TRAIN_LAYERS, OwnCheck
 from kvmove.bench.sim.predict import simulate
 from kvmove.bench.sim.pricing import Prediction
 from kvmove.bench.sim.setup import SimSetup, Spec, TrainerSpec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES, SimStrategy, parse_sim_strategies
-from kvmove.bench.sim.validation import Check, figure_setup, validate
+from kvmove.bench.sim.validation import Check, Validation, figure_setup, validate, validate_all
 from kvmove.layout import EngineLayout
 
 SUITE = "simulated"
@@ -62,6 +63,9 @@ def prediction_row(p: Prediction, s: SimSetup, book: CostBook, label: str, check
             "predicted": check.predicted,
             "error_pct": check.error_pct,
             "used_for_costs": check.used_for_costs,
+            "role": check.role,
+            "loso_predicted": check.loso,
+            "loso_error_pct": check.loso_error_pct,
             "assumptions": f.assumptions,
         }
     return Row(
@@ -113,9 +117,36 @@ def user_setups() -> Iterator[tuple[str, SimSetup]]:
         yield f"kimi-k2 on {gpu}", dataclasses.replace(base_k, cluster=cluster, direct=True)
 
 
-def simulated_rows(book: CostBook) -> list[Row]:
-    """Every figure's setup (with its figure) and every user setup, every strategy."""
-    rows = [prediction_row(c.prediction, figure_setup(c.figure), book, c.figure.key, c) for c in validate(book)]
+def own_row(o: OwnCheck, book: CostBook) -> Row:
+    """A held-out measured run of ours and its prediction, as a simulated row carrying ``extra.published``."""
+    s = o.run.spec.build()
+    (p,) = simulate(s, [SIM_STRATEGIES[o.run.strategy]], book)
+    row = prediction_row(p, s, book, o.run.key)
+    row.extra["published"] = {
+        "figure": o.run.key,
+        "what": o.run.what,
+        "source": "kvmove measured rows (held out)",
+        "url": "",
+        "metric": "seconds",
+        "value": o.run.measured,
+        "predicted": o.predicted,
+        "error_pct": o.error_pct,
+        "used_for_costs": False,
+        "role": "held-out (ours)",
+        "loso_predicted": None,
+        "loso_error_pct": None,
+        "rows": [r.label() for r in o.run.rows],
+        "assumptions": f"costs from the {TRAIN_LAYERS}-layer one-GPU rows only (target one-gpu)",
+    }
+    return row
+
+
+def simulated_rows(book: CostBook, judged: Validation | None = None) -> list[Row]:
+    """Every figure's setup (with its figure), our own held-out runs, and every user setup, every strategy."""
+    checks = judged.checks if judged else validate(book)
+    rows = [prediction_row(c.prediction, figure_setup(c.figure), book, c.figure.key, c) for c in checks]
+    if judged and judged.own:
+        rows += [own_row(o, judged.own_book) for o in judged.own]
     for label, s in user_setups():
         for p in simulate(s, SIM_STRATEGIES.values(), book):
             rows.append(prediction_row(p, s, book, label))
@@ -164,16 +195,21 @@ def write_rows(results_dir: Path, rows: list[Row], replace: bool) -> Path:
     return path
 
 
-def regenerate(results_dir: Path, overrides: dict[str, float] | None = None) -> tuple[Path, list[Row], CostBook]:
+def regenerate(
+    results_dir: Path, overrides: dict[str, float] | None = None
+) -> tuple[Path, list[Row], CostBook, Validation]:
     """Rewrite ``results_dir/simulated.parquet``: costs from the measured rows beside it (plus user
     ``overrides``), then every figure's setup, every built-in user setup and every recorded ad-hoc setup."""
-    book = costs_from_rows(measured_rows(results_dir))
+    measured = measured_rows(results_dir)
+    base = costs_from_rows(measured)
     if overrides:
-        book = book.with_values(overrides, "set by --cost/--costs")
-    rows = simulated_rows(book)
+        base = base.with_values(overrides, "set by --cost/--costs")
+    judged = validate_all(base, measured)
+    book = judged.fit.book if judged.fit else base
+    rows = simulated_rows(book, judged)
     for spec, names in _recorded_adhoc(results_dir / f"{SUITE}.parquet"):
         rows += adhoc_rows(spec, parse_sim_strategies(",".join(names)), book)[1]
-    return write_rows(results_dir, rows, replace=True), rows, book
+    return write_rows(results_dir, rows, replace=True), rows, book, judged
 
 
 def _recorded_adhoc(path: Path) -> list[tuple[Spec, list[str]]]:

@@ -1,8 +1,10 @@
-"""Who holds which part of each HF tensor: Megatron, FSDP and host-memory trainers; vLLM-style engine ranks.
+"""Who holds which part of each HF tensor, in the simulator's terms, from the rules' owners.
 
-Pure rules on names and shapes (no tensors, no plans): the simulator's traffic is built from them, and tests
-check the bytes they give against the real sharding plans' totals. Also the bytes of a tensor on the wire: BF16,
-or FP8 e4m3 with one FP32 scale per ``block`` x ``block`` tile (DeepSeek-V3 / Kimi K2 checkpoints' format).
+The trainer's Megatron split is the planner's (:func:`kvmove.sync.planning.ownership.shard_rule`), which FP8
+tensors exist is the checkpoint's (:func:`kvmove.models.checkpoint.is_block_quantized`) and the scale format is
+``kvmove.quant``'s; this module only restates them as a :class:`Split` per tensor. The engine side is vLLM's
+split of one replica (TP shards, K/V heads replicated past the KV head count, whole experts per EP rank), which
+tests check against the real plans' bytes per engine rank (``kvmove sync-weights --dry-run``).
 """
 
 from __future__ import annotations
@@ -10,25 +12,14 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from kvmove.layout import EngineLayout, TrainerLayout, split_layers
+from kvmove.layout import EngineLayout, TrainerLayout
+from kvmove.models.checkpoint import is_block_quantized
 from kvmove.models.config import ModelConfig
+from kvmove.quant.fp8 import scale_shape
+from kvmove.sync.planning.ownership import shard_rule
 
-LINEAR = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "q_a_proj",
-    "q_b_proj",
-    "kv_a_proj_with_mqa",
-    "kv_b_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
-"""Projections an FP8 checkpoint stores quantized (router, embeddings, head and norms stay BF16)."""
-_COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 _ROW = ("o_proj", "down_proj")
+"""Row-parallel projections in vLLM's engine split (split on dim 1); the others split on dim 0."""
 
 
 class Split(NamedTuple):
@@ -54,28 +45,29 @@ def role(name: str) -> str:
 
 
 def quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    return len(shape) == 2 and role(name) in LINEAR
+    """Whether the FP8 checkpoint stores ``name`` in block FP8: the checkpoint's own rule
+    (:func:`kvmove.models.checkpoint.is_block_quantized`), for matrices."""
+    return len(shape) == 2 and is_block_quantized(name)
 
 
 def wire_bytes(name: str, shape: tuple[int, ...], dtype: str, block: int = 128) -> int:
-    """Bytes of the full tensor as sent: BF16, or FP8 e4m3 plus FP32 block scales for quantizable projections."""
+    """Bytes of the full tensor as sent: BF16, or FP8 e4m3 plus FP32 block scales (``kvmove.quant.scale_shape``)
+    for the tensors the FP8 checkpoint quantizes."""
     numel = math.prod(shape)
     if dtype == "bf16" or not quantizable(name, shape):
         return 2 * numel
-    rows, cols = shape
-    return numel + 4 * math.ceil(rows / block) * math.ceil(cols / block)
+    return numel + 4 * math.prod(scale_shape(shape, block))
 
 
 def megatron_split(cfg: ModelConfig, layout: TrainerLayout, name: str, layer: int | None, expert: int | None) -> Split:
-    """Megatron's split: column projections on dim 0, row projections on dim 1, over TP (ETP for experts)."""
-    stage = _trainer_stage(cfg, layout, name, layer)
-    leaf = role(name)
+    """The trainer's split as the planner states it (:func:`kvmove.sync.planning.ownership.shard_rule`), in the
+    simulator's terms: TP (ETP for routed experts) parts along the rule's dim, the EP owner of ``expert``."""
+    rule = shard_rule(cfg, layout, name)
     owner = None if expert is None else expert // (cfg.num_experts // layout.ep)
-    if leaf in ("q_a_proj", "kv_a_proj_with_mqa", "gate") or "norm" in leaf:
-        return Split(stage, None, 1, 1.0, owner)
-    parts = layout.etp if expert is not None else layout.tp
-    dim = 1 if leaf in _ROW else 0
-    return Split(stage, dim if parts > 1 else None, parts, 1.0 / parts, owner)
+    parts = layout.etp if rule.group == "etp" else layout.tp
+    if rule.dim is None or parts == 1:
+        return Split(rule.stage, None, 1, 1.0, owner)
+    return Split(rule.stage, rule.dim, parts, 1.0 / parts, owner)
 
 
 def engine_split(cfg: ModelConfig, engine: EngineLayout, name: str, layer: int | None, expert: int | None) -> Split:
@@ -112,12 +104,6 @@ def trainer_shard_of(engine: Split, trainer: Split, index: int) -> int:
     if trainer.dim is None:
         return 0
     return index // (engine.parts // trainer.parts)
-
-
-def _trainer_stage(cfg: ModelConfig, layout: TrainerLayout, name: str, layer: int | None) -> int:
-    if layer is None:
-        return 0 if name == "model.embed_tokens.weight" else layout.pp - 1
-    return _stage_of(split_layers(cfg.num_hidden_layers, layout.pp, extra_first=True), layer)
 
 
 def _engine_stage(cfg: ModelConfig, engine: EngineLayout, name: str, layer: int | None) -> int:

@@ -1,8 +1,10 @@
-"""The simulated sync strategies (a registry): how tensors are grouped, who serves them, whether phases overlap.
+"""The strategies the simulator prices: the planner's own registry (``kvmove.sync.strategies``), read as data.
 
-``v1``/``v2``/``v3``/``broadcast`` are the four the project runs for real (``kvmove sync-weights``);
-``broadcast-pipelined`` is the bucketed host-to-device + broadcast pipeline of MoonshotAI's checkpoint-engine,
-kept so its published figures can be simulated as the setup they describe.
+Each :class:`SimStrategy` is a planner :class:`~kvmove.sync.strategies.Strategy` seen through the four facts the
+pricing needs (its grouping, its gather scope, whether it broadcasts, whether its phases overlap), so the
+simulator keeps no second list of what v1/v2/v3/broadcast do. One more strategy is priced that kvmove does not
+run: ``broadcast-pipelined``, MoonshotAI checkpoint-engine's bucketed host-to-device + broadcast pipeline, built as
+a planner ``Strategy`` value so its published figures can be simulated as the setup they describe.
 """
 
 from __future__ import annotations
@@ -10,6 +12,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmove.errors import KvmoveError
+from kvmove.sync.strategies import PIPELINED, STRATEGIES, Delivery, Gather, Grouping, Strategy
+
+GROUPING = {Grouping.TENSOR: "tensor", Grouping.STAGE: "stage", Grouping.BLOCKS: "layer"}
+"""The planner's grouping -> the simulator's unit of gather, transfer and release."""
+
+PUBLISHED_ONLY = (
+    Strategy(
+        "broadcast-pipelined",
+        "full tensors per decoder block, loaded and broadcast overlapped (MoonshotAI checkpoint-engine)",
+        Gather.ROOT,
+        Grouping.BLOCKS,
+        delivery=Delivery.BROADCAST,
+        overlap=PIPELINED,
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -29,23 +46,16 @@ class SimStrategy:
     def broadcast(self) -> bool:
         return self.scope == "root"
 
+    @classmethod
+    def of(cls, s: Strategy) -> SimStrategy:
+        """The planner strategy ``s`` as the pricing reads it."""
+        broadcast = s.delivery is Delivery.BROADCAST
+        if broadcast != (s.scope is Gather.ROOT):
+            raise KvmoveError(f"strategy {s.name}: the simulator prices broadcasts from a root gather only")
+        return cls(s.name, GROUPING[s.grouping], s.scope.value, s.overlap.gather_ahead, s.summary)
 
-SIM_STRATEGIES: dict[str, SimStrategy] = {
-    s.name: s
-    for s in (
-        SimStrategy("v1", "tensor", "global", False, "every tensor gathered over all trainer ranks, one at a time"),
-        SimStrategy("v2", "stage", "stage", False, "one group per pipeline stage; experts read from their owner"),
-        SimStrategy("v3", "layer", "stage", True, "v2 per decoder block, pipelined with bounded buffers"),
-        SimStrategy("broadcast", "tensor", "root", False, "full tensors broadcast to every engine rank (NCCL)"),
-        SimStrategy(
-            "broadcast-pipelined",
-            "layer",
-            "root",
-            True,
-            "full tensors per decoder block, loaded and broadcast overlapped (checkpoint-engine)",
-        ),
-    )
-}
+
+SIM_STRATEGIES: dict[str, SimStrategy] = {s.name: SimStrategy.of(s) for s in (*STRATEGIES.values(), *PUBLISHED_ONLY)}
 
 
 def parse_sim_strategies(text: str) -> list[SimStrategy]:

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 
 from kvmove.bench.sim.costs import SPECS, CostBook
 from kvmove.bench.sim.pricing import Prediction
-from kvmove.bench.sim.validation import Check, summary
+from kvmove.bench.sim.validation import Validation, orders, summary
 
 VALIDATION_COLUMNS = (
     "figure",
     "setup",
+    "role",
     "strategy",
     "metric",
     "published",
     "predicted",
     "error_pct",
-    "used_for_costs",
+    "loso_error_pct",
     "speed_of_light",
     "binding_link",
     "source",
@@ -42,38 +45,78 @@ def predictions_frame(predictions: list[Prediction]) -> pd.DataFrame:
     )
 
 
-def validation_frame(checks: list[Check]) -> pd.DataFrame:
-    """One row per published figure: its value and source, the prediction and the error, good or bad."""
-    recs = []
-    for c in checks:
+def validation_records(v: Validation) -> list[dict[str, Any]]:
+    """One record per published figure (value, role, prediction, error, leave-one-source-out error, source)
+    and per held-out measured run of ours, good or bad."""
+    recs: list[dict[str, Any]] = []
+    for c in v.checks:
         f = c.figure
         recs.append(
             {
                 "figure": f.key,
                 "setup": f.what,
+                "role": c.role,
                 "strategy": f.strategy,
                 "metric": f.metric,
                 "published": f.value,
                 "predicted": c.predicted,
                 "error_pct": c.error_pct,
-                "used_for_costs": "yes" if c.used_for_costs else "no",
+                "loso_error_pct": c.loso_error_pct,
                 "speed_of_light": c.prediction.speed_of_light_seconds,
                 "binding_link": c.prediction.binding_link,
                 "source": f.url,
             }
         )
-    return pd.DataFrame(recs, columns=list(VALIDATION_COLUMNS))
+    for o in v.own:
+        recs.append(
+            {
+                "figure": o.run.key,
+                "setup": o.run.what,
+                "role": "held-out (ours)",
+                "strategy": o.run.strategy,
+                "metric": "seconds",
+                "published": o.run.measured,
+                "predicted": o.predicted,
+                "error_pct": o.error_pct,
+                "loso_error_pct": None,
+                "speed_of_light": None,
+                "binding_link": "",
+                "source": "; ".join(sorted({r.label() for r in o.run.rows})),
+            }
+        )
+    return recs
 
 
-def summary_line(checks: list[Check]) -> str:
-    s = summary(checks)
+def validation_frame(v: Validation) -> pd.DataFrame:
+    return pd.DataFrame(validation_records(v), columns=list(VALIDATION_COLUMNS))
+
+
+def fitted_records(v: Validation) -> list[dict[str, Any]]:
+    """Each fitted parameter: value, whether it sits at a bound of its range, the figures it was fitted on."""
+    if v.fit is None:
+        return []
+    return [
+        {"fitted": f.name, "value": f.value, "at_bound": f.at_bound, "training_figures": list(f.figures)}
+        for f in v.fit.values.values()
+    ]
+
+
+def summary_line(v: Validation) -> str:
+    s = summary(v.checks, v.own)
     if not s:
         return "no published time figures"
-    return (
-        f"{int(s['figures'])} time figures: median |error| {s['median_abs_error_pct']:.0f}%, "
-        f"worst {s['worst_abs_error_pct']:.0f}%, {int(s['within_25_pct'])} within 25%, "
-        f"{int(s['within_2x'])} within 2x; no figure sets any cost"
+    kept = orders(v.checks)
+    text = (
+        f"{int(s['held_out_figures'])} held-out time figures: median |error| {s['held_out_median_abs_error_pct']:.0f}%"
+        f" ({int(s['held_out_within_30_pct'])} within 30%); {int(s['training_figures'])} training figures: median "
+        f"{s['training_median_abs_error_pct']:.0f}%; leave-one-source-out median "
+        f"{s.get('loso_median_abs_error_pct', float('nan')):.0f}%; vLLM sharded figures worst "
+        f"{s.get('vllm_sharded_worst_abs_error_pct', float('nan')):.0f}%; published orders kept "
+        f"{sum(k for _, _, k in kept)}/{len(kept)}"
     )
+    if v.own:
+        text += f"; our held-out runs worst |error| {s['own_worst_abs_error_pct']:.0f}% ({len(v.own)} runs)"
+    return text
 
 
 def costs_frame(book: CostBook) -> pd.DataFrame:

@@ -90,7 +90,7 @@ def test_every_measured_cost_of_the_repository_rows_is_traceable() -> None:
     book = costs_from_rows(rows)
     present = {(str(c)[:8], s, n) for c, s, n in zip(rows["git_commit"], rows["suite"], rows["name"], strict=True)}
     measured = [c for c in book.costs.values() if c.kind in ("measured", "derived")]
-    assert {"copy_efficiency", "pull_efficiency", "request_s", "pack_efficiency", "reload_layer_s"} <= {
+    assert {"copy_efficiency", "pull_efficiency", "request_s", "pack_efficiency", "broadcast_op_s"} <= {
         c.name for c in measured
     }
     for c in measured:

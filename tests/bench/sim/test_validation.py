@@ -14,7 +14,7 @@ from kvmove.bench.sim.costs import RowRef, default_book, replace_cost
 from kvmove.bench.sim.figures import FIGURES, NOT_SIMULATED
 from kvmove.bench.sim.setup import Spec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
-from kvmove.bench.sim.validation import figure_setup, used_for_costs, validate
+from kvmove.bench.sim.validation import figure_setup, used_for_costs, validate, validate_all
 
 BOOK = default_book()
 
@@ -51,28 +51,36 @@ def test_a_cost_taken_from_a_figure_would_be_flagged() -> None:
 
 def test_regenerate_rewrites_every_simulated_row_and_keeps_recorded_adhoc_setups(tmp_path, monkeypatch) -> None:
     few = tuple(f for f in FIGURES if f.key in ("vllm-qwen3-v2", "vllm-qwen3-v3"))
-    monkeypatch.setattr(sim_rows, "validate", lambda book: validate(book, few))
+    monkeypatch.setattr(sim_rows, "validate_all", lambda book, rows: validate_all(book, rows, few))
     tiny = Spec("qwen3-moe-tiny", "tp=2,pp=2,ep=2", "tp=2,ep=2", 2, 1, 1)
     monkeypatch.setattr(sim_rows, "user_setups", lambda: iter([("tiny", tiny.build())]))
     _, adhoc = sim_rows.adhoc_rows(tiny, [SIM_STRATEGIES["v3"]], BOOK)
     sim_rows.write_rows(tmp_path, adhoc, replace=False)
-    path, written, _ = sim_rows.regenerate(tmp_path)
+    path, written, _, _ = sim_rows.regenerate(tmp_path)
     df = pd.read_parquet(path)
     assert len(df) == len(written) == 2 + len(SIM_STRATEGIES) + 1 and (df["kind"] == "simulated").all()
     extras = [json.loads(e) for e in df["extra"]]
     assert sum("adhoc" in e for e in extras) == 1 and sum("published" in e for e in extras) == 2
     assert all(set(e["costs"]) == set(BOOK.costs) for e in extras)
-    path2, _, _ = sim_rows.regenerate(tmp_path)  # idempotent: nothing accumulates
+    path2, _, _, _ = sim_rows.regenerate(tmp_path)  # idempotent: nothing accumulates
     assert len(pd.read_parquet(path2)) == len(df)
     rep = build_report(tmp_path)
     assert list(rep.validation["figure"]) == ["vllm-qwen3-v2", "vllm-qwen3-v3"]
-    assert (rep.validation["used_for_costs"] == "no").all()
+    assert list(rep.validation["used_for_costs"]) == ["yes", "no"]  # v2 is reload_layer_s's training figure
+    assert list(rep.validation["role"]) == ["training", "held-out"]
 
 
-def test_repository_simulated_rows_carry_the_validation_table() -> None:
-    """results/simulated.parquet is what `kvmove bench simulate --regenerate` wrote: every figure, with error."""
+def test_repository_simulated_rows_agree_with_a_live_validation(repo_validation) -> None:
+    """results/simulated.parquet is what `kvmove bench simulate --regenerate` writes from the committed measured
+    rows: every figure, with role and error, and the same prediction a live validation makes."""
     path = Path(__file__).resolve().parents[3] / "results" / "simulated.parquet"
     df = pd.read_parquet(path)
-    published = [json.loads(e)["published"] for e in df["extra"] if "published" in json.loads(e)]
-    assert {p["figure"] for p in published} == {f.key for f in FIGURES}
-    assert all(p["url"].startswith("https://") and not p["used_for_costs"] for p in published)
+    published = {p["figure"]: p for p in (json.loads(e).get("published") for e in df["extra"]) if p}
+    assert {f.key for f in FIGURES} <= set(published)
+    for c in repo_validation.checks:
+        p = published[c.figure.key]
+        assert p["url"].startswith("https://") and p["role"] == c.role
+        assert p["predicted"] == pytest.approx(c.predicted, rel=1e-9), c.figure.key
+        assert p["loso_predicted"] == pytest.approx(c.loso, rel=1e-9), c.figure.key
+    for o in repo_validation.own:
+        assert published[o.run.key]["predicted"] == pytest.approx(o.predicted, rel=1e-9)

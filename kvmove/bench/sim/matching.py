@@ -1,0 +1,165 @@
+"""Which measured rows may set which cost: every row's setup, and every cost's declared setups per target.
+
+A row measures a cost only for the setup it ran: a colocated sync on one GPU, whose trainer ranks gather through
+host-memory gloo and whose "transfer" is a device copy, says nothing about an RDMA pull between two GPUs. So each
+row gets a :class:`RowSetup` (placement, GPUs used, device kind, data path, how its trainer gathers), and each
+cost declares, for each *target* the simulator predicts, which setups may measure it (:class:`Match`). Only
+matching rows set a cost, the newest commit among them; rows of another setup, however new, never replace it.
+
+Targets:
+- ``cluster``: the full-scale setups (GPUs of separate trainer and engine ranks, NVLink inside a node, NICs
+  across): costs from disaggregated GPU rows (two GPUs), GPU ceilings and GPU micro-benchmarks;
+- ``one-gpu``: kvmove's own colocated syncs on one GPU (the matrix of ``kvmove bench run --suite gpu --gpus
+  1``): costs from colocated one-GPU rows, used to predict held-out one-GPU rows (``kvmove.bench.sim.ownruns``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, NamedTuple
+
+from kvmove.errors import KvmoveError
+from kvmove.layout import TrainerLayout
+
+PLACEMENTS = ("colocated", "disaggregated")
+PATHS = ("ceiling", "micro", "gpu-copy", "nvlink-ipc", "nixl", "nccl", "host-gloo", "vllm-cpu", "cpu")
+"""Data paths: a ceiling or micro-benchmark row; CUDA-IPC on one device (a device copy) or across NVLink; NIXL;
+NCCL (send/recv or broadcast); host-memory gloo; vLLM's CPU engine; any other CPU row."""
+
+
+class RowSetup(NamedTuple):
+    """What a measured row ran: placement, GPUs, device kind, the sync's data path, how the trainer gathered."""
+
+    placement: str
+    gpus: int
+    device: str
+    path: str
+    gather: str
+    """"none" (one trainer rank), "nccl" (GPU ranks on separate devices) or "host-gloo" (ranks sharing a GPU)."""
+
+    def label(self) -> str:
+        return f"{self.placement} {self.device} x{self.gpus} {self.path} (gather {self.gather})"
+
+
+class Match(NamedTuple):
+    """The setups that may measure a cost."""
+
+    placements: tuple[str, ...]
+    paths: tuple[str, ...]
+    gathers: tuple[str, ...] = ("none", "nccl")
+    device: str = "gpu"
+
+    def __call__(self, s: RowSetup) -> bool:
+        return (
+            s.device == self.device
+            and s.placement in self.placements
+            and s.path in self.paths
+            and s.gather in self.gathers
+        )
+
+    def label(self) -> str:
+        return f"{'/'.join(self.placements)} {self.device} via {'/'.join(self.paths)} (gather {'/'.join(self.gathers)})"
+
+
+def row_setup(r: Any) -> RowSetup:
+    """The setup of one decorated row (``extra_d`` parsed, ``hardware`` a string)."""
+    e = r["extra_d"]
+    hardware = str(r["hardware"])
+    device = "gpu" if hardware.startswith("gpu:") else "cpu"
+    found = re.search(r" x(\d+)", hardware)
+    gpus = int(found.group(1)) if found and device == "gpu" else 0
+    trainer_dev, engine_dev = set(e.get("trainer_devices") or ()), set(e.get("engine_devices") or ())
+    if trainer_dev and engine_dev:
+        placement = "colocated" if trainer_dev & engine_dev else "disaggregated"
+        gpus = len(trainer_dev | engine_dev) if device == "gpu" else gpus
+    else:
+        placement = str(e.get("placement") or ("disaggregated" if gpus != 1 else "colocated"))
+    return RowSetup(placement, gpus, device, _path(r, device, placement), _gather(r, trainer_dev, device))
+
+
+def _path(r: Any, device: str, placement: str) -> str:
+    name, suite, transport = str(r["name"]), str(r["suite"]), str(r.get("transport") or "")
+    if name.startswith("ceiling ") and not str(r.get("strategy") or ""):
+        return "ceiling"
+    if suite == "micro":
+        return "micro"
+    if suite == "vllm" and device == "cpu":
+        return "vllm-cpu"
+    if device == "cpu":
+        return "cpu"
+    if transport == "cuda-ipc":
+        return "gpu-copy" if placement == "colocated" else "nvlink-ipc"
+    if transport.startswith("nccl"):
+        return "nccl"
+    return {"nixl": "nixl", "gloo": "host-gloo"}.get(transport, "cpu")
+
+
+def _gather(r: Any, trainer_devices: set[str], device: str) -> str:
+    try:
+        world = TrainerLayout.parse(str(r.get("trainer") or "")).world if r.get("trainer") else 1
+    except KvmoveError:
+        world = 1
+    if world <= 1:
+        return "none"
+    if device == "cpu" or (trainer_devices and len(trainer_devices) < world):
+        return "host-gloo"
+    return "nccl"
+
+
+def model_layers(r: Any) -> int | None:
+    """Decoder layers of the slice a GPU row synced (``extra.model_overrides``), None for the whole preset."""
+    overrides = r["extra_d"].get("model_overrides") or {}
+    if isinstance(overrides, str):
+        overrides = json.loads(overrides)
+    value = overrides.get("num_hidden_layers") if isinstance(overrides, dict) else None
+    return int(value) if value is not None else None
+
+
+ANY = PLACEMENTS
+_DISAGG_SYNC = Match(("disaggregated",), ("nixl", "nvlink-ipc", "nccl"))
+_DISAGG_V1 = Match(("disaggregated",), ("nixl", "nvlink-ipc"))
+_ONE_GPU = Match(("colocated",), ("gpu-copy",), gathers=("none",))
+_NO_ROWS = Match((), ())
+"""No row of ours can measure it (fitted on published figures, ``kvmove.bench.sim.fitting``)."""
+
+CLUSTER: dict[str, Match] = {
+    "copy_efficiency": Match(ANY, ("ceiling",)),
+    "p2p_efficiency": Match(ANY, ("ceiling",)),
+    "nccl_efficiency": Match(ANY, ("ceiling",)),
+    "h2d_efficiency": Match(ANY, ("ceiling",)),
+    "pull_efficiency": Match(("disaggregated",), ("nixl",)),
+    "push_efficiency": _NO_ROWS,
+    "ipc_efficiency": Match(("disaggregated",), ("nvlink-ipc",)),
+    "pack_efficiency": _DISAGG_SYNC,
+    "load_efficiency": _DISAGG_SYNC,
+    "quantize_efficiency": Match(ANY, ("micro",)),
+    "request_s": _DISAGG_V1,
+    "materialize_s": _DISAGG_V1,
+    "pack_call_s": _DISAGG_V1,
+    "load_call_s": _DISAGG_V1,
+    "pull_op_s": _DISAGG_V1,
+    "collective_s": Match(ANY, ("micro",)),
+    "broadcast_op_s": Match(("disaggregated",), ("nccl",)),
+    "reload_layer_s": _NO_ROWS,
+    "cold_s_per_byte": _DISAGG_SYNC,
+}
+"""Full-scale targets: rows of separate GPUs only. The per-layer reload of a GPU engine is measured by no row of
+ours (the vLLM suite runs vLLM's CPU engine): it is fitted."""
+
+ONE_GPU: dict[str, Match] = {
+    **CLUSTER,
+    "ipc_efficiency": _ONE_GPU,
+    "pack_efficiency": _ONE_GPU,
+    "load_efficiency": _ONE_GPU,
+    "request_s": _ONE_GPU,
+    "materialize_s": _ONE_GPU,
+    "pack_call_s": _ONE_GPU,
+    "load_call_s": _ONE_GPU,
+    "pull_op_s": _ONE_GPU,
+    "broadcast_op_s": _NO_ROWS,
+    "cold_s_per_byte": _ONE_GPU,
+}
+"""kvmove's colocated one-GPU syncs: CUDA-IPC on one device is a device copy; costs from one-GPU rows."""
+
+TARGETS: dict[str, dict[str, Match]] = {"cluster": CLUSTER, "one-gpu": ONE_GPU}

@@ -1,0 +1,95 @@
+"""The simulator judged on our own measurements: held-out runs of ours that set no cost, predicted.
+
+The one-GPU matrix (``kvmove bench run --suite gpu --gpus 1``) syncs a 2-layer slice of Qwen3-235B-A22B in
+several layouts, colocated on one H200; the same machine also synced an 8-layer slice in BF16 and in FP8
+(``--suite gpu-fp8 --layers 8``). Costs for the ``one-gpu`` target come from the 2-layer rows only
+(:data:`TRAIN_LAYERS`); every 8-layer row of the newest commit that has them is held out and predicted.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import NamedTuple
+
+import pandas as pd
+
+from kvmove.bench.sim.costs import CostBook, RowRef
+from kvmove.bench.sim.matching import model_layers
+from kvmove.bench.sim.measure import _ref, costs_from_rows, decorated
+from kvmove.bench.sim.predict import simulate
+from kvmove.bench.sim.setup import Spec
+from kvmove.bench.sim.strategies import SIM_STRATEGIES
+
+TRAIN_LAYERS = 2
+"""Rows of this slice set the one-GPU costs; rows of any other slice are held out."""
+ONE_GPU_CLUSTER = "gpu=h200,nic=cx7-400,gpus_per_node=1,nics_per_node=1"
+
+
+class OwnRun(NamedTuple):
+    """A held-out measured setup: the median of its warm syncs, the rows behind it, and the setup to predict."""
+
+    key: str
+    what: str
+    measured: float
+    rows: tuple[RowRef, ...]
+    spec: Spec
+    strategy: str
+
+
+class OwnCheck(NamedTuple):
+    run: OwnRun
+    predicted: float
+
+    @property
+    def error_pct(self) -> float:
+        return 100.0 * (self.predicted / self.run.measured - 1.0)
+
+
+def one_gpu_book(rows: pd.DataFrame | None) -> CostBook:
+    """Costs for kvmove's colocated one-GPU syncs: sync rows of the :data:`TRAIN_LAYERS`-layer slice only (and
+    rows of no slice: ceilings, micro-benchmarks)."""
+    return costs_from_rows(rows, "one-gpu", keep=lambda r: model_layers(r) in (None, TRAIN_LAYERS))
+
+
+def held_out_runs(rows: pd.DataFrame | None) -> list[OwnRun]:
+    """Warm colocated one-GPU sync rows of any other slice, newest commit that has them, one run per setup."""
+    if rows is None or rows.empty:
+        return []
+    df = decorated(rows)
+    df = df[df["gpu"].notna() & (df["strategy"].fillna("") != "")]
+    if df.empty:
+        return []
+    df = df[df["setup"].map(lambda s: s.placement == "colocated" and s.gpus == 1 and s.gather == "none")]
+    df = df[[model_layers(r) not in (None, TRAIN_LAYERS) for _, r in df.iterrows()]]
+    df = df[df["extra_d"].map(lambda e: e.get("verified") is not False and int(e.get("sync", 2)) >= 2)]
+    if df.empty:
+        return []
+    newest = df["git_commit"].iloc[-1]
+    df = df[df["git_commit"] == newest]
+    out = []
+    dtype = df["extra_d"].map(lambda e: str(e.get("engine_dtype", "bf16")))
+    for (strategy, dt, trainer, engine), g in df.groupby([df["strategy"], dtype, df["trainer"], df["engine"]]):
+        r = g.iloc[0]
+        layers = model_layers(r)
+        layout, _, reps = str(engine).partition(" x")
+        spec = Spec(
+            str(r["model"]), str(trainer), layout, int(reps or 1), 1, 1, ONE_GPU_CLUSTER, "colocated", "cuda-ipc",
+            dtype=str(dt), quantize_on="trainer" if dt == "fp8" else "engine",
+            direct=bool(r["extra_d"].get("direct", False)), overrides=(f"num_hidden_layers={layers}",),
+        )  # fmt: skip
+        what = f"{r['model']} {layers} layers {dt.upper()} {strategy} {trainer} -> {engine}, one H200 colocated"
+        key = f"own-{layers}l-{dt}-{strategy}"
+        out.append(OwnRun(key, what, statistics.median(g["seconds"]), tuple(_ref(x) for _, x in g.iterrows()),
+                          spec, str(strategy)))  # fmt: skip
+    return out
+
+
+def own_checks(rows: pd.DataFrame | None, book: CostBook | None = None) -> list[OwnCheck]:
+    """Every held-out run of ours next to its prediction from the training-slice costs (``book``, else
+    :func:`one_gpu_book` of ``rows``)."""
+    book = book or one_gpu_book(rows)
+    out = []
+    for run in held_out_runs(rows):
+        (p,) = simulate(run.spec.build(), [SIM_STRATEGIES[run.strategy]], book)
+        out.append(OwnCheck(run, p.seconds))
+    return out
