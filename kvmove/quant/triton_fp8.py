@@ -45,6 +45,8 @@ class Variant(NamedTuple):
     rounding: str
     """``int`` (exact integer arithmetic, runs in the interpreter) or ``hw`` (the GPU's conversion instruction)."""
     num_warps: int = 8
+    maxnreg: int | None = None
+    """A register cap per thread (more programs resident per multiprocessor), or the compiler's choice."""
 
 
 VARIANTS: dict[str, Variant] = {
@@ -54,6 +56,8 @@ VARIANTS: dict[str, Variant] = {
     "exact-hw": Variant("div_rn", "hw", 8),
     "fast-w4": Variant("markstein", "hw", 4),
     "fast-w16": Variant("markstein", "hw", 16),
+    "fast-r80": Variant("markstein", "hw", 8, 80),
+    "fast-w16-r64": Variant("markstein", "hw", 16, 64),
 }
 """Every variant computes the same bits (tests compare them all). ``fast`` is the default on GPUs; the
 interpreter (``TRITON_INTERPRET=1``) runs ``markstein-int``, whose arithmetic ``fast`` shares but for rounding."""
@@ -177,8 +181,9 @@ def quantize_triton_into(
     brows, bcols = scale.shape[1], scale.shape[2]
     q8 = weight.view(torch.uint8)
     even = rows % block == 0 and cols % block == 0
+    launch = {"num_warps": v.num_warps} | ({"maxnreg": v.maxnreg} if v.maxnreg else {})
     _block_fp8_kernel[(n * brows * bcols,)](
         x, q8, scale, rows, cols, brows, bcols, *x.stride(), *q8.stride()[:2], *scale.stride()[:2],
         BLOCK=block, FMAX=FP8_MAX, SAFE=SAFE_SCALE, MARKSTEIN=v.division == "markstein", HW=v.rounding == "hw",
-        EVEN=even, num_warps=v.num_warps,
+        EVEN=even, **launch,
     )  # fmt: skip
