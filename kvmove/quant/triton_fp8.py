@@ -45,10 +45,6 @@ class Variant(NamedTuple):
     rounding: str
     """``int`` (exact integer arithmetic, runs in the interpreter) or ``hw`` (the GPU's conversion instruction)."""
     num_warps: int = 8
-    maxnreg: int | None = None
-    """A register cap per thread (more programs resident per multiprocessor), or the compiler's choice."""
-    persistent: int = 0
-    """Programs per multiprocessor striding over the blocks, each prefetching its next (0: one per block)."""
 
 
 VARIANTS: dict[str, Variant] = {
@@ -58,11 +54,6 @@ VARIANTS: dict[str, Variant] = {
     "exact-hw": Variant("div_rn", "hw", 8),
     "fast-w4": Variant("markstein", "hw", 4),
     "fast-w16": Variant("markstein", "hw", 16),
-    "fast-r80": Variant("markstein", "hw", 8, 80),
-    "fast-w16-r64": Variant("markstein", "hw", 16, 64),
-    "fast-pipe": Variant("markstein", "hw", 8, None, 1),
-    "fast-pipe-w16": Variant("markstein", "hw", 16, None, 1),
-    "markstein-int-pipe": Variant("markstein", "int", 8, None, 1),
 }
 """Every variant computes the same bits (tests compare them all). ``fast`` is the default on GPUs; the
 interpreter (``TRITON_INTERPRET=1``) runs ``markstein-int``, whose arithmetic ``fast`` shares but for rounding."""
@@ -115,27 +106,42 @@ def _quotient(x, scale, MARKSTEIN: tl.constexpr, SAFE: tl.constexpr):
 
 
 @triton.jit
-def _addresses(b, x_ptr, q_ptr, rows, cols, brows, bcols, stride_m, stride_r, stride_c, q_stride_m, q_stride_r,
-               s_stride_m, s_stride_r, BLOCK: tl.constexpr):  # fmt: skip
-    """Block ``b``'s source and FP8 pointers, element mask and scale offset (neighbouring ``b`` are neighbouring
-    blocks of the same rows)."""
-    pid_c = b % bcols
-    rest = b // bcols
+def _block_fp8_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    rows,
+    cols,
+    brows,
+    bcols,
+    stride_m,
+    stride_r,
+    stride_c,
+    q_stride_m,
+    q_stride_r,
+    s_stride_m,
+    s_stride_r,
+    BLOCK: tl.constexpr,
+    FMAX: tl.constexpr,
+    SAFE: tl.constexpr,
+    MARKSTEIN: tl.constexpr,
+    HW: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_c = pid % bcols  # neighbouring programs take neighbouring blocks of the same rows
+    rest = pid // bcols
     pid_r = rest % brows
     mat = (rest // brows).to(tl.int64)
     r = (pid_r * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     c = (pid_c * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     src = x_ptr + mat * stride_m + r[:, None] * stride_r + c[None, :] * stride_c
     dst = q_ptr + mat * q_stride_m + r[:, None] * q_stride_r + c[None, :]
-    mask = (r[:, None] < rows) & (c[None, :] < cols)  # all true for EVEN: its loads and stores take none
-    return src, dst, mask, mat * s_stride_m + pid_r * s_stride_r + pid_c
-
-
-@triton.jit
-def _finish(raw, dst, mask, s_dst, FMAX: tl.constexpr, SAFE: tl.constexpr, MARKSTEIN: tl.constexpr,
-            HW: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
-    """Reduce, quantize and store one loaded block and its scale."""
-    x = raw.to(tl.float32)
+    if EVEN:
+        x = tl.load(src).to(tl.float32)
+    else:
+        mask = (r[:, None] < rows) & (c[None, :] < cols)
+        x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0).to(tl.float32, bitcast=True)
     scale = tl.where(amax == 0.0, 1.0, tl.div_rn(amax, FMAX))
     y = _quotient(x, scale, MARKSTEIN, SAFE)
@@ -144,32 +150,7 @@ def _finish(raw, dst, mask, s_dst, FMAX: tl.constexpr, SAFE: tl.constexpr, MARKS
         tl.store(dst, _to_e4m3(y, HW))
     else:
         tl.store(dst, _to_e4m3(y, HW), mask=mask)
-    tl.store(s_dst, scale)
-
-
-@triton.jit
-def _block_fp8_kernel(
-    x_ptr, q_ptr, s_ptr, rows, cols, brows, bcols, stride_m, stride_r, stride_c, q_stride_m, q_stride_r,
-    s_stride_m, s_stride_r, total,
-    BLOCK: tl.constexpr, FMAX: tl.constexpr, SAFE: tl.constexpr, MARKSTEIN: tl.constexpr, HW: tl.constexpr,
-    EVEN: tl.constexpr, PERSISTENT: tl.constexpr,
-):  # fmt: skip
-    """One program per block, or (``PERSISTENT``) programs striding over the blocks, each loading its next block
-    before it quantizes the current one."""
-    geometry = (rows, cols, brows, bcols, stride_m, stride_r, stride_c, q_stride_m, q_stride_r, s_stride_m)
-    pid = tl.program_id(0)
-    src, dst, mask, s_off = _addresses(pid, x_ptr, q_ptr, *geometry, s_stride_r, BLOCK)
-    raw = tl.load(src) if EVEN else tl.load(src, mask=mask, other=0.0)
-    if PERSISTENT:
-        step = tl.num_programs(0)
-        for b in range(pid, total, step):
-            nxt = tl.minimum(b + step, total - 1)  # past the end: the last block again, loaded and left unused
-            nsrc, ndst, nmask, ns_off = _addresses(nxt, x_ptr, q_ptr, *geometry, s_stride_r, BLOCK)
-            nraw = tl.load(nsrc) if EVEN else tl.load(nsrc, mask=nmask, other=0.0)
-            _finish(raw, dst, mask, s_ptr + s_off, FMAX, SAFE, MARKSTEIN, HW, EVEN)
-            raw, dst, mask, s_off = nraw, ndst, nmask, ns_off
-    else:
-        _finish(raw, dst, mask, s_ptr + s_off, FMAX, SAFE, MARKSTEIN, HW, EVEN)
+    tl.store(s_ptr + mat * s_stride_m + pid_r * s_stride_r + pid_c, scale)
 
 
 def quantize_triton(x: torch.Tensor, block: int, variant: str | None = None) -> BlockQuantized:
@@ -196,17 +177,8 @@ def quantize_triton_into(
     brows, bcols = scale.shape[1], scale.shape[2]
     q8 = weight.view(torch.uint8)
     even = rows % block == 0 and cols % block == 0
-    launch = {"num_warps": v.num_warps} | ({"maxnreg": v.maxnreg} if v.maxnreg else {})
-    total = n * brows * bcols
-    programs = min(total, v.persistent * _multiprocessors(x.device)) if v.persistent else total
-    _block_fp8_kernel[(programs,)](
-        x, q8, scale, rows, cols, brows, bcols, *x.stride(), *q8.stride()[:2], *scale.stride()[:2], total,
+    _block_fp8_kernel[(n * brows * bcols,)](
+        x, q8, scale, rows, cols, brows, bcols, *x.stride(), *q8.stride()[:2], *scale.stride()[:2],
         BLOCK=block, FMAX=FP8_MAX, SAFE=SAFE_SCALE, MARKSTEIN=v.division == "markstein", HW=v.rounding == "hw",
-        EVEN=even, PERSISTENT=bool(v.persistent), **launch,
+        EVEN=even, num_warps=v.num_warps,
     )  # fmt: skip
-
-
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # Triton's interpreter: any small grid
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
