@@ -6,14 +6,14 @@ prints one JSON object; ``tests/quant`` runs the same cases.
 
 from __future__ import annotations
 
-import time
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from kvmove.quant.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, BlockQuantized
-from kvmove.quant.quantizer import QUANTIZERS, quantize, triton_available
+from kvmove.quant.quantizer import quantize, triton_available
 
 
 def random_weights(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -42,6 +42,32 @@ def extreme_blocks() -> torch.Tensor:
     return x
 
 
+def fp8_subnormals() -> torch.Tensor:
+    """Blocks of scale 1 (max 448) holding every bf16 value of magnitude below 2**-5, either sign: e4m3's
+    subnormals (multiples of 2**-9 under 2**-6), the ties between them, and what rounds to zero."""
+    bits = torch.arange(0, 0x3D00, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    vals = torch.cat([bits, -bits])
+    x = torch.zeros(-(-vals.numel() // (BLOCK * BLOCK)) * BLOCK, BLOCK)
+    x.view(-1)[: vals.numel()] = vals
+    x[::BLOCK, -1] = FP8_MAX
+    return x.to(torch.bfloat16)
+
+
+def saturation_blocks() -> torch.Tensor:
+    """Blocks whose max is exactly +-448 (scale 1), just above it (449, 464, 480: scale above 1), and bf16
+    subnormal inputs (scale far below 2**-80: the exact-division branch) next to a normal block."""
+    x = random_weights(256, 640, seed=7)
+    x[:128, :128] = x[:128, :128].clamp(-1, 1) * 448
+    x[0, 0], x[1, 1] = 448.0, -448.0
+    x[128:, :128] = -448.0
+    for j, top in enumerate((449.0, 464.0, 480.0)):
+        x[:128, 128 * (j + 1) : 128 * (j + 2)] *= top / x[:128, 128 * (j + 1) : 128 * (j + 2)].abs().max()
+    x[128:, 128:256] = random_weights(128, 128, seed=8) * 1e-38  # bf16 subnormals
+    x[128:, 256:384] = random_weights(128, 128, seed=9) * 1e-38
+    x[128, 256] = 1.0  # a normal block max beside subnormal elements
+    return x
+
+
 CASES: dict[str, Callable[[], torch.Tensor]] = {
     "one-block": lambda: random_weights(128, 128),
     "partial-edges": lambda: random_weights(200, 130, seed=1),
@@ -51,6 +77,13 @@ CASES: dict[str, Callable[[], torch.Tensor]] = {
     "ties": rounding_ties,
     "extremes": extreme_blocks,
     "strided": lambda: random_weights(384, 640, seed=6).t(),
+    "fp8-subnormals": fp8_subnormals,
+    "saturation": saturation_blocks,
+    "all-zero": lambda: torch.zeros(256, 384, dtype=torch.bfloat16),
+    "fp16-input": lambda: random_weights(256, 384, seed=10).to(torch.float16),
+    "fp32-input": lambda: torch.randn(256, 384, generator=torch.Generator().manual_seed(11)) * 3,
+    "column-slice": lambda: random_weights(256, 640, seed=12)[:, 128:512],
+    "interleaved-stack": lambda: random_weights(4, 2, 128, 256, seed=13)[:, 1],
 }
 """Inputs every backend must quantize to the same bits."""
 
@@ -82,40 +115,30 @@ def available_backends() -> list[tuple[str, str]]:
     return out
 
 
+def triton_variants() -> list[str]:
+    """The Triton variants this process can run: all on a GPU; under the interpreter those rounding in integers."""
+    from kvmove.quant.triton_fp8 import VARIANTS
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return [name for name, v in VARIANTS.items() if v.rounding == "int"]
+    return list(VARIANTS) if torch.cuda.is_available() else []
+
+
 def check_backends() -> list[BackendCheck]:
-    """Every case on every available backend, compared with the CPU torch path."""
+    """Every case on every available backend (each Triton variant apart: ``triton:<variant>``), compared with the
+    CPU torch path."""
     rows = []
     for case, make in CASES.items():
         x = make()
         want = quantize(x, backend="torch")
         for backend, device in available_backends()[1:]:
-            got = quantize(x.to(device), backend=backend)
-            rows.append(BackendCheck(case, backend, device, same_bits(got, want)))
-    return rows
+            if backend != "triton":
+                got = quantize(x.to(device), backend=backend)
+                rows.append(BackendCheck(case, backend, device, same_bits(got, want)))
+                continue
+            from kvmove.quant.triton_fp8 import quantize_triton
 
-
-class Throughput(NamedTuple):
-    backend: str
-    device: str
-    shape: tuple[int, ...]
-    seconds: float
-    gbps: float
-    """BF16 bytes read per second."""
-
-
-def measure(shape: tuple[int, ...] = (128, 3072, 4096), repeats: int = 5) -> list[Throughput]:
-    """Time each CUDA backend on one BF16 tensor (default: one Qwen3-235B-A22B layer's fused w13, 3.2 GB)."""
-    if not torch.cuda.is_available():
-        return []
-    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    rows = []
-    for backend, device in available_backends()[1:]:
-        QUANTIZERS[backend](x, BLOCK)  # compile / warm up
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            QUANTIZERS[backend](x, BLOCK)
-        torch.cuda.synchronize()
-        seconds = (time.perf_counter() - start) / repeats
-        rows.append(Throughput(backend, device, shape, seconds, x.numel() * 2 / seconds / 1e9))
+            for variant in triton_variants():
+                got = quantize_triton(x.to(device), BLOCK, variant)
+                rows.append(BackendCheck(case, f"triton:{variant}", device, same_bits(got, want)))
     return rows

@@ -1,6 +1,7 @@
-"""On a GPU: torch-on-CUDA and the Triton kernel give the CPU torch path's bits on every check case.
+"""On a GPU: torch-on-CUDA and every Triton variant give the CPU torch path's bits on every check case, and the
+fast variant's two shortcuts (Markstein division, the hardware e4m3 conversion) are proven exact exhaustively.
 
-``python -m kvmove.quant`` runs the same check without pytest (and times the backends).
+``python -m kvmove.quant`` runs the same checks without pytest (and times the backends).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmove.quant import quantize
+from kvmove.quant import BLOCK, NonFiniteWeightError, quantize
 from kvmove.quant.check import CASES, available_backends, check_backends, same_bits
 
 pytestmark = [
@@ -17,9 +18,11 @@ pytestmark = [
 ]
 
 
-def test_every_backend_gives_the_cpu_bits() -> None:
+def test_every_backend_and_variant_gives_the_cpu_bits() -> None:
     assert ("triton", "cuda") in available_backends(), "triton is not installed"
-    bad = [c for c in check_backends() if not c.equal]
+    checks = check_backends()
+    assert {c.backend for c in checks} >= {"torch", "triton:fast", "triton:exact-int", "triton:markstein-int"}
+    bad = [c for c in checks if not c.equal]
     assert not bad, bad
 
 
@@ -27,6 +30,40 @@ def test_every_backend_gives_the_cpu_bits() -> None:
 def test_triton_case(case: str) -> None:
     x = CASES[case]()
     assert same_bits(quantize(x.cuda(), backend="triton"), quantize(x, backend="torch"))
+
+
+def test_hardware_conversion_equals_integer_rounding_on_every_float32_up_to_448() -> None:
+    from kvmove.quant.exhaustive import conversion_mismatches
+
+    proof = conversion_mismatches()
+    assert proof.cases > 2_000_000_000 and proof.mismatches == 0, proof
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_markstein_quotient_is_exact_for_every_16_bit_element_and_block_max(dtype: torch.dtype) -> None:
+    from kvmove.quant.exhaustive import division_mismatches
+
+    proof = division_mismatches(dtype)
+    assert proof.cases > 900_000_000 and proof.mismatches == 0, proof
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fast_equals_exact_on_large_random_float32_blocks(seed: int) -> None:
+    from kvmove.quant.triton_fp8 import quantize_triton
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(64, 1024, 1024, device="cuda", generator=g)
+    x *= torch.exp2(torch.randint(-90, 90, (64, 1, 1), device="cuda", generator=g).float())  # scales far apart
+    assert same_bits(quantize_triton(x, BLOCK, "fast"), quantize_triton(x, BLOCK, "exact-int"))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_blocks_are_refused_on_every_cuda_backend(bad: float) -> None:
+    x = CASES["one-block"]().repeat(1, 2).cuda()
+    x[5, 200] = bad
+    for backend in ("torch", "triton"):
+        with pytest.raises(NonFiniteWeightError):
+            quantize(x, backend=backend)
 
 
 def test_batched_triton_stacks_give_the_cpu_bits() -> None:
