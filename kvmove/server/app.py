@@ -198,7 +198,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         cause = exc.__cause__  # NOTE: FastAPI raises "error parsing the body" from what the JSON decoder raised
-        message = f"{exc.detail}: {_brief(cause)}" if cause is not None else str(exc.detail)
+        message = f"the request body could not be parsed: {_brief(cause)}" if cause is not None else str(exc.detail)
         return _failure(exc.status_code, message, code=exc.status_code)
 
     @app.exception_handler(Exception)
@@ -229,5 +229,5 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def _brief(exc: BaseException) -> str:
     """One line naming ``exc`` (a too-deep body's RecursionError, a 5000-digit integer's ValueError)."""
-    text = " ".join(str(exc).split())
+    text = " ".join(str(exc).split(";")[0].split())  # NOTE: not Python's advice on raising its limits
     return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
