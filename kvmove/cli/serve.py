@@ -132,7 +132,12 @@ BodyTimeoutOpt = Annotated[
     ),
 ]
 KeepAliveTimeoutOpt = Annotated[
-    int, typer.Option("--keep-alive-timeout", min=1, help="Seconds an idle keep-alive connection stays open.")
+    int,
+    typer.Option(
+        "--keep-alive-timeout",
+        min=1,
+        help="Seconds an idle keep-alive connection stays open (keep it above your clients' keep-alive expiry).",
+    ),
 ]
 MaxConnectionsOpt = Annotated[
     int,
@@ -170,7 +175,7 @@ def serve(
     allow_user_migration: AllowUserMigrationOpt = False,
     request_timeout: RequestTimeoutOpt = 0.0,
     body_timeout: BodyTimeoutOpt = 30.0,
-    keep_alive_timeout: KeepAliveTimeoutOpt = 5,
+    keep_alive_timeout: KeepAliveTimeoutOpt = 20,
     max_connections: MaxConnectionsOpt = 2048,
 ) -> None:
     """Serve one rollout worker over HTTP (/generate, /tokenize, /health, /metrics and the migration routes).

@@ -60,7 +60,9 @@ class ServerConfig:
     allow_user_migration: bool = False  # the API key opens the migration routes too when no admin key is set
     request_timeout: float = 0.0  # default deadline of a /generate request (seconds; 0: none)
     body_timeout: float = 30.0  # longest a request's body may take to arrive before the connection is closed
-    keep_alive_timeout: int = 5  # seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive)
+    keep_alive_timeout: int = 20  # seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive);
+    # NOTE: longer than clients keep idle connections (httpx 5 s, aiohttp 15 s), or a request sent just as the server
+    # closes one finds it gone ("Server disconnected without sending a response")
     max_connections: int = 2048  # concurrent connections/requests before new ones get 503 (uvicorn's limit_concurrency)
 
     def __post_init__(self) -> None:
