@@ -13,10 +13,10 @@ data plane (``/kvmove/pull_kv``, ``/kvmove/read_pages``) stays: it is how two kv
 fork's servers use their transfer engine.
 
 Every route carries its access level (``kvmove.server.auth``: open, normal, admin, migration; SGLang's
-``--api-key`` and ``--admin-api-key``, the migration routes closed to the API key unless ``--allow-user-migration``). Without ``--enable-kv-migration``
-the fork's five routes answer 403 (as the fork does) and
-kvmove's migration routes (the data plane, abort, hand-over) are not served at all. Bodies are limited on the bytes
-actually read (``kvmove.server.limits``).
+``--api-key`` and ``--admin-api-key``, the migration routes closed to the API key unless
+``--allow-user-migration``). Without ``--enable-kv-migration`` the fork's five routes answer 403 (as the fork does)
+and kvmove's migration routes (the data plane, abort, hand-over) are not served at all. Bodies are limited on the
+bytes actually read, and on the time they take to arrive (``kvmove.server.limits``).
 """
 
 from __future__ import annotations
