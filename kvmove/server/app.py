@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmove.engines.reference import RequestFailedError, UnknownRequestError
@@ -34,6 +34,7 @@ from kvmove.server.asgi import disconnected
 from kvmove.server.auth import ADMIN_STATE, Access, AuthMiddleware, route_access
 from kvmove.server.limits import BodyLimitMiddleware
 from kvmove.server.runtime import Runtime
+from kvmove.server.streaming import stream_answer
 from kvmove.transport.http_route import READ_PATH, answer_read
 
 OPEN, ADMIN, MIGRATION = route_access(Access.OPEN), route_access(Access.ADMIN), route_access(Access.MIGRATION)
@@ -52,9 +53,12 @@ def create_app(rt: Runtime) -> FastAPI:
     def health() -> m.Health:
         return m.Health()
 
-    @app.post("/generate")
-    async def generate(body: m.GenerateReq, request: Request) -> m.GenerateResp:
-        return await rt.generate(body, gone=lambda: disconnected(request.receive))
+    @app.post("/generate", response_model=None)
+    async def generate(body: m.GenerateReq, request: Request) -> m.GenerateResp | StreamingResponse:
+        gone = lambda: disconnected(request.receive)  # noqa: E731
+        if body.stream:
+            return StreamingResponse(stream_answer(rt, body, gone), media_type="text/event-stream")
+        return await rt.generate(body, gone=gone)
 
     @app.post("/tokenize")
     def tokenize(body: m.TokenizeReq) -> m.TokenizeResp:

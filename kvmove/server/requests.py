@@ -10,7 +10,7 @@ import asyncio
 import base64
 import enum
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -30,6 +30,7 @@ class InFlight:
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     deadline: float | None = None
+    on_tokens: Callable[[list[int]], None] | None = None  # a streaming caller's: output ids so far, every step
 
     def seconds_left(self) -> float | None:
         return None if self.deadline is None else max(self.deadline - time.monotonic(), 1e-3)

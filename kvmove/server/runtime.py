@@ -136,6 +136,8 @@ class Runtime:
             pending = self._inflight.get(rid)
             if pending is not None and pending.first_token_at is None:
                 pending.first_token_at = now
+            if pending is not None and pending.on_tokens is not None and (running := self.worker.scheduler.get(rid)):
+                pending.on_tokens(list(running.output_ids))
         for req in out.finished:
             pending = self._inflight.pop(req.rid, None)
             if pending is not None:
@@ -159,7 +161,9 @@ class Runtime:
             return GenerateResp(text="", output_ids=[], meta_info={"id": rid, "finish_reason": abort_reason(message)})
         return await asyncio.shield(answer)
 
-    def submit(self, body: GenerateReq) -> Submitted:
+    def submit(self, body: GenerateReq, on_tokens: Callable[[list[int]], None] | None = None) -> Submitted:
+        """Hand ``body`` to the worker; ``on_tokens(output_ids)`` is called (on the worker's thread) after every step
+        that gave it a token, but the last (its answer)."""
         req = self._request(body)
         future: Future[GenerateResp] = Future()
         timeout = body.timeout or self.config.request_timeout or None
@@ -168,7 +172,7 @@ class Runtime:
                 raise RequestError(f"request {req.rid!r} is already waiting, running or held")
             self.worker.submit(req)
             deadline = None if timeout is None else time.monotonic() + timeout
-            self._inflight[req.rid] = InFlight(future, deadline=deadline)
+            self._inflight[req.rid] = InFlight(future, deadline=deadline, on_tokens=on_tokens)
             self._wake.notify()
         return Submitted(req.rid, future, timeout)
 
@@ -188,8 +192,6 @@ class Runtime:
     def _request(self, body: GenerateReq) -> Request:
         if (body.text is None) == (body.input_ids is None):
             raise RequestError("pass exactly one of text or input_ids")
-        if body.stream:
-            raise RequestError("stream=true is not supported by kvmove's server")
         sp = body.sampling_params
         if sp.top_p != 1.0 or sp.top_k not in (-1, 0):
             raise RequestError("only top_p=1 and top_k=-1 are supported (greedy or plain temperature sampling)")

@@ -5,6 +5,7 @@ generated so far."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import threading
@@ -165,3 +166,55 @@ def test_a_migrated_request_whose_client_leaves_is_aborted_on_its_target(start_s
     for s in (a, b):
         _holds_nothing(s)
         s.stop()
+
+
+def _events(lines) -> list:
+    return [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+
+
+def test_a_streamed_answer_grows_token_by_token_and_ends_with_done(start_server) -> None:
+    s = start_server(num_pages=256, page_size=16)
+    body = {"input_ids": _ids(30, 11), "sampling_params": {"max_new_tokens": 6, "temperature": 0}, "stream": True}
+    with httpx.stream("POST", f"{s.url}/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = _events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    final = chunks[-1]
+    assert final["meta_info"]["finish_reason"]["type"] == "length" and len(final["output_ids"]) == 6
+    for earlier, later in itertools.pairwise(chunks):  # cumulative, each a prefix of the next
+        assert later["output_ids"][: len(earlier["output_ids"])] == earlier["output_ids"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1]) and len(chunks) >= 2
+    with WorkerClient(s.url, timeout=60) as c:  # the same tokens as the plain answer
+        plain = c.generate(
+            m.GenerateReq(
+                input_ids=body["input_ids"], sampling_params=m.SamplingParamsMsg(max_new_tokens=6, temperature=0)
+            )
+        )
+    assert plain.output_ids == final["output_ids"]
+    s.stop()
+
+
+def test_a_streaming_client_that_leaves_aborts_its_request(start_server) -> None:
+    s = start_server(num_pages=256, page_size=16, max_running=1)
+    socks = [_send(s, {"input_ids": _ids(30, 20 + i), "sampling_params": LONG, "stream": True}) for i in range(2)]
+    _until(lambda: s.runtime.worker.stats().running == 1, 30, "one streaming, one queued")
+    assert socks[0].recv(4096).startswith(b"HTTP/1.1 200")
+    for sock in socks:
+        sock.close()
+    _until(lambda: _idle(s), 1.0, "both streamed requests aborted")
+    _holds_nothing(s)
+    s.stop()
+
+
+def test_a_streamed_request_past_its_deadline_ends_with_an_abort(start_server) -> None:
+    s = start_server(num_pages=256, page_size=16)
+    body = {"input_ids": _ids(30, 12), "sampling_params": LONG, "stream": True, "timeout": 0.5}
+    with httpx.stream("POST", f"{s.url}/generate", json=body, timeout=60) as r:
+        events = _events(r.iter_lines())
+    final = json.loads(events[-2])
+    assert events[-1] == "[DONE]" and final["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "deadline of 0.5 s exceeded" in final["meta_info"]["finish_reason"]["message"]
+    _until(lambda: _idle(s), 1.0, "the late streamed request gone")
+    _holds_nothing(s)
+    s.stop()
