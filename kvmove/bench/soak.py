@@ -4,12 +4,15 @@ read after a warm-up and again at the end, so any growth shows as a delta.
 Every migration moves a freshly cached prompt's K/V from one server to the other (allocate -> transfer -> commit
 over the transport); every ``handover_every``-th one is instead a whole hand-over of a live request (queued on the
 source, held, its K/V moved, released; the source relays the target's answer, checked token for token against an
-unmigrated run). Directions alternate, so each server is source and target in turn. Before each reading both
-caches are flushed, so device pages must be back to zero too.
+unmigrated run). Directions alternate, so each server is source and target in turn. Every ``abandon_every``-th
+step a client also gives up on a long request (disconnects after 0.2 s: the server must abort it), and every
+``stall_every``-th one a client sends half a body and stalls (the server must close it after its body timeout,
+``kvmove.bench.misbehaving``). Before each reading both caches are flushed, so device pages must be back to zero
+too, and the stalled connections must have been closed.
 
-What is read (``/kvmove/resources`` of each server): open file descriptors, resident bytes and threads of the
-process; device, inbox and outbox pages in use; locked pages and export locks; pending migrations, held and
-in-flight requests, open read grants.
+What is read (``/kvmove/resources`` of each server): open file descriptors, resident bytes and OS threads
+(``/proc/self/task``) of the process; device, inbox and outbox pages in use; locked pages and export locks; pending
+migrations, held and in-flight requests, open read grants.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from kvmove.bench.misbehaving import MisbehavingClients
 from kvmove.bench.results import Row
 from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.errors import KvmoveError
@@ -65,6 +69,10 @@ class SoakConfig:
     fd_slack: int = 2
     rss_slack_bytes: int = 64 << 20
     thread_slack: int = 2
+    abandon_every: int = 10  # a client giving up on a long request every N steps (0: never)
+    stall_every: int = 10  # a client stalling halfway through its body every N steps (0: never)
+    abandoned_tokens: int = 400
+    body_timeout: float = 1.0  # the servers' --body-timeout
 
 
 @dataclass
@@ -79,6 +87,7 @@ class SoakResult:
     verified: int = 0
     wrong: list[str] = field(default_factory=list)
     wall_seconds: float = 0.0
+    rude: MisbehavingClients = field(default_factory=MisbehavingClients)
 
     def growth(self) -> dict[str, int]:
         """Largest after - before over the servers, per resource."""
@@ -120,30 +129,52 @@ def run_soak(cfg: SoakConfig, transport: str, log_dir: Path | None = None) -> So
         transport=transport,
         enable_kv_migration=True,
         admin_api_key=key,
+        body_timeout=cfg.body_timeout,
     )
     configs = [replace(base, port=free_port()) for _ in range(2)]
     with tempfile.TemporaryDirectory(prefix="kvmove-soak-") as tmp, LocalCluster(configs, log_dir or Path(tmp)) as c:
         clients = [WorkerClient(u, timeout=120, api_key=key) for u in c.urls]
         try:
-            return _soak(cfg, transport, clients)
+            return _soak(cfg, transport, clients, key)
         finally:
             for client in clients:
                 client.close()
 
 
-def _soak(cfg: SoakConfig, transport: str, clients: list[WorkerClient]) -> SoakResult:
+def _soak(cfg: SoakConfig, transport: str, clients: list[WorkerClient], key: str) -> SoakResult:
     reference = _Reference(cfg)
+    rude = MisbehavingClients(body_timeout=cfg.body_timeout)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        warm = SoakResult(transport, {}, {})
+        warm = SoakResult(transport, {}, {}, rude=rude)
         for i in range(cfg.warmup):
-            _migration(i, clients, pool, cfg, reference, warm)
-        result = SoakResult(transport, _resources(clients), {}, wrong=warm.wrong)
+            _step(i, clients, pool, cfg, reference, warm, key)
+        warm.wrong += rude.settle(clients)
+        result = SoakResult(transport, _resources(clients), {}, wrong=warm.wrong, rude=rude)
         start = time.perf_counter()
         for i in range(cfg.warmup, cfg.warmup + cfg.migrations):
-            result.migrations.append(_migration(i, clients, pool, cfg, reference, result))
+            result.migrations.append(_step(i, clients, pool, cfg, reference, result, key))
         result.wall_seconds = time.perf_counter() - start
+    result.wrong += rude.settle(clients)
     result.after = _resources(clients)
     return result
+
+
+def _step(
+    i: int,
+    clients: list[WorkerClient],
+    pool: ThreadPoolExecutor,
+    cfg: SoakConfig,
+    ref: _Reference,
+    result: SoakResult,
+    key: str,
+) -> Migration:
+    """Migration ``i``, and the misbehaving clients whose turn it is."""
+    if cfg.abandon_every and i % cfg.abandon_every == 0:
+        ids = _tokens(cfg.prompt_len, 10_000 + i)
+        result.rude.abandon(clients[(i + 1) % 2].url, ids, cfg.abandoned_tokens, key)
+    if cfg.stall_every and i % cfg.stall_every == 0:
+        result.rude.stall(clients[i % 2].url)
+    return _migration(i, clients, pool, cfg, ref, result)
 
 
 def _migration(
@@ -254,6 +285,9 @@ def soak_rows(cfg: SoakConfig, results: list[SoakResult]) -> list[Row]:
             "before": {u: res.model_dump() for u, res in r.before.items()},
             "after": {u: res.model_dump() for u, res in r.after.items()},
             "warmup": cfg.warmup,
+            "abandoned_requests": r.rude.abandoned,
+            "stalled_bodies": r.rude.stalled,
+            "stalled_closed_by_server": r.rude.closed_by_server,
         }
         rows.append(
             Row(

@@ -108,6 +108,42 @@ PeerShareOpt = Annotated[
     ),
 ]
 
+AllowUserMigrationOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-user-migration",
+        help="Without --admin-api-key, let the API key (or, without any key, anyone) call the migration and hold "
+        "routes, as SGLang does; off: they need the admin key, and a non-loopback --host needs one to start.",
+    ),
+]
+RequestTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--request-timeout",
+        min=0,
+        help="Default deadline of a /generate request in seconds (aborted after it, answering what it generated; "
+        "a request's own 'timeout' wins); 0: none.",
+    ),
+]
+BodyTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--body-timeout", help="Seconds a request body may take to arrive; after it: 408 and the connection closed."
+    ),
+]
+KeepAliveTimeoutOpt = Annotated[
+    int,
+    typer.Option(
+        "--keep-alive-timeout",
+        min=1,
+        help="Seconds an idle keep-alive connection stays open (keep it above your clients' keep-alive expiry).",
+    ),
+]
+MaxConnectionsOpt = Annotated[
+    int,
+    typer.Option("--max-connections", min=1, help="Most concurrent connections or requests; beyond: 503."),
+]
+
 
 def serve(
     port: PortOpt = 30000,
@@ -136,6 +172,11 @@ def serve(
     allowed_peers: AllowedPeersOpt = "",
     migration_share: MigrationShareOpt = 0.5,
     peer_share: PeerShareOpt = 0.5,
+    allow_user_migration: AllowUserMigrationOpt = False,
+    request_timeout: RequestTimeoutOpt = 0.0,
+    body_timeout: BodyTimeoutOpt = 30.0,
+    keep_alive_timeout: KeepAliveTimeoutOpt = 20,
+    max_connections: MaxConnectionsOpt = 2048,
 ) -> None:
     """Serve one rollout worker over HTTP (/generate, /tokenize, /health, /metrics and the migration routes).
 
@@ -143,7 +184,9 @@ def serve(
     text, /metrics.json the same as JSON. A port in use, KV pools larger than the memory available, or a --host no
     interface carries (with NIXL) are refused (exit 2) before the model is built. Keys may also come from the
     environment (KVMOVE_API_KEY, KVMOVE_ADMIN_API_KEY), which keeps them off the process list; see the README's
-    threat model for who can reach what.
+    threat model for who can reach what. With --enable-kv-migration the migration and hold routes need the admin
+    key (--allow-user-migration: the API key too), and a non-loopback --host needs one to start. A /generate
+    request whose client disconnects is aborted at once (its pages freed).
 
     Example: kvmove serve --port 30001 --enable-kv-migration --admin-api-key "$KEY" --allowed-peers 10.0.0.2:30001
     """
@@ -174,6 +217,11 @@ def serve(
         allowed_peers=tuple(p.strip() for p in allowed_peers.split(",") if p.strip()),
         migration_share=migration_share,
         peer_share=peer_share,
+        allow_user_migration=allow_user_migration,
+        request_timeout=request_timeout,
+        body_timeout=body_timeout,
+        keep_alive_timeout=keep_alive_timeout,
+        max_connections=max_connections,
     )
     _serve(config)
 
@@ -193,6 +241,12 @@ def _serve(config: ServerConfig) -> None:
             from kvmove.transport.interfaces import interface_of
 
             interface_of(config.host)  # NOTE: NIXL will listen on the interface of --host: one of this host's
+        if config.enable_kv_migration and config.api_key and not (config.admin_api_key or config.allow_user_migration):
+            typer.echo(
+                "kvmove: warning: no --admin-api-key: the migration routes refuse the API key, so this worker cannot "
+                "migrate (set --admin-api-key, or --allow-user-migration to let API-key holders migrate)",
+                err=True,
+            )
         migration = f"KV migration over {choice.name}" if choice is not None else "no KV migration"
         from kvmove.server.launch import serve as run  # NOTE: fastapi/uvicorn are the optional `serve` extra
 

@@ -7,6 +7,7 @@ Parse -> config -> library call -> render. Three modes: real syncs (the default)
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -339,7 +340,19 @@ def _run(config: SyncConfig, as_json: bool, results: Path | None) -> None:
     from kvmove.sync.driver.run import run_syncs
 
     config = checked(config)  # refusals come before any progress output
-    rows = render.run_syncs(run_syncs, config, as_json=as_json)
+    landed: list[SyncResult] = []
+
+    def recorded(config: SyncConfig, progress: Any = None) -> Iterator[SyncResult]:
+        for r in run_syncs(config, progress=progress):
+            landed.append(r)
+            yield r
+
+    try:
+        rows = render.run_syncs(recorded, config, as_json=as_json)
+    except BaseException:
+        if not as_json:  # NOTE: a run that failed part way still shows the syncs that completed (--json printed each)
+            render.sync_table(landed)
+        raise
     if results is not None and rows:
         from kvmove.bench.results import append_rows
         from kvmove.bench.syncs import sync_row

@@ -12,7 +12,7 @@ import httpx
 from pydantic import BaseModel
 
 from kvmove.migration import messages as m
-from kvmove.migration.errors import PeerUnreachableError, error_for_status
+from kvmove.migration.errors import PeerUnreachableError, error_for_status, failure_message
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -80,7 +80,8 @@ class WorkerClient:
         except httpx.HTTPError as exc:
             raise PeerUnreachableError(f"{self.url}/abort_request: {exc!r}") from exc
         if resp.status_code != 200:
-            raise error_for_status(resp.status_code, f"{self.url}/abort_request: {resp.text[:500]}")
+            message = failure_message(resp.status_code, resp.reason_phrase, resp.content)
+            raise error_for_status(resp.status_code, f"{self.url}/abort_request: {message}")
 
     def hold(self, rid: str) -> m.HoldRequestResp:
         return self._call("POST", "/kvmove/hold_request", m.HoldRequestReq(rid=rid), m.HoldRequestResp)
@@ -98,9 +99,6 @@ class WorkerClient:
         except httpx.HTTPError as exc:
             raise PeerUnreachableError(f"{self.url}{path}: {exc!r}") from exc
         if resp.status_code != 200:
-            try:
-                message = str(resp.json().get("message", resp.text))
-            except ValueError:
-                message = resp.text
+            message = failure_message(resp.status_code, resp.reason_phrase, resp.content)
             raise error_for_status(resp.status_code, f"{self.url}{path}: {message}")
         return out.model_validate(resp.json())

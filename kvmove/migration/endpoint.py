@@ -10,7 +10,8 @@ pages only while a transfer stages them: ``offer`` lets exactly the target of on
 pages (over NIXL: registered for that transfer and published as partial agent metadata; over HTTP: a read grant
 for those spans), ``withdraw`` ends it (deregistered, grant revoked) and ``unstage`` scrubs the pages before they
 are freed, so a late READ fails where the transport enforces registrations and finds zeros where it does not (UCX
-over tcp or shared memory). Session infos carry opaque buffer handles (``handles``), never process addresses.
+over tcp or shared memory). Session infos carry opaque buffer handles (``handles``), never process addresses; an
+offer names its buffers' addresses only over NIXL, whose READs need them (to the one authenticated target).
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ SERVER_TRANSPORTS: dict[str, Callable[[TransportSetup], Transport]] = {
 }
 """Transports that move KV between two plain server processes, in the order ``auto`` tries them (the ``http`` one
 serves its reads through the routes of the server it lives in)."""
+
+ADDRESSED_TRANSPORTS = frozenset({"nixl"})
+"""Transports whose reads name the peer buffer's address (a NIXL READ); every other one names buffers by id only."""
 
 IN_PROCESS_TRANSPORTS: dict[str, Callable[[TransportSetup], Transport]] = {"local": lambda s: LocalTransport()}
 """Transports between endpoints of one process only (both sides of a benchmark); only ever chosen by name."""
@@ -197,12 +201,17 @@ class HostEndpoint:
             endpoint=info.endpoint,
             endpoint_info=base64.b64encode(bytes(info.payload or b"")).decode(),
             buffers=[
-                BufferInfo(endpoint=d.endpoint, buffer_id=d.buffer_id, nbytes=d.nbytes, address=d.address)
+                BufferInfo(endpoint=d.endpoint, buffer_id=d.buffer_id, nbytes=d.nbytes, address=self._address(d))
                 for d in self._out_descs
             ],
             geometry=geometry_info(self.pool.geometry),
             weight_version=weight_version,
         )
+
+    def _address(self, desc: BufferDesc) -> int | None:
+        """What a buffer's offer says of its address: the address where the transport reads by address (NIXL, to
+        the authenticated target it grants), nothing elsewhere (http reads name the buffer id)."""
+        return desc.address if self.transport.name in ADDRESSED_TRANSPORTS else None
 
     def withdraw(self, offer: SourceEndpoint) -> None:
         """End what ``offer`` allowed: from now on the target's reads of those pages are refused."""
@@ -267,4 +276,6 @@ def _endpoint_info(source: SourceEndpoint) -> EndpointInfo:
 
 
 def _remote_desc(transport: str, b: BufferInfo) -> BufferDesc:
-    return BufferDesc(transport, b.endpoint, b.buffer_id, b.nbytes, b.address)
+    if transport in ADDRESSED_TRANSPORTS and b.address is None:
+        raise MigrationError(f"source buffer {b.endpoint}#{b.buffer_id} has no address, which {transport} reads by")
+    return BufferDesc(transport, b.endpoint, b.buffer_id, b.nbytes, b.address or 0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from kvmove.errors import KvmoveError
 
 
@@ -61,6 +63,20 @@ _BY_STATUS: dict[int, type[MigrationError]] = {
     429: ShareExceededError,
     503: OutOfPagesError,
 }
+
+
+def failure_message(status: int, reason: str, body: bytes) -> str:
+    """What a peer's failure answer says: its ``message`` (a kvmove or SGLang failure body), else its text, and
+    always its status (an empty 503 reads "HTTP 503 Service Unavailable, empty body")."""
+    text = body.decode(errors="replace").strip()
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("message") or parsed.get("detail"), str):
+        text = parsed.get("message") or parsed["detail"]
+    head = f"HTTP {status} {reason}".rstrip()
+    return f"{head}: {' '.join(text.split())[:500]}" if text else f"{head}, empty body"
 
 
 def error_for_status(status: int, message: str) -> MigrationError:

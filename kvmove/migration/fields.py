@@ -37,6 +37,8 @@ def _finite(value: float) -> float:
 
 Temperature = Annotated[float, Field(ge=0.0), AfterValidator(_finite)]
 Probability = Annotated[float, Field(gt=0.0, le=1.0)]
+Seconds = Annotated[float, Field(gt=0.0), AfterValidator(_finite)]
+"""A duration: finite and > 0."""
 
 
 def check_text(value: Any) -> Any:

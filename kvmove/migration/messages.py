@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvmove.migration.fields import Count, Int64, PositiveCount, Probability, Seed, Temperature, check_text
+from kvmove.migration.fields import Count, Int64, PositiveCount, Probability, Seconds, Seed, Temperature, check_text
 
 
 class Request(BaseModel):
@@ -186,10 +186,14 @@ class AbortTransferResp(Response):
 
 
 class BufferInfo(Request):
+    """One staged source buffer. ``address`` (its address in the source's memory) only where the transport reads by
+    address (NIXL, sent to the authenticated target); over http the buffer is named by ``buffer_id`` alone and the
+    key is absent from the body."""
+
     endpoint: str
     buffer_id: Count
     nbytes: Count
-    address: Count
+    address: Count | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class SourceEndpoint(Request):
@@ -314,6 +318,7 @@ class GenerateReq(Request):
     priority: Int64 | None = None
     extra_key: str | None = None
     resume: ResumeInfo | None = None
+    timeout: Seconds | None = None  # kvmove: seconds until the request is aborted (default: --request-timeout)
 
 
 class GenerateResp(Response):

@@ -27,6 +27,12 @@ from kvmove.rl.trainer_rank import answer_engine_call
 from kvmove.sync.ranks.control import Address, Completion, EngineStats, Sampling
 from kvmove.sync.ranks.wire import ControlServer
 
+ENGINE_SHUTDOWN_S = 30.0
+"""How long an engine core may take to stop. vLLM's default (5 s) is no longer than the core's own grace for its
+worker (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, 5 s, then SIGTERM and 4 s more): a worker slow to exit had the
+core killed while it waited, so neither unlinked its shared memory and semaphores (the resource tracker's "leaked"
+warnings at exit)."""
+
 
 class EngineCheck(NamedTuple):
     """One engine's bit-exact check of a sync."""
@@ -115,7 +121,7 @@ class VllmEngines:
         for llm in self.llms:
             with contextlib.suppress(Exception):  # an engine whose transfer side never started releases nothing
                 llm.shutdown_weight_transfer_engine()
-            llm.llm_engine.engine_core.shutdown()
+            llm.llm_engine.engine_core.shutdown(timeout=ENGINE_SHUTDOWN_S)
         self.llms = []
         self._dir.cleanup()
 

@@ -1,7 +1,9 @@
 """The HTTP layer: one line per route, each delegating to the runtime or the migration core.
 
 Routes and bodies follow SGLang's server and its KV-migration fork (kvmove/migration/messages.py); errors are
-``{"success": false, "message": ...}`` with a 4xx/5xx status (400 for malformed bodies instead of FastAPI's 422).
+``{"success": false, "message": ...}`` with a 4xx/5xx status (400 for malformed bodies instead of FastAPI's 422),
+whatever failed: a body that does not parse, an unknown route, a refusal, a bug. ``/generate`` aborts its request
+when its client disconnects (``kvmove.server.runtime.Runtime.generate``).
 ``/kvmove/read_pages`` is the ``http`` transport's data plane: raw bytes out, refusals as above.
 
 With ``kvmove_routes`` off, the server answers only what an SGLang server of the fork answers: SGLang's own routes
@@ -10,35 +12,40 @@ and the fork's five migration routes; kvmove's control routes (``/abort_transfer
 data plane (``/kvmove/pull_kv``, ``/kvmove/read_pages``) stays: it is how two kvmove servers move the bytes, as the
 fork's servers use their transfer engine.
 
-Every route carries its access level (``kvmove.server.auth``: open, normal, admin; SGLang's ``--api-key`` and
-``--admin-api-key``). Without ``--enable-kv-migration`` the fork's five routes answer 403 (as the fork does) and
-kvmove's migration routes (the data plane, abort, hand-over) are not served at all. Bodies are limited on the bytes
-actually read (``kvmove.server.limits``).
+Every route carries its access level (``kvmove.server.auth``: open, normal, admin, migration; SGLang's
+``--api-key`` and ``--admin-api-key``, the migration routes closed to the API key unless
+``--allow-user-migration``). Without ``--enable-kv-migration`` the fork's five routes answer 403 (as the fork does)
+and kvmove's migration routes (the data plane, abort, hand-over) are not served at all. Bodies are limited on the
+bytes actually read, and on the time they take to arrive (``kvmove.server.limits``).
 """
 
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmove.engines.reference import RequestFailedError, UnknownRequestError
 from kvmove.errors import KvmoveError
 from kvmove.migration import messages as m
 from kvmove.migration.errors import MigrationError
+from kvmove.server.asgi import disconnected
 from kvmove.server.auth import ADMIN_STATE, Access, AuthMiddleware, route_access
 from kvmove.server.limits import BodyLimitMiddleware
 from kvmove.server.runtime import Runtime
+from kvmove.server.streaming import stream_answer
 from kvmove.transport.http_route import READ_PATH, answer_read
 
-OPEN, ADMIN = route_access(Access.OPEN), route_access(Access.ADMIN)
+OPEN, ADMIN, MIGRATION = route_access(Access.OPEN), route_access(Access.ADMIN), route_access(Access.MIGRATION)
 
 
 def create_app(rt: Runtime) -> FastAPI:
     app = FastAPI(title="kvmove rollout worker")
     _install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=rt.config.max_body_bytes)
-    app.add_middleware(AuthMiddleware, keys=rt.config.keys, routes=lambda: app.router.routes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=rt.config.max_body_bytes, timeout_s=rt.config.body_timeout)
+    rids = Access.MIGRATION if rt.config.enable_kv_migration else Access.ADMIN
+    app.add_middleware(AuthMiddleware, keys=rt.config.keys, routes=lambda: app.router.routes, rids_level=rids)
     _install_metrics(app, rt)
 
     @app.get("/health")
@@ -46,9 +53,12 @@ def create_app(rt: Runtime) -> FastAPI:
     def health() -> m.Health:
         return m.Health()
 
-    @app.post("/generate")
-    async def generate(body: m.GenerateReq) -> m.GenerateResp:
-        return await rt.generate(body)
+    @app.post("/generate", response_model=None)
+    async def generate(body: m.GenerateReq, request: Request) -> m.GenerateResp | StreamingResponse:
+        gone = lambda: disconnected(request.receive)  # noqa: E731
+        if body.stream:
+            return StreamingResponse(stream_answer(rt, body, gone), media_type="text/event-stream")
+        return await rt.generate(body, gone=gone)
 
     @app.post("/tokenize")
     def tokenize(body: m.TokenizeReq) -> m.TokenizeResp:
@@ -81,29 +91,29 @@ def _add_migration_routes(app: FastAPI, rt: Runtime) -> None:
     """The SGLang fork's five migration routes (403 "not enabled" without --enable-kv-migration, as the fork)."""
 
     @app.get("/get_transfer_session_ids")
-    @ADMIN
+    @MIGRATION
     def get_transfer_session_ids() -> m.TransferSessionIds:
         return rt.session_ids()
 
     @app.post("/get_request_extra_token_size")
-    @ADMIN
+    @MIGRATION
     def get_request_extra_token_size(body: m.GetRequestExtraTokenSizeReq) -> m.GetRequestExtraTokenSizeResp:
         return rt.target.extra_token_size(body)
 
     @app.post("/allocate_token_for_transfer_request")
-    @ADMIN
+    @MIGRATION
     def allocate_token_for_transfer_request(
         body: m.AllocateTokenForTransferReq, request: Request
     ) -> m.AllocateTokenForTransferResp:
         return rt.target.allocate(body, peer=request.client.host if request.client else "")
 
     @app.post("/transfer_request_kvcache")
-    @ADMIN
+    @MIGRATION
     def transfer_request_kvcache(body: m.TransferRequestKVCacheReq) -> m.TransferRequestKVCacheResp:
         return rt.source.transfer(body)
 
     @app.post("/commit_transfer_request_kvcache")
-    @ADMIN
+    @MIGRATION
     def commit_transfer_request_kvcache(body: m.CommitTransferReq) -> m.CommitTransferResp:
         return rt.target.commit(body)
 
@@ -112,12 +122,12 @@ def _add_data_plane(app: FastAPI, rt: Runtime) -> None:
     """kvmove's peer-to-peer data plane (only with --enable-kv-migration)."""
 
     @app.post("/kvmove/pull_kv")
-    @ADMIN
+    @MIGRATION
     def pull_kv(body: m.PullKVReq) -> m.PullKVResp:
         return rt.target.pull(body)
 
     @app.post(READ_PATH, response_class=Response)
-    @ADMIN
+    @MIGRATION
     async def read_pages(request: Request) -> Response:
         return await answer_read(request, rt.read_pages)
 
@@ -139,17 +149,17 @@ def _add_kvmove_routes(app: FastAPI, rt: Runtime) -> None:
         return
 
     @app.post("/abort_transfer_request_kvcache")
-    @ADMIN
+    @MIGRATION
     def abort_transfer_request_kvcache(body: m.AbortTransferReq) -> m.AbortTransferResp:
         return rt.target.abort(body.migration_id)
 
     @app.post("/kvmove/hold_request")
-    @ADMIN
+    @MIGRATION
     def hold_request(body: m.HoldRequestReq) -> m.HoldRequestResp:
         return rt.held.hold(body)
 
     @app.post("/kvmove/release_request")
-    @ADMIN
+    @MIGRATION
     def release_request(body: m.ReleaseRequestReq) -> m.ReleaseRequestResp:
         return rt.held.release(body)
 
@@ -187,6 +197,19 @@ def _failure(status: int, message: str, **extra: object) -> JSONResponse:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
+    """Every failure answers ``{"success": false, "message": ...}``: bodies that do not parse or validate (400),
+    unknown routes and methods (404, 405), refusals of the migration core and the worker, and bugs (500)."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        cause = exc.__cause__  # NOTE: FastAPI raises "error parsing the body" from what the JSON decoder raised
+        message = f"the request body could not be parsed: {_brief(cause)}" if cause is not None else str(exc.detail)
+        return _failure(exc.status_code, message, code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def bug(_: Request, exc: Exception) -> JSONResponse:
+        return _failure(500, f"internal error: {_brief(exc)}")
+
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
         text = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
@@ -207,3 +230,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(KvmoveError)
     async def refused(_: Request, exc: KvmoveError) -> JSONResponse:
         return _failure(400, str(exc))
+
+
+def _brief(exc: BaseException) -> str:
+    """One line naming ``exc`` (a too-deep body's RecursionError, a 5000-digit integer's ValueError)."""
+    text = " ".join(str(exc).split(";")[0].split())  # NOTE: not Python's advice on raising its limits
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__

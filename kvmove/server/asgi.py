@@ -26,3 +26,10 @@ async def send_json(send: Send, status: int, body: dict[str, Any], close: bool =
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": raw})
+
+
+async def disconnected(receive: Receive) -> None:
+    """Return once the client of a request whose body was read has disconnected (the server's ``http.disconnect``
+    message; it also comes once the response is complete)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -6,12 +6,18 @@ Every route has an ``Access`` level (``route_access`` marks the endpoint; unmark
   ``/metrics`` shows an unauthorized caller is reduced instead (no request ids, see ``is_admin``).
 - ``NORMAL`` (generation, tokenizer): the API key when one is set, else open; the admin key is accepted too (a
   peer continuing a migrated request presents the admin key; SGLang would refuse it where both keys are set).
-- ``ADMIN`` (SGLang's ``ADMIN_OPTIONAL``: migration, request hand-over, cache flush, the KV data plane): the admin
-  key when one is set; else the API key when that is set; else open.
+- ``ADMIN`` (SGLang's ``ADMIN_OPTIONAL``: cache flush, aborts, integrity, resources): the admin key when one is
+  set; else the API key when that is set; else open.
+- ``MIGRATION`` (the migration routes, the request hold and release, the KV data plane: what hands one client's
+  request, prompt and outputs to another caller): the admin key when one is set; else, with only an API key, no
+  caller at all (403 for the API key) unless the server allows user migration (``--allow-user-migration``, the
+  SGLang fork's behaviour), when the API key opens them; with no key at all, open (the server then binds loopback
+  unless it allows user migration: ``ServerConfig.check_exposure``).
 
 Keys travel as ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``), compared in constant time. The decision
 is made from the headers alone, before any byte of the body is read. A refusal is 401 (a key is needed and the
-caller did not present it) with ``{"success": false, "message": ..., "error": "Unauthorized"}``.
+caller did not present it) with ``{"success": false, "message": ..., "error": "Unauthorized"}``, or 403 (the API key
+on a migration route it does not open) with ``"error": "Forbidden"``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class Access(enum.Enum):
     OPEN = "open"
     NORMAL = "normal"
     ADMIN = "admin"
+    MIGRATION = "migration"
 
 
 def route_access(level: Access) -> Callable[[F], F]:
@@ -48,10 +55,12 @@ def route_access(level: Access) -> Callable[[F], F]:
 
 @dataclass(frozen=True)
 class ApiKeys:
-    """The server's keys (None: not set). With neither set every route is open, as in SGLang."""
+    """The server's keys (None: not set). With neither set every route is open, as in SGLang. ``user_migration``:
+    with no admin key, the API key opens the migration routes too (else nobody does)."""
 
     api_key: str | None = None
     admin_api_key: str | None = None
+    user_migration: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -66,7 +75,9 @@ class ApiKeys:
         """The keys that open a route of ``level`` (None: open to anyone)."""
         if level is Access.OPEN:
             return None
-        if level is Access.ADMIN:
+        if level is Access.MIGRATION and self.api_key and not self.admin_api_key:
+            return (self.api_key,) if self.user_migration else ()
+        if level in (Access.ADMIN, Access.MIGRATION):
             need = self.admin_api_key or self.api_key
             return (need,) if need else None
         if not self.api_key:
@@ -98,8 +109,12 @@ class AuthMiddleware:
     """Refuses a request whose route needs a key the caller did not present; tells admitted routes whether the
     caller would pass the ADMIN check (``scope["state"][ADMIN_STATE]``)."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys, routes: Callable[[], list[Any]]) -> None:
-        self.app, self.keys, self.routes = app, keys, routes
+    def __init__(
+        self, app: ASGIApp, keys: ApiKeys, routes: Callable[[], list[Any]], rids_level: Access = Access.ADMIN
+    ) -> None:
+        """``rids_level``: what a caller must pass to see request ids (``MIGRATION`` on a migration server: ids are
+        what a hold names)."""
+        self.app, self.keys, self.routes, self.rids_level = app, keys, routes, rids_level
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -107,13 +122,23 @@ class AuthMiddleware:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         key = presented_key(headers)
-        scope.setdefault("state", {})[ADMIN_STATE] = self.keys.allows(Access.ADMIN, key)
+        scope.setdefault("state", {})[ADMIN_STATE] = self.keys.allows(self.rids_level, key)
         level = self._level(scope)
         if scope.get("method") == "OPTIONS" or self.keys.allows(level, key):
             await self.app(scope, receive, send)
             return
-        which = "admin API key" if level is Access.ADMIN and self.keys.admin_api_key else "API key"
-        message = f"unauthorized: {scope.get('path', '')} needs the server's {which} (Authorization: Bearer <key>)"
+        path = scope.get("path", "")
+        if level is Access.MIGRATION and not self.keys.admin_api_key and self.keys.allows(Access.NORMAL, key):
+            message = (
+                f"forbidden: {path} is a migration route, which the API key does not open: start the server with "
+                "--admin-api-key (or --allow-user-migration to let API-key holders migrate requests)"
+            )
+            await send_json(send, 403, failure(message, error="Forbidden"))
+            return
+        admin = level in (Access.ADMIN, Access.MIGRATION) and bool(self.keys.admin_api_key)
+        admin = admin or (level is Access.MIGRATION and not self.keys.user_migration)
+        which = "admin API key" if admin else "API key"
+        message = f"unauthorized: {path} needs the server's {which} (Authorization: Bearer <key>)"
         await send_json(send, 401, failure(message, error="Unauthorized"))
 
     def _level(self, scope: Scope) -> Access:

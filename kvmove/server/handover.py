@@ -6,7 +6,8 @@ is what the source's client receives (``meta_info.migrated_to`` names the target
 refuses the request, dies before answering or does not answer within the hand-over timeout, the request resumes on
 the source from the state it kept, token for token as it would have continued (greedy, or seeded sampling with
 the generator state carried along). Only the death of the source, the worker its client is connected to, can lose
-the request.
+the request. A request whose client leaves (or whose deadline passes) while held is let go; while it runs on its
+target, the target is asked to abort it (``/abort_request``), so neither worker keeps computing for nobody.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -36,6 +38,9 @@ from kvmove.server.requests import InFlight, resume_state
 log = logging.getLogger("kvmove.server")
 
 
+AbortedAnswer = Callable[[Request, InFlight, str], GenerateResp]
+
+
 class HandOverResult(NamedTuple):
     """The target's answer (None if it gave none), and why the request resumes here instead ("" if it did not)."""
 
@@ -48,11 +53,15 @@ def handover_peer(target: str, peers: PeerPolicy) -> PeerAddress:
     return peers.check(target.removeprefix("http://").rstrip("/"))
 
 
-def continue_on(peer: PeerAddress, state: ResumeState, key: str | None, timeout_s: float) -> HandOverResult:
-    """Have ``peer`` continue the request of ``state``; blocks until it answered or failed."""
+def continue_on(
+    peer: PeerAddress, state: ResumeState, key: str | None, timeout_s: float, deadline_s: float | None = None
+) -> HandOverResult:
+    """Have ``peer`` continue the request of ``state`` (within ``deadline_s`` there, the rest of its own deadline);
+    blocks until it answered or failed."""
+    body = resume_body(state).model_copy(update={"timeout": deadline_s})
     try:
         with WorkerClient(peer.base_url, timeout=timeout_s, api_key=key) as client:
-            answer = client.generate(resume_body(state), timeout=timeout_s)
+            answer = client.generate(body, timeout=timeout_s)
     except (MigrationError, ValueError) as exc:  # NOTE: ValueError: an answer that is not a GenerateResp
         return HandOverResult(None, str(exc))
     meta = {**answer.meta_info, "migrated_to": peer.base_url}
@@ -68,6 +77,7 @@ class Held:
     inflight: InFlight
     held_at: float = field(default_factory=time.monotonic)
     forwarded_to: str = ""
+    abandoned: str = ""  # why its caller stopped waiting ("": it waits)
 
 
 class HeldRequests:
@@ -78,9 +88,15 @@ class HeldRequests:
     """
 
     def __init__(
-        self, worker: RolloutWorker, wake: threading.Condition, inflight: dict[str, InFlight], config: ServerConfig
+        self,
+        worker: RolloutWorker,
+        wake: threading.Condition,
+        inflight: dict[str, InFlight],
+        config: ServerConfig,
+        aborted: AbortedAnswer,
     ) -> None:
-        self.worker, self.wake, self.inflight, self.config = worker, wake, inflight, config
+        """``aborted(request, inflight, message)``: the answer of a request aborted with ``message``."""
+        self.worker, self.wake, self.inflight, self.config, self.aborted = worker, wake, inflight, config, aborted
         self.held: dict[str, Held] = {}
 
     def hold(self, body: HoldRequestReq) -> HoldRequestResp:
@@ -127,16 +143,47 @@ class HeldRequests:
                 self._resume_here(rid, held)
         return late
 
+    def abandon(self, rid: str, message: str) -> None:
+        """``rid``'s caller stopped waiting (``message`` says why): a held request is let go now (its pages
+        unpinned, its answer the abort); one continued on a target is aborted there, until the target answered."""
+        with self.wake:
+            held = self.held.get(rid)
+            if held is None or held.abandoned:
+                return
+            held.abandoned = message
+            if not held.forwarded_to:
+                self._unpin(held)
+                del self.held[rid]
+        if not held.forwarded_to:
+            held.inflight.future.set_result(self.aborted(held.request, held.inflight, message))
+            return
+        name = f"kvmove-abort-{rid[:16]}"
+        threading.Thread(target=self._abort_on_target, args=(rid, held), name=name, daemon=True).start()
+
+    def _abort_on_target(self, rid: str, held: Held) -> None:
+        """Ask the target to abort ``rid`` until the hand-over ended (the target's ``/generate`` for it may not have
+        arrived yet, when an abort finds nothing), at most for the hand-over timeout."""
+        deadline = time.monotonic() + self.config.handover_timeout
+        with WorkerClient(held.forwarded_to, timeout=5, api_key=self.config.keys.peer_key) as client:
+            while self.held.get(rid) is held and time.monotonic() < deadline:
+                try:
+                    client.abort_request(rid)
+                except MigrationError as exc:
+                    log.warning("request %s: abort on %s failed: %s", rid, held.forwarded_to, exc)
+                time.sleep(0.1)
+
     def _hand_over(self, rid: str, held: Held, peer: PeerAddress) -> None:
         state = resume_state(held.request)
-        result = continue_on(peer, state, self.config.keys.peer_key, self.config.handover_timeout)
+        keys, left = self.config.keys, held.inflight.seconds_left()
+        result = continue_on(peer, state, keys.peer_key, self.config.handover_timeout, left)
         with self.wake:
-            if result.answer is None:
+            if result.answer is None and not held.abandoned:
                 log.warning("request %s: target %s gave no answer (%s); resuming it here", rid, peer, result.failure)
                 self._resume_here(rid, held)
                 return
             del self.held[rid]
-        held.inflight.future.set_result(result.answer)
+        answer = result.answer or self.aborted(held.request, held.inflight, held.abandoned)
+        held.inflight.future.set_result(answer)
 
     def _resume_here(self, rid: str, held: Held) -> None:
         del self.held[rid]

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 import uvicorn
@@ -34,7 +34,7 @@ def serve(config: ServerConfig, ready: Callable[[str], None] | None = None, sock
         rt = Runtime(config)
         rt.start()
         try:
-            server = uvicorn.Server(uvicorn.Config(create_app(rt), log_level="warning"))
+            server = uvicorn.Server(http_config(create_app(rt), config))
             if ready is not None:
                 threading.Thread(target=_announce, args=(server, config.url, ready), daemon=True).start()
             server.run(sockets=[sock])
@@ -42,6 +42,19 @@ def serve(config: ServerConfig, ready: Callable[[str], None] | None = None, sock
             rt.stop()
     finally:
         sock.close()
+
+
+def http_config(app: Any, config: ServerConfig, **where: Any) -> uvicorn.Config:
+    """uvicorn's settings for a server: idle keep-alive connections closed after ``keep_alive_timeout``, at most
+    ``max_connections`` connections or requests at once (beyond: 503), warnings only (``where``: host and port when
+    uvicorn binds the socket itself)."""
+    return uvicorn.Config(
+        app,
+        log_level="warning",
+        timeout_keep_alive=config.keep_alive_timeout,
+        limit_concurrency=config.max_connections,
+        **where,
+    )
 
 
 def _announce(server: uvicorn.Server, url: str, ready: Callable[[str], None]) -> None:
@@ -58,8 +71,7 @@ class ServerThread:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.runtime = Runtime(config)
-        cfg = uvicorn.Config(create_app(self.runtime), host=config.host, port=config.port, log_level="warning")
-        self._server = uvicorn.Server(cfg)
+        self._server = uvicorn.Server(http_config(create_app(self.runtime), config, host=config.host, port=config.port))
         self._thread = threading.Thread(target=self._server.run, name=f"uvicorn-{config.port}", daemon=True)
 
     @property

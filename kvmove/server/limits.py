@@ -1,12 +1,21 @@
-"""Request body limit on the bytes actually read, whatever the framing (``Content-Length`` or chunked).
+"""Request body limits: on the bytes actually read, whatever the framing (``Content-Length`` or chunked), and on the
+time the body takes to arrive.
 
 ``BodyLimitMiddleware`` reads the whole body before the route runs, counting bytes as they arrive: a declared
 ``Content-Length`` over the limit is refused at once, and a body that grows past the limit (chunked, or longer
 than it said) is refused as soon as it does, so at most ``max_bytes`` of it are ever held. The route then receives
-the buffered body as one message, exactly as the client sent it.
+the buffered body as one message, exactly as the client sent it. A body that has not arrived whole within
+``timeout_s`` of its headers (a client that stalled halfway, or trickles it) is answered 408 and its connection
+closed, so a stalled upload holds neither a connection nor its buffered bytes for longer than that.
+
+(uvicorn 0.54 has no body timeout of its own: its ``timeout_keep_alive`` covers only the idle time between
+requests, and ``limit_concurrency`` bounds connections; both are set from the server's config in ``launch``.)
 """
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 from kvmove.server.asgi import ASGIApp, Message, Receive, Scope, Send, failure, send_json
 
@@ -22,8 +31,8 @@ def _too_large(limit: int, seen: int) -> BodyRefused:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float | None = None) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -44,8 +53,9 @@ class BodyLimitMiddleware:
             raise _too_large(self.max_bytes, int(declared))
         chunks: list[bytes] = []
         seen = 0
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         while True:
-            message = await receive()
+            message = await self._next(receive, deadline, seen)
             if message["type"] == "http.disconnect":
                 return b"".join(chunks)
             piece = message.get("body", b"")
@@ -55,6 +65,14 @@ class BodyLimitMiddleware:
             chunks.append(piece)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+    async def _next(self, receive: Receive, deadline: float | None, seen: int) -> Message:
+        if deadline is None:
+            return await receive()
+        try:
+            return await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            raise BodyRefused(408, f"request body not whole within {self.timeout_s:g} s ({seen} bytes came)") from None
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -19,7 +19,7 @@ import httpx
 
 from kvmove.engines.reference import RolloutWorker
 from kvmove.migration.endpoint import HostEndpoint, TransportSetup
-from kvmove.migration.errors import PeerUnreachableError, error_for_status
+from kvmove.migration.errors import PeerUnreachableError, error_for_status, failure_message
 from kvmove.migration.messages import PullKVReq, PullKVResp, RankSession, Topology, TransferSessionIds
 from kvmove.migration.session import geometry_info
 from kvmove.migration.share import PoolShare
@@ -131,7 +131,4 @@ def _read_endpoint(body: bytes) -> str | None:
 
 
 def _message(resp: httpx.Response) -> str:
-    try:
-        return str(resp.json().get("message", resp.text))
-    except ValueError:
-        return resp.text
+    return failure_message(resp.status_code, resp.reason_phrase, resp.content)

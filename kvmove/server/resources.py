@@ -17,7 +17,9 @@ from kvmove.server.config import ServerConfig
 
 
 class ProcessResources(NamedTuple):
-    """``fds`` and ``rss_bytes`` are -1 where ``/proc`` is not available (not Linux)."""
+    """``fds`` and ``rss_bytes`` are -1 where ``/proc`` is not available (not Linux); ``threads`` counts the
+    process's OS threads (``/proc/self/task``: those of torch, NIXL/UCX and the C libraries too), where ``/proc``
+    is not available Python's own."""
 
     fds: int
     rss_bytes: int
@@ -30,7 +32,11 @@ def process_resources() -> ProcessResources:
         rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         fds = rss = -1
-    return ProcessResources(fds, rss, threading.active_count())
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+    except OSError:
+        threads = threading.active_count()
+    return ProcessResources(fds, rss, threads)
 
 
 def available_memory() -> int | None:

@@ -14,6 +14,7 @@ import asyncio
 import threading
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 
 import torch
@@ -47,7 +48,7 @@ from kvmove.models import resolve_model
 from kvmove.server.config import ServerConfig
 from kvmove.server.handover import HeldRequests
 from kvmove.server.plane import MigrationPlane
-from kvmove.server.requests import InFlight, finish_reason, generator
+from kvmove.server.requests import InFlight, Outcome, Submitted, abort_reason, finish_reason, generator, wait_for_answer
 from kvmove.server.resources import check_server_memory, process_resources
 from kvmove.server.steps import StepLog, StepRecord
 from kvmove.server.tokenizer import ByteTokenizer
@@ -75,7 +76,7 @@ class Runtime:
         self.lock = threading.RLock()
         self._wake = threading.Condition(self.lock)
         self._inflight: dict[str, InFlight] = {}
-        self.held = HeldRequests(self.worker, self._wake, self._inflight, config)
+        self.held = HeldRequests(self.worker, self._wake, self._inflight, config, self._aborted_answer)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"kvmove-worker-{config.port}", daemon=True)
         self.steps = StepLog()
@@ -135,6 +136,8 @@ class Runtime:
             pending = self._inflight.get(rid)
             if pending is not None and pending.first_token_at is None:
                 pending.first_token_at = now
+            if pending is not None and pending.on_tokens is not None and (running := self.worker.scheduler.get(rid)):
+                pending.on_tokens(list(running.output_ids))
         for req in out.finished:
             pending = self._inflight.pop(req.rid, None)
             if pending is not None:
@@ -142,25 +145,53 @@ class Runtime:
 
     # -- generation ----------------------------------------------------------------------------------------------
 
-    async def generate(self, body: GenerateReq) -> GenerateResp:
-        return await asyncio.wrap_future(self.submit(body))
+    async def generate(self, body: GenerateReq, gone: Callable[[], Awaitable[object]] | None = None) -> GenerateResp:
+        """Run ``body`` to its answer. If ``gone()`` completes first (its client disconnected) or its deadline passes
+        (``body.timeout``, else the server's ``request_timeout``), the request is aborted wherever it is (waiting,
+        running, held, or continued on a migration target): its pages and locks are released at once, and the
+        answer is what it generated so far, finish reason abort (a client that left gets no answer at all)."""
+        rid, future, timeout = self.submit(body)
+        answer = asyncio.wrap_future(future)
+        outcome = await wait_for_answer(answer, gone() if gone else None, timeout)
+        if outcome is Outcome.ANSWERED:
+            return answer.result()
+        message = "client disconnected" if outcome is Outcome.GONE else f"deadline of {timeout:g} s exceeded"
+        self.abandon(rid, f"{message} (rid {rid})")
+        if outcome is Outcome.GONE:
+            return GenerateResp(text="", output_ids=[], meta_info={"id": rid, "finish_reason": abort_reason(message)})
+        return await asyncio.shield(answer)
 
-    def submit(self, body: GenerateReq) -> Future[GenerateResp]:
+    def submit(self, body: GenerateReq, on_tokens: Callable[[list[int]], None] | None = None) -> Submitted:
+        """Hand ``body`` to the worker; ``on_tokens(output_ids)`` is called (on the worker's thread) after every step
+        that gave it a token, but the last (its answer)."""
         req = self._request(body)
         future: Future[GenerateResp] = Future()
+        timeout = body.timeout or self.config.request_timeout or None
         with self._wake:
             if req.rid in self._inflight or req.rid in self.held.held:
                 raise RequestError(f"request {req.rid!r} is already waiting, running or held")
             self.worker.submit(req)
-            self._inflight[req.rid] = InFlight(future)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._inflight[req.rid] = InFlight(future, deadline=deadline, on_tokens=on_tokens)
             self._wake.notify()
-        return future
+        return Submitted(req.rid, future, timeout)
+
+    def abandon(self, rid: str, message: str) -> None:
+        """Abort ``rid`` whose caller stopped waiting, wherever it is: waiting or running (its pages back to the pool,
+        its computed whole pages cached, unlocked), held (its pin released) or continued on a target (asked to abort
+        there). Its future gets the abort answer. Nothing if it already finished."""
+        with self._wake:
+            pending = self._inflight.get(rid)
+            if pending is None or self.worker.scheduler.get(rid) is None:
+                self.held.abandon(rid, message)
+                return
+            req = self.worker.abort(rid)
+            del self._inflight[rid]
+        pending.future.set_result(self._response(req, pending, finish_reason=abort_reason(message)))
 
     def _request(self, body: GenerateReq) -> Request:
         if (body.text is None) == (body.input_ids is None):
             raise RequestError("pass exactly one of text or input_ids")
-        if body.stream:
-            raise RequestError("stream=true is not supported by kvmove's server")
         sp = body.sampling_params
         if sp.top_p != 1.0 or sp.top_k not in (-1, 0):
             raise RequestError("only top_p=1 and top_k=-1 are supported (greedy or plain temperature sampling)")
@@ -177,6 +208,9 @@ class Runtime:
             output_ids=resume.output_ids if resume else [],
             generator=generator(resume.generator_state) if resume and resume.generator_state else None,
         )
+
+    def _aborted_answer(self, req: Request, pending: InFlight, message: str) -> GenerateResp:
+        return self._response(req, pending, finish_reason=abort_reason(message))
 
     def _response(self, req: Request, pending: InFlight, **extra: object) -> GenerateResp:
         now = time.perf_counter()
@@ -210,8 +244,7 @@ class Runtime:
                     aborted.append((self.worker.abort(rid), self._inflight.pop(rid)))
         message = body.abort_message or "aborted by /abort_request"
         for req, inflight in aborted:
-            reason = {"type": "abort", "message": message, "status_code": None, "err_type": None}
-            inflight.future.set_result(self._response(req, inflight, finish_reason=reason))
+            inflight.future.set_result(self._response(req, inflight, finish_reason=abort_reason(message)))
 
     # -- migration -------------------------------------------------------------------------------------------------
 

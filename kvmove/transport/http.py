@@ -285,6 +285,8 @@ def _chunks(spans: np.ndarray, limit: int) -> Iterator[list[tuple[int, int]]]:
 
 def _message(resp: Any) -> str:
     text = resp.read().decode(errors="replace")
+    if not text.strip():
+        return f"{resp.reason_phrase or 'no reason'}, empty body"
     try:
         return str(json.loads(text).get("message", text))
     except (ValueError, AttributeError):

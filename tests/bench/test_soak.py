@@ -1,6 +1,6 @@
-"""The soak suite on a short run: 50 migrated requests per KV transport between two `kvmove serve` processes, and
-nothing they hold (fds, threads, resident memory, pages, locks, pending migrations, grants) grows; the CLI path
-writes its rows."""
+"""The soak suite on a short run: 50 migrated requests per KV transport between two `kvmove serve` processes, with
+clients abandoning long requests and stalling halfway through their bodies, and nothing the servers hold (fds, OS
+threads, resident memory, pages, locks, pending migrations, grants) grows; the CLI path writes its rows."""
 
 from __future__ import annotations
 
@@ -23,8 +23,13 @@ def test_fifty_migrations_leave_nothing_behind(transport: str) -> None:
     assert len(result.migrations) == 50 and all(mg.ok and mg.bytes > 0 for mg in result.migrations)
     assert result.verified == 5 and not result.wrong
     assert result.problems(cfg) == [], result.growth()
+    rude = result.rude  # every 10th step: a client gave up on a long request, another stalled halfway
+    assert rude.abandoned == rude.stalled == rude.closed_by_server == 6
     (row,) = soak_rows(cfg, [result])
     assert row.kind == "measured" and row.extra["flat"] is True and row.transport == transport
+    assert row.extra["abandoned_requests"] == row.extra["stalled_closed_by_server"] == 6
+    for r in (*result.before.values(), *result.after.values()):
+        assert r.threads > 3, "OS threads (/proc/self/task), not Python's"
 
 
 def _resources(**changes: int) -> m.Resources:

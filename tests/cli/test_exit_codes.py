@@ -248,3 +248,18 @@ def test_a_reader_that_went_away_is_141_and_quiet(monkeypatch) -> None:
 
     monkeypatch.setattr(render, "json_lines", closed)
     assert cli("models", "list", "--json") == Result(141, "", "")
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_run_that_fails_part_way_still_prints_the_syncs_that_completed(fake_syncs, as_json: bool) -> None:
+    """`--fail-trainer 0@2`: sync 1 completed, then the run ended; its row is on stdout (table or JSON line)."""
+    from kvmove.errors import JobFailed
+
+    fake_syncs.results.extend([fake_result("v3", 1), JobFailed("trainer rank 0 killed by a fault at v3 sync 2")])
+    r = cli("sync-weights", "--strategy", "v3", *(["--json"] if as_json else []))
+    assert r.code == 1 and r.err.splitlines()[-1].startswith("kvmove: failed: trainer rank 0 killed")
+    if as_json:
+        assert [json.loads(line)["sync"] for line in r.out.splitlines()] == [1]
+    else:
+        assert "bit-exact" in r.out and "weight syncs over nixl" in r.out
+    assert fake_syncs.events == ["cleanup"]

@@ -45,7 +45,8 @@ def test_nixl_needs_a_host_address_of_this_machine(monkeypatch, capsys) -> None:
 
     if not NixlTransport.is_available():
         pytest.skip("NIXL is not installed")
-    monkeypatch.setattr(sys, "argv", ["kvmove", "serve", "--enable-kv-migration", "--host", "192.0.2.254"])
+    args = ["serve", "--enable-kv-migration", "--host", "192.0.2.254", "--admin-api-key", "k"]  # NOTE: off loopback
+    monkeypatch.setattr(sys, "argv", ["kvmove", *args])
     with pytest.raises(SystemExit) as exit_:
         main()
     err = capsys.readouterr().err

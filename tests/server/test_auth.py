@@ -17,7 +17,7 @@ from server_fixtures import pause_after_decoding
 
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
-from kvmove.migration.controller import migrate_request
+from kvmove.migration.controller import migrate_request, move_kv
 from kvmove.server.auth import Access, ApiKeys, presented_key
 from kvmove.transport.http_route import READ_PATH
 
@@ -127,14 +127,86 @@ def test_metrics_is_open_but_names_no_request_to_an_unauthenticated_caller(keyed
         client.close()
 
 
+MIGRATION_ROUTES = ADMIN_ROUTES[:10]
+"""The routes that hand a request, its prompt or its K/V to their caller: the fork's five, kvmove's migration abort,
+the data plane, the hold and the release."""
+
+
 def test_only_an_api_key_guards_every_route_but_health_and_metrics(start_server) -> None:
-    s = start_server(api_key=API)
-    for method, path in ADMIN_ROUTES[:3] + NORMAL_ROUTES[:1]:
+    s = start_server(api_key=API, enable_kv_migration=False)
+    for method, path in ADMIN_ROUTES[10:] + NORMAL_ROUTES[:1]:
         assert _call(s, method, path).status_code == 401
         assert _call(s, method, path, API).status_code != 401
     assert _call(s, "GET", "/metrics.json").json()["rids_hidden"] is True
     assert _call(s, "GET", "/metrics.json", API).json()["rids_hidden"] is False
     s.stop()
+
+
+def test_with_only_an_api_key_the_migration_routes_refuse_it_by_default(start_server) -> None:
+    """The secure default: with --enable-kv-migration and no --admin-api-key, a user key opens generation but no
+    migration, hold or data-plane route (403 naming the flags), and /metrics lists no request id to it."""
+    s = start_server(api_key=API)
+    for method, path in MIGRATION_ROUTES:
+        r = _call(s, method, path, API)
+        assert r.status_code == 403, (path, r.text)
+        assert r.json()["success"] is False and "--admin-api-key" in r.json()["message"]
+        assert "--allow-user-migration" in r.json()["message"]
+        assert _call(s, method, path).status_code == 401
+    for method, path in ADMIN_ROUTES[10:] + NORMAL_ROUTES[:1]:  # flush, integrity, resources, generation: as before
+        assert _call(s, method, path, API).status_code not in (401, 403)
+    assert _call(s, "GET", "/metrics.json", API).json()["rids_hidden"] is True
+    s.stop()
+
+
+def test_allow_user_migration_lets_the_api_key_migrate(start_server) -> None:
+    """SGLang's behaviour on request: the API key opens the migration routes, and two such workers migrate."""
+    a = start_server(api_key=API, allow_user_migration=True, kv_migration_watchdog_timeout=60)
+    b = start_server(api_key=API, allow_user_migration=True, kv_migration_watchdog_timeout=60)
+    for method, path in MIGRATION_ROUTES:
+        assert _call(a, method, path, API).status_code not in (401, 403), path
+    assert _call(a, "GET", "/metrics.json", API).json()["rids_hidden"] is False
+    with WorkerClient(a.url, api_key=API) as src, WorkerClient(b.url, api_key=API) as dst:
+        src.generate(m.GenerateReq(input_ids=IDS * 2, sampling_params=m.SamplingParamsMsg(max_new_tokens=1)))
+        rec = move_kv(src, dst, IDS * 2)
+    assert rec.ok and rec.bytes > 0, rec.error
+    for s in (a, b):
+        s.runtime.check_integrity()
+        s.stop()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refused"),
+    [
+        (dict(host="0.0.0.0", enable_kv_migration=True), True),
+        (dict(host="0.0.0.0", enable_kv_migration=True, api_key=API), True),
+        (dict(host="0.0.0.0", enable_kv_migration=True, admin_api_key=ADMIN), False),
+        (dict(host="0.0.0.0", enable_kv_migration=True, allow_user_migration=True), False),
+        (dict(host="0.0.0.0", enable_kv_migration=False), False),
+        (dict(host="127.0.0.1", enable_kv_migration=True), False),
+        (dict(host="127.0.0.2", enable_kv_migration=True), False),
+        (dict(host="localhost", enable_kv_migration=True), False),
+    ],
+)
+def test_a_migration_worker_off_loopback_needs_an_admin_key(overrides: dict, refused: bool) -> None:
+    from kvmove.errors import KvmoveError
+    from kvmove.server.config import ServerConfig
+
+    if refused:
+        with pytest.raises(KvmoveError, match="needs --admin-api-key"):
+            ServerConfig(**overrides)
+    else:
+        ServerConfig(**overrides)
+
+
+def test_kvmove_serve_refuses_to_start_off_loopback_without_an_admin_key() -> None:
+    """Exit 2 and one line, before the port is taken or the model built."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "kvmove.cli.main", "serve", "--host", "0.0.0.0", "--port", "0"]
+    out = subprocess.run([*cmd, "--enable-kv-migration"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "needs --admin-api-key" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
 
 
 def test_migration_routes_not_served_without_enable_kv_migration(start_server) -> None:

@@ -123,3 +123,75 @@ def test_read_route_refused_where_http_is_not_the_transport(pair_over, start_ser
     r = httpx.post(f"{plain.url}{READ_PATH}", json={})
     assert r.status_code == 404, "kvmove's migration routes are not served without --enable-kv-migration"
     plain.stop()
+
+
+def _ints(value: object) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, dict):
+        return [i for v in value.values() for i in _ints(v)]
+    if isinstance(value, list):
+        return [i for v in value for i in _ints(v)]
+    return []
+
+
+def test_no_memory_address_leaves_a_server_over_http(pair_over, monkeypatch) -> None:
+    """Over the http data plane every body a peer (or the controller) can receive, requests and answers, of a whole
+    migration with its hand-over, holds opaque handles only: no ``address`` key, no number inside any of either
+    server's host buffers."""
+    import threading
+
+    from server_fixtures import pause_after_decoding
+
+    from kvmove.migration import messages as m
+    from kvmove.migration.client import WorkerClient
+    from kvmove.migration.controller import migrate_request
+    from kvmove.server.limits import BodyLimitMiddleware
+
+    a, b = pair_over("http")
+    bodies: list[tuple[str, bytes]] = []
+    real = BodyLimitMiddleware.__call__
+
+    async def recording(self, scope, receive, send) -> None:
+        async def rec_receive():
+            message = await receive()
+            bodies.append((f"-> {scope.get('path')}", message.get("body", b"")))
+            return message
+
+        async def rec_send(message) -> None:
+            if message["type"] == "http.response.body" and scope.get("path") != READ_PATH:
+                bodies.append((f"<- {scope.get('path')}", message.get("body", b"")))
+            await send(message)
+
+        await real(self, scope, rec_receive, rec_send)
+
+    monkeypatch.setattr(BodyLimitMiddleware, "__call__", recording)
+    rid = "addresses"
+    body = m.GenerateReq(input_ids=list(range(1, 33)), rid=rid, sampling_params=m.SamplingParamsMsg(max_new_tokens=12))
+    out: dict[str, m.GenerateResp] = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", WorkerClient(a.url, timeout=120).generate(body)))
+    t.start()
+    pause_after_decoding(monkeypatch, a, rid, tokens=1)
+    with WorkerClient(a.url) as src, WorkerClient(b.url) as dst:
+        rec = migrate_request(src, dst, rid)
+    t.join(timeout=120)
+    assert rec.ok and rec.bytes > 0 and out["r"].meta_info["migrated_to"] == b.url, rec.error
+    paths = {p for p, _ in bodies}
+    assert {"-> /kvmove/pull_kv", "-> /kvmove/read_pages", "<- /get_transfer_session_ids", "-> /generate"} <= paths
+    spans = [
+        (buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size())
+        for s in (a, b)
+        for e in s.runtime.plane.endpoints
+        for buf in (*e.pool.buffers(), *e.outbox.buffers())
+    ]
+    for path, raw in bodies:
+        if not raw.strip():
+            continue
+        doc = json.loads(raw)
+        assert b'"address"' not in raw, f"{path} names an address: {raw[:300]!r}"
+        inside = [i for i in _ints(doc) for lo, hi in spans if lo <= i < hi]
+        assert not inside, f"{path} carries {len(inside)} numbers inside host buffers"
+    a.runtime.check_integrity()
+    b.runtime.check_integrity()

@@ -115,3 +115,17 @@ def test_generate_tokenize_health_metrics(pair) -> None:
     met = httpx.get(f"{url}/metrics.json").json()
     assert {"waiting_per_priority", "running", "free_pages", "used_pages", "migrations_pending"} <= set(met)
     assert met["free_pages"] + met["used_pages"] == met["total_pages"]
+
+
+def test_resources_count_the_processes_os_threads(start_server) -> None:
+    """``threads`` is what ``/proc/self/task`` lists (torch's and NIXL's threads too), not Python's count."""
+    import os
+    import threading
+
+    import httpx
+
+    s = start_server()
+    got = httpx.get(f"{s.url}/kvmove/resources", timeout=30).json()["threads"]
+    tasks = len(os.listdir("/proc/self/task"))  # NOTE: the server runs in this process
+    assert abs(got - tasks) <= 2 and got > threading.active_count()
+    s.stop()
