@@ -206,7 +206,7 @@ FullEveryOpt = Annotated[
 ]
 
 
-class TrainStep(str, enum.Enum):
+class TrainStep(enum.StrEnum):
     seeded = "seeded"
     adamw = "adamw"
 

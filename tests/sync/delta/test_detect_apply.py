@@ -39,7 +39,9 @@ class Pull:
         transforms = (PLAIN, TRAINER, TRAINER, PLAIN)
         tensors = (NAMES[0], NAMES[1], NAMES[1], NAMES[2])
         self.specs = [
-            ServeSpec(tr, name, tuple(t.shape), Box.full(tuple(t.shape)), True, (PartSpec("data", None, (), t.dtype, n),))
+            ServeSpec(
+                tr, name, tuple(t.shape), Box.full(tuple(t.shape)), True, (PartSpec("data", None, (), t.dtype, n),)
+            )
             for tr, name, t, n in zip(transforms, tensors, self.src, self.sizes, strict=True)
         ]
         b = ProgramBuilder()
