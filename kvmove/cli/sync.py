@@ -374,18 +374,14 @@ def _sync_config(
 
 
 def _delta_config(config: SyncConfig, delta: bool, full_every: int, step: TrainStep, lr: float) -> SyncConfig:
-    """``--delta`` (direct pulls planned packed, so that every region can be diffed) and ``--train-step``."""
+    """``--delta`` (checked with the rest: ``kvmove.sync.driver.checks.delta_checked``) and ``--train-step``."""
     from dataclasses import replace
 
     from kvmove.sync.delta.stepping import AdamwStep, SteppedSource
 
-    if full_every and not delta:
-        raise KvmoveError("--full-every applies to delta syncs: add --delta")
     if step is TrainStep.adamw:
         config = replace(config, source=SteppedSource(AdamwStep(lr=lr)))
-    if delta:
-        config = replace(config, delta=True, full_every=full_every, options=replace(config.options, direct=False))
-    return config
+    return replace(config, delta=delta, full_every=full_every)
 
 
 def _ray_address_env(launcher: str) -> str | None:

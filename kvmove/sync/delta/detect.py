@@ -123,8 +123,8 @@ class Images:
             kept.image.copy_(cur)
             self._kept[key] = _Kept(sync_id, kept.image)
             return self._dense(words)
-        values = cur[index]
-        kept.image.copy_(cur)  # before the slot is overwritten: ``cur`` may be a view of it
+        values = cur[index]  # a copy: taken before the slot is overwritten, ``cur`` may be a view of it
+        kept.image[index] = values  # the rest of the image is the payload already
         self._kept[key] = _Kept(sync_id, kept.image)
         nbytes = write(buf, words, encoding, mask, index, values)
         self._add(f"pulls.{encoding}", 1)
