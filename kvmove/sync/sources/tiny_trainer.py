@@ -70,7 +70,10 @@ def shard(model: torch.nn.Module, world: int, device: str, tp: int = 1, master: 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if master else None
 
     def fully_shard(module: Any, mesh: Any) -> None:
-        _fully_shard(module, mesh=mesh, **({"mp_policy": policy} if policy is not None else {}))
+        if policy is None:
+            _fully_shard(module, mesh=mesh)
+        else:
+            _fully_shard(module, mesh=mesh, mp_policy=policy)
 
     kind = device.split(":")[0]
     mesh = init_device_mesh(kind, (world // tp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 else None
@@ -144,6 +147,6 @@ def save_checkpoint(model: torch.nn.Module, directory: Path, rank: int, dtype: t
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dtype is not None:
-        state = {k: v.to(dtype) for k, v in state.items()}
+        state = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     if rank == 0:
         model.save_pretrained(str(directory), state_dict=state, safe_serialization=True)  # type: ignore[operator]
