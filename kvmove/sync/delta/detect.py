@@ -10,6 +10,7 @@ dense and its image is refreshed. Images live on the trainer rank's device and c
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -81,6 +82,7 @@ class Images:
         self._kept: dict[tuple[str, int, int], _Kept] = {}
         self._words: dict[tuple[str, int, int], PullWords] = {}
         self.counts: dict[str, int] = {}
+        self._lock = threading.Lock()  # pulls of different engine ranks are packed on their own threads
 
     @property
     def nbytes(self) -> int:
@@ -91,11 +93,13 @@ class Images:
             del self._kept[key]
 
     def take_counts(self) -> dict[str, int]:
-        out, self.counts = self.counts, {}
+        with self._lock:
+            out, self.counts = self.counts, {}
         return out
 
     def _add(self, key: str, n: int) -> None:
-        self.counts[key] = self.counts.get(key, 0) + n
+        with self._lock:
+            self.counts[key] = self.counts.get(key, 0) + n
 
     def encode(
         self, key: tuple[str, int, int], buf: torch.Tensor, specs: Sequence[ServeSpec], sync_id: int, base: int | None

@@ -191,6 +191,8 @@ class _PullLoop:
         assert self.pulls.plan is not None
         entries = [self.pulls.plan.entries[k] for k in pull.entries]
         patch = Patch.of(packed.encoding, packed.changed, [n for e in entries for n in e.sizes])
+        if patch is not None and not patch.changed:  # nothing changed: the parameters hold this payload already
+            return
         if self.loader is None:
             t2 = time.perf_counter()
             self.lander.land(entries, self.recv[slot_index], (i, slot_index), patch)
