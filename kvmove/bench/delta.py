@@ -2,8 +2,9 @@
 
 A slice of a model (default: Qwen3-235B-A22B at full layer width, 8 decoder layers plus embedding and head:
 42.3 GB of BF16) is stepped by the realistic rule of ``kvmove.sync.delta.stepping`` (FP32 master, AdamW at an RL
-learning rate, BF16 image), one tensor at a time so that only one tensor's optimizer state is resident. For each
-of ``steps`` steps and each tensor it runs the sync's own code, on the device: the dense pack of the new image into
+learning rate, BF16 image), one pull at a time so that only one layer's optimizer state is resident. For each
+of ``steps`` steps and each pull (the tensors of one decoder layer, as a v3 pull of one block carries them; every
+other tensor alone) it runs the sync's own code, on the device: the dense pack of the new image into
 a slot, the trainer's detection and encoding against the image last served (``Images.encode``), and the engine's
 patch and landing (``Patch.apply`` and the landing program) into a parameter that holds the previous image; each
 landed tensor is checked bit-exact. One row per step: the changed fraction per region class, delta bytes against
@@ -28,7 +29,7 @@ from kvmove.sync.delta.apply import Patch
 from kvmove.sync.delta.detect import Images, summary
 from kvmove.sync.delta.stepping import AdamwStep, SteppedWeights
 from kvmove.sync.planning.entries import PLAIN
-from kvmove.sync.planning.packing import PartSpec, ServeSpec
+from kvmove.sync.planning.packing import PartSpec, ServeSpec, pack_layout
 from kvmove.sync.planning.plan import Box
 from kvmove.sync.programs import ProgramBuilder
 from kvmove.sync.verify import bits_equal
@@ -85,22 +86,49 @@ def device_copy_gbps(device: str, nbytes: int, repeats: int = 5) -> float:
     return 2 * nbytes / sorted(times)[len(times) // 2] / 1e9
 
 
-class _Tensor:
-    """One tensor's two sides: the trainer's slot, the engine's parameter, the landing program between them."""
+class _Pull:
+    """One pull's two sides (the tensors of one decoder layer, as a v3 pull of one block carries them): the
+    trainer's slot with every tensor packed, the engine's parameters, the landing program between them."""
 
-    def __init__(self, meta: TensorMeta, device: str) -> None:
-        nbytes = meta.numel * meta.dtype.itemsize
-        self.slot = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    def __init__(self, metas: list[TensorMeta], device: str) -> None:
+        self.metas = metas
+        self.sizes = [m.numel * m.dtype.itemsize for m in metas]
+        self.layout = pack_layout(self.sizes)
+        self.slot = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=device)
         self.recv = torch.empty_like(self.slot)
-        self.param = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-        box = Box.full(meta.shape)
+        self.params = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas]
         self.specs = [
-            ServeSpec(PLAIN, meta.name, meta.shape, box, True, (PartSpec("data", None, (), meta.dtype, nbytes),))
+            ServeSpec(PLAIN, m.name, m.shape, Box.full(m.shape), True, (PartSpec("data", None, (), m.dtype, n),))
+            for m, n in zip(metas, self.sizes, strict=True)
         ]
         b = ProgramBuilder()
-        b.copy(self.param, self.recv.view(meta.dtype).view(meta.shape))
+        for param, view in zip(self.params, self.views(self.recv), strict=True):
+            b.copy(param, view)
         self.program = b.build(persistent=True)
-        self.sizes = [nbytes]
+
+    def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor's part of ``buf``, typed and shaped."""
+        return [
+            buf[o : o + n].view(m.dtype).view(m.shape)
+            for m, n, o in zip(self.metas, self.sizes, self.layout.offsets, strict=True)
+        ]
+
+    def pack(self, images: list[torch.Tensor]) -> None:
+        for view, image in zip(self.views(self.slot), images, strict=True):
+            view.copy_(image)
+
+    def landed(self, images: list[torch.Tensor]) -> bool:
+        return all(bits_equal(p, i) for p, i in zip(self.params, images, strict=True))
+
+
+def pulls(metas: list[TensorMeta]) -> list[list[TensorMeta]]:
+    """Tensors grouped by decoder layer (``model.layers.N.``); every other tensor is a pull of its own."""
+    groups: dict[str, list[TensorMeta]] = {}
+    for m in metas:
+        parts = m.name.split(".")
+        key = ".".join(parts[:3]) if m.name.startswith("model.layers.") else m.name
+        groups.setdefault(key, []).append(m)
+    return list(groups.values())
 
 
 def delta_bench(bench: DeltaBench, say: Say) -> list[Row]:
@@ -114,8 +142,8 @@ def delta_bench(bench: DeltaBench, say: Say) -> list[Row]:
     copy = device_copy_gbps(bench.device, bench.copy_bytes)
     timers = [_Timer(bench.device) for _ in range(bench.steps)]
     counts: list[list[dict[str, int]]] = [[] for _ in range(bench.steps)]
-    for meta in hf_tensors(cfg):
-        _tensor_steps(bench, meta, timers, counts)
+    for group in pulls(hf_tensors(cfg)):
+        _pull_steps(bench, group, timers, counts)
     rows = []
     for step, (timer, c) in enumerate(zip(timers, counts, strict=True), start=1):
         s = summary(c)
@@ -152,21 +180,22 @@ def delta_bench(bench: DeltaBench, say: Say) -> list[Row]:
     return rows
 
 
-def _tensor_steps(
-    bench: DeltaBench, meta: TensorMeta, timers: list[_Timer], counts: list[list[dict[str, int]]]
+def _pull_steps(
+    bench: DeltaBench, metas: list[TensorMeta], timers: list[_Timer], counts: list[list[dict[str, int]]]
 ) -> None:
-    """Every step of one tensor: its master stepped, packed, detected and encoded, applied on the engine side."""
+    """Every step of one pull: its masters stepped, packed, detected and encoded, applied on the engine side."""
     weights = SteppedWeights(AdamwStep(lr=bench.lr), bench.seed, bench.device)
-    t, images, key = _Tensor(meta, bench.device), Images(), ("delta", 0, 0)
-    image = weights.tensor(meta, 0)
-    t.param.copy_(image)  # the engine holds version 0, and so does the trainer's image
-    t.slot.view(meta.dtype).view(meta.shape).copy_(image)
+    t, images, key = _Pull(metas, bench.device), Images(), ("delta", 0, 0)
+    image = [weights.tensor(m, 0) for m in metas]
+    for param, i in zip(t.params, image, strict=True):
+        param.copy_(i)  # the engine holds version 0, and so does the trainer's image
+    t.pack(image)
     images.encode(key, t.slot, t.specs, 0, None)
     images.take_counts()
     for step, timer in enumerate(timers, start=1):
-        image = weights.tensor(meta, step)
+        image = [weights.tensor(m, step) for m in metas]
         with timer.phase("pack"):  # the dense pack a sync runs either way
-            t.slot.view(meta.dtype).view(meta.shape).copy_(image)
+            t.pack(image)
         with timer.phase("detect_encode"):
             coded = images.encode(key, t.slot, t.specs, step, step - 1)
         t.recv[: coded.nbytes].copy_(t.slot[: coded.nbytes])  # the colocated read (not part of the delta's work)
@@ -175,8 +204,8 @@ def _tensor_steps(
             if patch is not None:
                 patch.apply(t.program, t.recv)
             t.program.run()
-        if not bits_equal(t.param, image):
-            raise KvmoveError(f"delta step {step}: {meta.name} landed differently from its image")
+        if not t.landed(image):
+            raise KvmoveError(f"delta step {step}: {metas[0].name} (and its pull) landed differently from the image")
         counts[step - 1].append(images.take_counts())
-        with timer.phase("dense_land"):  # the receive slot now holds the whole new payload: a dense landing
+        with timer.phase("dense_land"):  # the receive slot holds the whole new payload: a dense landing
             t.program.run()
