@@ -32,6 +32,8 @@ def parse(argv: list[str]) -> tuple[RlConfig, bool]:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--master", action="store_true", help="FP32 master weights, BF16 image (mixed precision)")
+    p.add_argument("--delta", action="store_true", help="delta syncs: move only the words each step changed")
     p.add_argument("--reward-pattern", default=r"^ [a-z]+$", help="a token whose text matches is rewarded")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
@@ -47,6 +49,8 @@ def parse(argv: list[str]) -> tuple[RlConfig, bool]:
         max_tokens=a.max_tokens,
         temperature=a.temperature,
         lr=a.lr,
+        master=a.master,
+        delta=a.delta,
         reward_pattern=a.reward_pattern,
         seed=a.seed,
     )

@@ -64,6 +64,8 @@ def sync_row(config: SyncConfig, r: SyncResult, suite: str = "sync", extra: dict
             **r.link_bytes,
             "copy_executor": "+".join(sorted(r.copy_executors)) or None,
             "copy_executor_bytes": dict(r.copy_executors),
+            "delta": config.delta,
+            **({"delta_summary": r.delta} if r.delta else {}),
             **(extra or {}),
         },
     )

@@ -30,7 +30,8 @@ class Suite(StrEnum):
     """plan: full-size plans; sync: raw link + every strategy; quick: sync; full: plan + sync; gpu: two GPUs;
     vllm: reference engine and vLLM side by side; decode-latency: decode steps with and without migrations into a
     loaded worker; migration-gpu: resume vs re-prefill on one GPU; soak: what servers hold after many migrations;
-    gpu-fp8: BF16 vs FP8 engine, v3, one or two GPUs."""
+    gpu-fp8: BF16 vs FP8 engine, v3, one or two GPUs; delta: a delta sync's detection, encoding and apply per
+    realistic training step (one GPU, or a small model on CPU)."""
 
     plan = "plan"
     sync = "sync"
@@ -42,6 +43,7 @@ class Suite(StrEnum):
     migration_gpu = "migration-gpu"
     soak = "soak"
     gpu_fp8 = "gpu-fp8"
+    delta = "delta"
 
 
 class BenchTransport(StrEnum):
@@ -71,7 +73,9 @@ def run(
     layers: Annotated[
         int,
         typer.Option(
-            "--layers", min=0, help="gpu suite: decoder layers of the synced slice (0: 8 on two GPUs, 2 on one)."
+            "--layers",
+            min=0,
+            help="gpu, delta suites: decoder layers of the slice (0: gpu 8 on two GPUs, 2 on one; delta 8 on a GPU).",
         ),
     ] = 0,
     gpus: Annotated[
@@ -101,6 +105,9 @@ def run(
         return
     if suite is Suite.gpu_fp8:
         _gpu_fp8(results, transport.value, GpuShape(syncs, layers, 0), as_json)
+        return
+    if suite is Suite.delta:
+        _delta(results, layers, as_json)
         return
     if suite is Suite.migration_gpu:
         _gpu(results, gpus=1, module="kvmove.bench.resume")  # NOTE: one GPU, plain torch
@@ -213,6 +220,23 @@ def _gpu_fp8(results: Path | None, transport: str, shape: GpuShape, as_json: boo
     _gpu_rows(
         gpu_fp8_suite, suite if transport == "auto" else replace(suite, transports=(transport,)), results, as_json
     )
+
+
+def _delta(results: Path | None, layers: int, as_json: bool) -> None:
+    """kvmove.bench.delta on cuda:0 (the Qwen3-235B-A22B slice, ``layers`` of it: 0 is 8, 42.3 GB) or, without a
+    GPU, on CPU (qwen3-moe-small, every layer)."""
+    from dataclasses import replace
+
+    import torch
+
+    from kvmove.bench.delta import DeltaBench, delta_bench
+
+    bench = DeltaBench() if torch.cuda.is_available() else DeltaBench.cpu_twin("qwen3-moe-small", 6)
+    if layers:
+        bench = replace(bench, layers=layers)
+    with streams.progress() as say:
+        rows = delta_bench(bench, say)
+    _show("delta", rows, results, as_json)
 
 
 def _gpu_rows(run_suite: Any, suite: Any, results: Path, as_json: bool) -> None:

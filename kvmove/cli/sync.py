@@ -6,6 +6,7 @@ Parse -> config -> library call -> render. Three modes: real syncs (the default)
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,6 +79,10 @@ APPLIES: dict[str, tuple[str, ...]] = {
     "trainer_nodes": (SIMULATE,),
     "engine_nodes": (SIMULATE,),
     "published_constraints": (SIMULATE,),
+    "delta": (RUN,),
+    "full_every": (RUN,),
+    "train_step": (RUN,),
+    "lr": (RUN,),
 }
 
 
@@ -187,6 +192,40 @@ DirectOpt = Annotated[
 ]
 
 
+DeltaOpt = Annotated[
+    bool,
+    typer.Option(
+        "--delta",
+        help="Packed pulls move only the words changed since the engine's last sync (dense where not smaller); "
+        "direct pulls are planned packed.",
+        rich_help_panel=PANEL_RUN,
+    ),
+]
+FullEveryOpt = Annotated[
+    int,
+    typer.Option("--full-every", min=0, help="--delta: every N-th sync is full (0: never).", rich_help_panel=PANEL_RUN),
+]
+
+
+class TrainStep(enum.StrEnum):
+    seeded = "seeded"
+    adamw = "adamw"
+
+
+TrainStepOpt = Annotated[
+    TrainStep,
+    typer.Option(
+        "--train-step",
+        help="The trainer's weights per sync: fresh seeded ones, or FP32 masters stepped by AdamW (BF16 image).",
+        rich_help_panel=PANEL_RUN,
+    ),
+]
+LrOpt = Annotated[
+    float,
+    typer.Option("--lr", min=1e-12, help="--train-step adamw: learning rate.", rich_help_panel=PANEL_RUN),
+]
+
+
 def sync_weights(
     ctx: typer.Context,
     model: ModelOpt = DEFAULT_MODEL,
@@ -223,6 +262,10 @@ def sync_weights(
     as_json: JsonOpt = False,
     results: ResultsOpt = None,
     no_record: NoRecordOpt = False,
+    delta: DeltaOpt = False,
+    full_every: FullEveryOpt = 0,
+    train_step: TrainStepOpt = TrainStep.seeded,
+    lr: LrOpt = 1e-6,
 ) -> None:
     """Sync weights trainer -> engine ranks (Ray actors or processes), or plan (--dry-run), or predict (--simulate).
 
@@ -261,6 +304,7 @@ def sync_weights(
         where: dict[str, Any] = {"launcher": launcher.value, "trainer": trainer_devices, "engine": engine_devices}
         where |= {"colocated": placement is PlacementMode.colocated, "ray_address": ray_address}
         run_config = _sync_config(config, transport.value, syncs, deadline, options, faults, where)
+        run_config = _delta_config(run_config, delta, full_every, train_step, lr)
         _run(run_config, as_json, None if no_record else results)
 
 
@@ -328,6 +372,17 @@ def _sync_config(
         slow_replicas=tuple(parse_slow_engine(s) for s in faults["slow_engine"]),
         deadline_s=deadline,
     )
+
+
+def _delta_config(config: SyncConfig, delta: bool, full_every: int, step: TrainStep, lr: float) -> SyncConfig:
+    """``--delta`` (checked with the rest: ``kvmove.sync.driver.checks.delta_checked``) and ``--train-step``."""
+    from dataclasses import replace
+
+    from kvmove.sync.delta.stepping import AdamwStep, SteppedSource
+
+    if step is TrainStep.adamw:
+        config = replace(config, source=SteppedSource(AdamwStep(lr=lr)))
+    return replace(config, delta=delta, full_every=full_every)
 
 
 def _ray_address_env(launcher: str) -> str | None:

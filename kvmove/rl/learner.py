@@ -43,19 +43,24 @@ class RlTrainer:
     save_dir: str
     """``step(version)`` saves ``save_dir/step-{version}`` (what each sync is verified against)."""
     lr: float = 1e-3
+    master: bool = False
+    """FP32 master parameters (FSDP2 mixed precision: BF16 compute), a BF16 image synced and saved."""
 
     def __call__(self, ctx: SourceContext) -> FsdpSource:
         group = init_group(ctx)
         model = hf_model(ctx.model, ctx.seed, ctx.device)
-        shard(model, ctx.layout.world, ctx.device)
+        if self.master:
+            model = model.float()
+        shard(model, ctx.layout.world, ctx.device, master=self.master)
         learner = Learner(model, torch.optim.AdamW(model.parameters(), lr=self.lr), ctx)
-        save = partial(_save, model, Path(self.save_dir), ctx.rank)
+        image = torch.bfloat16 if self.master else None
+        save = partial(_save, model, Path(self.save_dir), ctx.rank, image)
         order = [t.name for t in hf_tensors(ctx.model)]
-        return FsdpSource(model, group, order, on_step=save, on_train=learner)
+        return FsdpSource(model, group, order, on_step=save, on_train=learner, image_dtype=image)
 
 
-def _save(model: torch.nn.Module, save_dir: Path, rank: int, version: int) -> None:
-    save_checkpoint(model, save_dir / f"step-{version}", rank)
+def _save(model: torch.nn.Module, save_dir: Path, rank: int, image: torch.dtype | None, version: int) -> None:
+    save_checkpoint(model, save_dir / f"step-{version}", rank, image)
 
 
 class Learner:

@@ -63,6 +63,10 @@ class RlConfig:
     max_tokens: int = 8
     temperature: float = 1.0
     lr: float = 1e-3
+    master: bool = False
+    """FP32 master weights with a BF16 image (mixed precision, as RL trainers run it; False: BF16 parameters)."""
+    delta: bool = False
+    """Delta syncs (docs/delta-sync.md): after the first, each sync moves only the words the step changed."""
     reward_pattern: str = r"^ [a-z]+$"
     """A token is rewarded when its text matches this (default: a whole word)."""
     seed: int = 0
@@ -157,7 +161,8 @@ def sync_config(config: RlConfig, checkpoints: Path) -> SyncConfig:
         seed=config.seed,
         placement=Placement(launcher=config.launcher),
         engine_kind="vllm",
-        source=RlTrainer(str(checkpoints), config.lr),
+        source=RlTrainer(str(checkpoints), config.lr, config.master),
+        delta=config.delta,
         reference=str(checkpoints / "step-{version}"),
         deadline_s=config.deadline_s,
     )

@@ -116,7 +116,7 @@ class RlTrainerHost(Host):
         self.source = c.source(ctx)
         info = KvmoveTrainerInitInfo(
             rank=s.rank, strategy=command.strategy, transport=command.transport, host=self.address.host,
-            device=s.device, deadline_s=c.deadline_s, layout=c.trainer,
+            device=s.device, deadline_s=c.deadline_s, layout=c.trainer, delta=c.delta,
         )  # fmt: skip
         client = RemoteEngines(command.engines, s.authkey, c.deadline_s + 600)
         self.engine = KvmoveTrainerEngine.trainer_init(info, client=client, source=self.source)

@@ -155,6 +155,11 @@ class SyncConfig:
     tensor_format: str = "hf"
     """How the source names and shapes its tensors (a key of ``kvmove.sync.planning.formats.FORMATS``): "hf", or
     "megatron"/"megatron-sequential" (megatron-core's own tensors, converted to HF names by the engines' plans)."""
+    delta: bool = False
+    """Delta syncs (``kvmove.sync.delta``): a packed pull moves only the words that changed since the engine rank's
+    last sync, where that is smaller; dense for a first sync, a rejoined engine, a full sync."""
+    full_every: int = 0
+    """Delta syncs: every ``full_every``-th sync of a strategy is a full (dense) one (0: only where needed)."""
     reference: str | None = None
     """Verification reference: a directory template (``{version}`` is the training step) of HF safetensors
     checkpoints the trainer saved itself (None: the seeded checkpoint of ``seed`` and the step)."""

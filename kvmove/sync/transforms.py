@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -97,6 +97,12 @@ def _serve_box(b: ProgramBuilder, spec: ServeSpec, held: Held, dsts: list[torch.
 
 
 # -- engine halves -----------------------------------------------------------------------------------------------
+class Patch(Protocol):
+    """What turns a delta-encoded pull in a receive slot into its whole payload (``kvmove.sync.delta.apply``)."""
+
+    def apply(self, program: Program, buf: torch.Tensor) -> None: ...
+
+
 class Lander:
     """The engine side of syncs: lands pulled entries in the parameters, assembling and quantizing covers.
 
@@ -130,13 +136,18 @@ class Lander:
             program = self._programs[key] = self._program(entries, buf)
             program.warm(restore=True)
 
-    def land(self, entries: Sequence[Entry], buf: torch.Tensor, key: Hashable | None = None) -> None:
-        """Land ``entries`` (one pull's, packed as :func:`pack` packs them) from ``buf``."""
+    def land(
+        self, entries: Sequence[Entry], buf: torch.Tensor, key: Hashable | None = None, patch: Patch | None = None
+    ) -> None:
+        """Land ``entries`` (one pull's, packed as :func:`pack` packs them) from ``buf``; a ``patch``
+        (kvmove.sync.delta.apply) first turns the delta in ``buf`` into the pull's whole payload."""
         program = self._programs.get(key) if key is not None else None
         if program is None:
             program = self._program(entries, buf)
             if key is not None and program.persistent:
                 self._programs[key] = program
+        if patch is not None:
+            patch.apply(program, buf)
         program.run()
         self._quantize_ready()
         if buf.is_cuda:  # the slot is reusable, and the time real, only once the copies ran

@@ -62,6 +62,34 @@ def test_the_policy_trains_on_rollouts_and_every_sync_verifies(tmp_path: Path) -
     assert _logprob(after, BAD) < _logprob(before, BAD)
 
 
+@pytest.mark.slow
+def test_fp32_master_policy_syncs_as_deltas_verified(tmp_path: Path) -> None:
+    """The RL policy with FP32 masters and a BF16 image at an RL learning rate: after a training step on
+    rollouts, the delta sync moves a few percent of the dense bytes and verifies against the saved image."""
+    import dataclasses
+
+    from kvmove.rl.loop import RlConfig, sync_config
+    from kvmove.sync.driver.faults import FaultHooks
+    from kvmove.sync.driver.run import start
+    from kvmove.sync.driver.step import run_sync
+    from kvmove.sync.ranks.control import TrainStep
+
+    rl = RlConfig(model="qwen3-moe-tiny", engines=1, launcher="processes", transport="gloo", lr=1e-6)
+    rl = dataclasses.replace(rl, master=True, delta=True)
+    config = dataclasses.replace(sync_config(rl, tmp_path), engine_kind="reference")
+    cluster = start(config)
+    try:
+        hooks = FaultHooks((), config.engine)
+        first = run_sync(cluster, hooks, config.strategies[0], 1, 1)
+        samples = [Sample(PROMPT, GOOD, (0.0,) * 4, 1.0, 1.0), Sample(PROMPT, BAD, (0.0,) * 4, 0.0, -1.0)] * 2
+        cluster.launcher.call(cluster.trainers, TrainStep(Rollouts(tuple(samples))), 600)
+        second = run_sync(cluster, hooks, config.strategies[0], 2, 2)
+    finally:
+        cluster.close()
+    assert first.verified is True and second.verified is True, second.mismatches
+    assert first.delta["ratio"] == 1.0 and 0 < second.delta["ratio"] < 0.2, second.delta
+
+
 def test_a_source_that_does_not_train_refuses_a_batch() -> None:
     from kvmove.sync.ranks.source import WeightSource
 

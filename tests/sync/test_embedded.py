@@ -15,6 +15,7 @@ from embedded_engines import DictSource, Engines
 from kvmove.errors import KvmoveError
 from kvmove.models import resolve_model
 from kvmove.models.tensors import hf_tensors
+from kvmove.sync.delta.stepping import AdamwStep, SteppedWeights
 from kvmove.sync.embedded.trainer import EmbeddedTrainer, TrainerSettings
 from kvmove.sync.verify import seeded_checkpoint
 
@@ -37,6 +38,27 @@ def test_three_syncs_from_the_framework_process_are_bit_exact(strategy: str) -> 
             assert engines.mismatches(weights) == [], f"sync to version {version}"
         steps = [["start", "update", f"finish {v}"] for v in (2, 3, 4)]
         assert engines.calls == [call for step in steps for call in step]
+    finally:
+        trainer.close()
+        engines.close()
+
+
+def test_delta_syncs_from_the_framework_process_move_only_what_a_step_changed() -> None:
+    cfg = resolve_model(MODEL)
+    engines = Engines(cfg)
+    stepped = SteppedWeights(AdamwStep(lr=1e-6), seed=1)
+    metas = hf_tensors(cfg)
+    weights = {t.name: stepped.tensor(t, 0) for t in metas}
+    trainer = EmbeddedTrainer(0, DictSource(weights), engines, TrainerSettings(strategy="v3", delta=True))
+    try:
+        served = []
+        for version in (1, 2, 3):
+            weights.update({t.name: stepped.tensor(t, version) for t in metas})  # an optimizer step
+            stats = trainer.sync(weight_version=str(version))
+            assert engines.mismatches(weights) == [], f"sync to version {version}"
+            served.append(stats.delta["sent_bytes"])
+            assert stats.delta["dense_bytes"] == served[0]
+        assert served[1] < 0.2 * served[0] and served[2] < 0.2 * served[0]  # a first sync is dense
     finally:
         trainer.close()
         engines.close()

@@ -47,10 +47,12 @@ class KvmoveTrainerInitInfo(TrainerInitInfo):
     deadline_s: float = 60.0
     layout: TrainerLayout | None = None
     """The trainer layout of a kvmove ``WeightSource`` (None for vLLM's WeightSource: data parallel)."""
+    delta: bool = False
+    """Delta syncs (docs/delta-sync.md): after a completed sync, the next moves only the changed words."""
 
     def settings(self) -> TrainerSettings:
         return TrainerSettings(
-            self.strategy, self.transport, self.device, self.host, self.deadline_s, layout=self.layout
+            self.strategy, self.transport, self.device, self.host, self.deadline_s, layout=self.layout, delta=self.delta
         )
 
 

@@ -26,6 +26,16 @@ def checked(config: SyncConfig) -> SyncConfig:
     check_format(config)
     config = replace(config, transport=check_transport(config))
     check_memory(config)
+    return delta_checked(config)
+
+
+def delta_checked(config: SyncConfig) -> SyncConfig:
+    """Delta syncs diff what the trainer packs: every region is planned packed (no direct reads, which land
+    without the trainer seeing their bytes); ``full_every`` means nothing without them."""
+    if config.full_every and not config.delta:
+        raise KvmoveError("--full-every applies to delta syncs: add --delta")
+    if config.delta and config.options.direct:
+        return replace(config, options=replace(config.options, direct=False))
     return config
 
 

@@ -63,6 +63,8 @@ class Cluster:
         ranks = [(TrainerHost, self._spec(Side.TRAINER, r)) for r in range(tl.world)]
         ranks += [(self.engine_host, self._spec(Side.ENGINE, e)) for e in range(el.world)]
         self.dead: set[int] = set()
+        self.synced: dict[int, int] = {}
+        """Engine rank -> the sync whose weights it holds (a delta sync diffs against it); absent: unknown."""
         self.notes: list[str] = []
         try:
             started = launcher.start(ranks)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kvmove.layout import EngineLayout
+from kvmove.sync.delta.detect import summary
 from kvmove.sync.ranks.control import EngineStats, TrainerStats
 from kvmove.sync.strategies import Delivery, Strategy
 
@@ -48,6 +49,9 @@ class SyncResult(NamedTuple):
     """Bytes the engine ranks' transports moved per copy executor (``kvmove.transport.executors``: "driver",
     "triton"; "views": torch copies), summed over ranks; empty where the transport runs no copy plans."""
     link_bytes: dict[str, int] = {}  # noqa: RUF012
+    delta: dict[str, Any] = {}  # noqa: RUF012
+    """Delta syncs (``kvmove.sync.delta.summary``): dense and sent bytes of the packed pulls, pulls per encoding,
+    and the changed fraction of each region class's compared words; empty when the sync ran dense."""
     """The planned payload split by where it travels (``kvmove.sync.planning.ceiling.LinkBytes.as_json``: bytes that
     stay on a device and bytes that cross a link, and those of the busiest device and link direction); empty for the
     broadcast baseline."""
@@ -146,6 +150,7 @@ def build_result(
         mismatched_ranks=() if verified is None else verified.ranks,
         link_bytes=dict(ctx.link_bytes),
         copy_executors=_executors(engines.values()),
+        delta=summary([t.delta for t in trainers]),
     )
 
 

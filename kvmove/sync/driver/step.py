@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvmove.errors import JobFailed, KvmoveError
@@ -100,6 +100,9 @@ def _plan_work(cluster: Cluster, hooks: FaultHooks, step: Step) -> None:
     c, bp, name = cluster.config, cluster.blueprint, step.strategy.name
     if step.strategy.pulls:
         step.loops = bp.trainer_syncs(step.strategy, step.sync_id, step.version, set(step.live))
+        if c.delta:
+            bases = delta_bases(cluster, step)
+            step.loops = [replace(loop, delta=bases) for loop in step.loops]
         trainer_work = {t: len(loop.groups) for t, loop in enumerate(step.loops)}
         engine_work = {e: len(bp.pulls[name][e].pulls) for e in step.live}
     else:  # broadcast: every trainer rank takes part in every tensor's gather
@@ -256,11 +259,33 @@ def commit(cluster: Cluster, step: Step, outcome: Outcome) -> SyncResult:
             with contextlib.suppress(KvmoveError):
                 cluster.launcher.result(call)
     verified = _verify(cluster, step) if c.verify else None
+    _record_synced(cluster, step, outcome, verified)
     step.ctx.dead_replicas = tuple(sorted(cluster.dead_replicas()))
     trainers = [outcome.trainers[r] for r in sorted(outcome.trainers)]
     return build_result(
         step.ctx, step.strategy, step.index, outcome.seconds, verified, outcome.engines, trainers, outcome.done_at
     )
+
+
+def delta_bases(cluster: Cluster, step: Step) -> dict[int, int]:
+    """Delta syncs: the live engine ranks a pull may be encoded against, with the sync whose weights each holds
+    (none in a full sync: every ``full_every``-th of the strategy)."""
+    every = cluster.config.full_every
+    if every and step.index % every == 0:
+        step.ctx.notes.append(f"full sync (every {every}th): dense, images refreshed")
+        return {}
+    return {e: cluster.synced[e] for e in step.live if e in cluster.synced}
+
+
+def _record_synced(cluster: Cluster, step: Step, outcome: Outcome, verified: Verification | None) -> None:
+    """Which sync's weights each engine rank holds now: this one for those that finished it (and verified, where
+    checked); unknown for the rest (dropped, dead, mismatched), whose next sync is then dense."""
+    bad = set(verified.ranks) if verified is not None else set()
+    for e in range(cluster.config.engine.world):
+        if e in outcome.engines and e not in cluster.dead and e not in bad:
+            cluster.synced[e] = step.sync_id
+        else:
+            cluster.synced.pop(e, None)
 
 
 def _verify(cluster: Cluster, step: Step) -> Verification:

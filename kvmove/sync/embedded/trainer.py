@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from kvmove.errors import KvmoveError
 from kvmove.layout import TrainerLayout
 from kvmove.sync.config import Side, SyncConfig, SyncOptions
+from kvmove.sync.driver.checks import delta_checked
 from kvmove.sync.driver.cluster import check_ownership
 from kvmove.sync.embedded.group import TrainerGroup
 from kvmove.sync.embedded.member import JoinInfo, check_transport
@@ -77,6 +78,9 @@ class TrainerSettings:
     options: SyncOptions = field(default_factory=SyncOptions)
     layout: TrainerLayout | None = None
     """The trainer layout of a kvmove ``WeightSource`` (None for a framework's iterable source: data parallel)."""
+    delta: bool = False
+    """Delta syncs (``kvmove.sync.delta``): after a sync every engine finished, the next moves only changed words
+    (a failed sync makes the next one full)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,8 @@ class EmbeddedTrainer:
         self.registry: EngineRegistry | None = None
         self.host: TrainerHost | None = None
         self.count = 0
+        self.completed = 0
+        """The last sync every engine finished (delta syncs diff against it; 0: none)."""
         try:
             self._init(source)
         except BaseException:
@@ -143,15 +149,18 @@ class EmbeddedTrainer:
                 f"trainer layout {layout.label()} has {layout.world} ranks, the trainer {self.group.world}"
             )
         layout.validate(model)
-        return SyncConfig(
-            model,
-            layout,
-            self.fleet.layout,
-            (self.strategy,),
-            self.transport,
-            deadline_s=s.deadline_s,
-            options=s.options,
-            source=Given(source) if isinstance(source, WeightSource) else None,
+        return delta_checked(
+            SyncConfig(
+                model,
+                layout,
+                self.fleet.layout,
+                (self.strategy,),
+                self.transport,
+                deadline_s=s.deadline_s,
+                options=s.options,
+                source=Given(source) if isinstance(source, WeightSource) else None,
+                delta=s.delta,
+            )
         )
 
     def _serve_engines(self, config: SyncConfig, hellos: list[TrainerHello]) -> list[TrainerSync]:
@@ -194,7 +203,7 @@ class EmbeddedTrainer:
     def sync(self, weight_version: str | None = None) -> TrainerStats:
         """One sync on this rank (every trainer rank calls it, in lockstep); this rank's serving stats."""
         self.count += 1
-        loop = dataclasses.replace(self.loop, sync_id=self.count, version=self.count)
+        loop = dataclasses.replace(self.loop, sync_id=self.count, version=self.count, delta=self._delta_bases())
         assert self.host is not None
         failure: BaseException | None = None
         stats: TrainerStats | None = None
@@ -207,8 +216,17 @@ class EmbeddedTrainer:
             if isinstance(self.source, IterableSource):
                 self.source.reset()  # what the pass read ahead is freed now, not at the next sync
         self.group.check(failure)
+        self.completed = self.count
         assert stats is not None
         return stats
+
+    def _delta_bases(self) -> dict[int, int] | None:
+        """Delta syncs: every engine rank holds the last sync if it completed (else a full sync)."""
+        if not self.settings.delta:
+            return None
+        if not self.completed or self.completed != self.count - 1:
+            return {}
+        return dict.fromkeys(range(self.fleet.layout.world), self.completed)
 
     def _drive(self, loop: TrainerSync, weight_version: str | None) -> TrainerStats:
         """Rank 0: start the engines' update, serve while they pull (``update_weights`` on a side thread), finish."""

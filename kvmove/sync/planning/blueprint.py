@@ -161,3 +161,6 @@ class TrainerSync:
     consumers: dict[int, frozenset[int]]
     """group -> live engine ranks that pull something packed of it from this rank."""
     lookahead: int
+    delta: dict[int, int] | None = None
+    """Delta syncs (``kvmove.sync.delta``): engine rank -> the sync whose weights it holds, for the engine ranks a
+    pull may be encoded against (an empty dict: a full sync that refreshes the images); None: dense, no images."""

@@ -64,6 +64,10 @@ class Packed(NamedTuple):
 
     slot: int
     nbytes: int
+    encoding: str = "dense"
+    """How the payload is encoded (``kvmove.sync.delta.encoding.Encoding``): dense, or a delta of it."""
+    changed: int = 0
+    """Words of the payload that changed (a delta's entries)."""
 
 
 class PlanReport(NamedTuple):
@@ -85,6 +89,9 @@ class TrainerStats(NamedTuple):
     peak_extra_bytes: int
     collectives: int
     rss_bytes: int = 0
+    delta: dict[str, int] = {}  # noqa: RUF012 - NamedTuple defaults are never mutated
+    """Delta syncs: the counters of ``kvmove.sync.delta.detect.Images`` (dense and sent bytes, pulls per
+    encoding, changed and compared words per region class); empty otherwise."""
 
 
 class EngineStats(NamedTuple):

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from kvmove.errors import KvmoveError
+from kvmove.sync.delta.apply import Patch
 from kvmove.sync.planning.entries import Entry
 from kvmove.sync.planning.plan import ShardingPlan
 from kvmove.sync.planning.schedule import Pull, PullPlan
@@ -182,18 +183,22 @@ class _PullLoop:
             nxt = self.packed[self.k + self.depth]
             self.pending.append((nxt, self._request(nxt)))
         self.k += 1
-        self.transfer += self.client.read(pull.trainer, packed.slot, slot_index, packed.nbytes)
+        if packed.nbytes:  # an empty delta (nothing changed) has nothing to read
+            self.transfer += self.client.read(pull.trainer, packed.slot, slot_index, packed.nbytes)
         # NOTE: pulls are bucketed by (group, trainer), so this one pull is all of the group from it
         self.client.finish(pull.trainer, self.sync_id, pull.group, packed.slot)
         self.received += packed.nbytes
         assert self.pulls.plan is not None
         entries = [self.pulls.plan.entries[k] for k in pull.entries]
+        patch = Patch.of(packed.encoding, packed.changed, [n for e in entries for n in e.sizes])
+        if patch is not None and not patch.changed:  # nothing changed: the parameters hold this payload already
+            return
         if self.loader is None:
             t2 = time.perf_counter()
-            self.lander.land(entries, self.recv[slot_index], (i, slot_index))
+            self.lander.land(entries, self.recv[slot_index], (i, slot_index), patch)
             self.load += time.perf_counter() - t2
         else:
-            self.loader.submit(slot_index, entries, (i, slot_index))
+            self.loader.submit(slot_index, entries, (i, slot_index), patch)
 
     def close(self) -> None:
         try:
@@ -222,7 +227,7 @@ class _Loader:
 
     def __init__(self, lander: Lander, recv: list[torch.Tensor]) -> None:
         self.lander, self.recv = lander, recv
-        self.jobs: queue.Queue[tuple[int, list[Entry], Hashable] | None] = queue.Queue()
+        self.jobs: queue.Queue[tuple[int, list[Entry], Hashable, Patch | None] | None] = queue.Queue()
         self.busy = [threading.Event() for _ in recv]
         for e in self.busy:
             e.set()
@@ -237,20 +242,20 @@ class _Loader:
         if self.error is not None:
             raise self.error
 
-    def submit(self, slot: int, entries: list[Entry], key: Hashable) -> None:
+    def submit(self, slot: int, entries: list[Entry], key: Hashable, patch: Patch | None = None) -> None:
         self.busy[slot].clear()
-        self.jobs.put((slot, entries, key))
+        self.jobs.put((slot, entries, key, patch))
 
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
-            slot, entries, key = job
+            slot, entries, key, patch = job
             t0 = time.perf_counter()
             try:
                 if self.stream is not None:  # loads overlap the next read, which runs on the default stream
                     with torch.cuda.stream(self.stream):
-                        self.lander.land(entries, self.recv[slot], key)
+                        self.lander.land(entries, self.recv[slot], key, patch)
                 else:
-                    self.lander.land(entries, self.recv[slot], key)
+                    self.lander.land(entries, self.recv[slot], key, patch)
             except BaseException as exc:  # surfaced to the puller at its next wait
                 self.error = exc
             self.seconds += time.perf_counter() - t0

@@ -10,7 +10,7 @@ picklable ``SourceContext -> WeightSource`` callable (default :func:`seeded_sour
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -132,8 +132,11 @@ class ShardedSource(WeightSource):
         seed: int = 0,
         device: str = "cpu",
         tensor_format: str = "hf",
+        weights: Callable[[TensorMeta, int], torch.Tensor] | None = None,
     ):
         self.cfg, self.layout, self.rank, self.seed, self.device = cfg, layout, rank, seed, device
+        self.weights = weights or (lambda t, version: seeded_tensor(t, seed, version, device))
+        """HF tensor, version -> its weights (default: seeded; ``kvmove.sync.delta.stepping``: an optimizer's)."""
         self.coll = collectives
         self.format = get_format(tensor_format)
         self.ownership = self.format.ownership(cfg, layout)
@@ -157,7 +160,7 @@ class ShardedSource(WeightSource):
         hf_metas = {t.name: t for t in hf_tensors(self.cfg)}
 
         def hf(name: str) -> torch.Tensor:
-            return seeded_tensor(hf_metas[name], self.seed, version, self.device)
+            return self.weights(hf_metas[name], version)
 
         for name in self._layout.boxes:
             yield name, self.format.from_hf(self.cfg, self.layout, hf, self._metas[name])

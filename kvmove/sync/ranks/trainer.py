@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmove.errors import KvmoveError
+from kvmove.sync.delta.detect import Coded, Images
 from kvmove.sync.planning.blueprint import PullSpecs, TrainerSync
 from kvmove.sync.planning.direct import shard_views
 from kvmove.sync.planning.packing import ServeSpec
@@ -79,6 +80,8 @@ class TrainerRank:
         self._pack_seconds = 0.0
         self._programs: dict[tuple[str, int, int, int], PackProgram] = {}
         self._streams = Streams()
+        self.images = Images()
+        """Delta syncs: what each engine rank was last served, per pull (kvmove.sync.delta.detect)."""
 
     def slot_bytes(self, strategy: str) -> int:
         return sum(s.numel() for s in self.slots.get(strategy, ()))
@@ -111,6 +114,7 @@ class TrainerRank:
                 del self._pulls[key]
             for program in [k for k in self._programs if k[1] == engine]:
                 del self._programs[program]
+            self.images.forget(engine)
 
     # -- the sync loop -------------------------------------------------------------------------------------
     def run_sync(self, sync: TrainerSync, published: Callable[[int], None] | None = None) -> TrainerStats:
@@ -123,7 +127,9 @@ class TrainerRank:
             # NOTE: between syncs no read is in flight, so every slot is free again (a dead reader leaks none)
             self._free_slots = {strategy: list(range(len(s))) for strategy, s in self.slots.items()}
             self._slot_owner.clear()
-            self._extra = self._peak_extra = self.slot_bytes(sync.strategy.name)
+            self._extra = self.slot_bytes(sync.strategy.name)
+            self._peak_extra = self._extra + self.images.nbytes
+            self.images.take_counts()
             self._served = self._pulls_served = 0
             self._pack_seconds = 0.0
         gather = wait = 0.0
@@ -153,6 +159,7 @@ class TrainerRank:
                 self._pulls_served,
                 self._peak_extra,
                 self.source.collective_calls - calls0,
+                delta=self.images.take_counts() if sync.delta is not None else {},
             )
             self._state = None
             self._cond.notify_all()
@@ -185,7 +192,7 @@ class TrainerRank:
             state.held[group] = {g.name: g.tensor for g in gathered if g.tensor is not None}
             state.extra[group] = sum(_nbytes(g.tensor) for g in gathered if g.copied and g.tensor is not None)
             self._extra += state.extra[group]
-            self._peak_extra = max(self._peak_extra, self._extra)
+            self._peak_extra = max(self._peak_extra, self._extra + self.images.nbytes)
             self._maybe_release(group)
             self._cond.notify_all()
 
@@ -230,14 +237,32 @@ class TrainerRank:
                 packing.program.run()  # its one synchronization, if it quantized
                 if stream is not None and not packing.program.quantize:  # a reader elsewhere sees finished bytes
                     stream.synchronize()
+            coded = self._encode(state, (strategy, engine, pull_id), buf, specs)
         except Exception:
             self.release_slot(strategy, slot)
             raise
         with self._cond:
             self._pack_seconds += time.perf_counter() - t0
-            self._served += sum(n for s in specs for n in s.sizes)
+            self._served += sum(n for s in specs for n in s.sizes) if coded is None else coded.nbytes
             self._pulls_served += 1
-        return Packed(slot, packing.nbytes)
+        if coded is None:
+            return Packed(slot, packing.nbytes)
+        return Packed(slot, coded.nbytes, str(coded.encoding), coded.changed)
+
+    def _encode(
+        self, state: _State, key: tuple[str, int, int], buf: torch.Tensor, specs: Sequence[ServeSpec]
+    ) -> Coded | None:
+        """Delta syncs: the dense payload in ``buf`` encoded against ``key``'s image (kvmove.sync.delta.detect),
+        written over it in place; None when the sync is dense."""
+        sync = state.sync
+        if sync.delta is None:
+            return None
+        coded = self.images.encode(key, buf, specs, sync.sync_id, sync.delta.get(key[1]))
+        if buf.is_cuda:  # the engine reads the slot from another process: the encoding must be in place
+            torch.cuda.current_stream(buf.device).synchronize()
+        with self._cond:  # images live as long as the rank: they count toward its extra memory
+            self._peak_extra = max(self._peak_extra, self._extra + self.images.nbytes)
+        return coded
 
     def _held(self, state: _State, group: int, spec: ServeSpec) -> Held:
         """What ``spec`` is served from: this rank's raw shard, or the tensor it materialized for ``group``."""

@@ -80,7 +80,9 @@ class FsdpSource(WeightSource):
     ``group`` is the process group of the model's mesh (its ranks in order: the trainer ranks); ``order`` names
     every checkpoint tensor in checkpoint order (``kvmove.models.tensors.hf_tensors``); ``on_step(version)``
     runs in ``step`` before the weights are taken (a training step, a checkpoint save); ``on_train(batch)``
-    is ``train`` (a training step on data the driver hands this rank: an RL loop's rollouts).
+    is ``train`` (a training step on data the driver hands this rank: an RL loop's rollouts). ``image_dtype``
+    (e.g. BF16 over FP32 master parameters, as mixed precision trains): what the sync serves, each tensor rounded
+    to it (None: the parameters' own dtype).
     """
 
     def __init__(
@@ -92,10 +94,12 @@ class FsdpSource(WeightSource):
         arena: bool = True,
         on_step: Callable[[int], None] | None = None,
         on_train: Callable[[Any], Any] | None = None,
+        image_dtype: torch.dtype | None = None,
     ) -> None:
         import torch.distributed as dist
 
         self.model, self.group, self.on_step, self.on_train = model, group, on_step, on_train
+        self.image_dtype = image_dtype
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.params = dict(model.named_parameters())
         pieces = checkpoint_pieces(model)
@@ -103,7 +107,10 @@ class FsdpSource(WeightSource):
         if missing:
             raise KvmoveError(f"the model's parameters and the checkpoint disagree on {missing[0]}")
         self.pieces = {name: pieces[name] for name in order}
-        self._metas = [TensorMeta(n, self._global_shape(p), self.params[p.param].dtype) for n, p in self.pieces.items()]
+        self._metas = [
+            TensorMeta(n, self._global_shape(p), image_dtype or self.params[p.param].dtype)
+            for n, p in self.pieces.items()
+        ]
         self._boxes = {m.name: self._box(m) for m in self._metas}
         self._shards = {n: b for n, b in self._boxes.items() if b is not None}
         self._owner = self._expert_owners()
@@ -175,9 +182,8 @@ class FsdpSource(WeightSource):
         with torch.no_grad():
             for name, off in self._layout.offsets.items():
                 local = self._local(name)
-                self._arena[off : off + local.numel() * local.element_size()].view(local.dtype).view(local.shape).copy_(
-                    local
-                )
+                dtype = self.image_dtype or local.dtype  # copy_ rounds FP32 masters to the image (nearest-even)
+                self._arena[off : off + local.numel() * dtype.itemsize].view(dtype).view(local.shape).copy_(local)
         if self._arena.is_cuda:
             torch.cuda.current_stream(self._arena.device).synchronize()
         self.last_copy_seconds = time.perf_counter() - t0
@@ -208,6 +214,8 @@ class FsdpSource(WeightSource):
         with torch.no_grad():
             for name in names:
                 tensor, copied = self._materialize(name, scope)
+                if tensor is not None and self.image_dtype is not None and tensor.dtype != self.image_dtype:
+                    tensor, copied = tensor.to(self.image_dtype), True
                 yield Gathered(name, tensor, copied)
 
     def _materialize(self, name: str, scope: Gather) -> tuple[torch.Tensor | None, bool]:
@@ -231,12 +239,13 @@ class FsdpSource(WeightSource):
         import torch.distributed as dist
 
         meta = next(m for m in self._metas if m.name == name)
-        buf = self._local(name).contiguous() if self.rank == owner else torch.empty(meta.shape, dtype=meta.dtype)
+        mine = self.rank == owner
+        buf = self._local(name).to(meta.dtype).contiguous() if mine else torch.empty(meta.shape, dtype=meta.dtype)
         dist.broadcast(buf, dist.get_global_rank(self.group, owner), group=self.group)
         self._collectives += 1
         if not keep:
             return None, False
-        return buf, self.rank != owner
+        return buf, not mine or self.image_dtype is not None
 
 
 def _layout(metas: Sequence[TensorMeta], shards: Mapping[str, Box]) -> ArenaLayout:

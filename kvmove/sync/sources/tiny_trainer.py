@@ -57,13 +57,23 @@ def init_group(ctx: SourceContext) -> Any:
     return dist.group.WORLD
 
 
-def shard(model: torch.nn.Module, world: int, device: str, tp: int = 1) -> Any:
+def shard(model: torch.nn.Module, world: int, device: str, tp: int = 1, master: bool = False) -> Any:
     """FSDP2 over the data-parallel ranks: each decoder layer, then the root. With ``tp`` > 1 the mesh is 2-D
     (dp, tp) and each dense MLP is tensor-parallel first (gate/up column-wise, down row-wise), FSDP2 then
-    sharding those DTensors over dp."""
+    sharding those DTensors over dp. ``master``: the (FP32) parameters compute in BF16, gradients reduce in FP32
+    (FSDP2's ``MixedPrecisionPolicy``)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as _fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if master else None
+
+    def fully_shard(module: Any, mesh: Any) -> None:
+        if policy is None:
+            _fully_shard(module, mesh=mesh)
+        else:
+            _fully_shard(module, mesh=mesh, mp_policy=policy)
 
     kind = device.split(":")[0]
     mesh = init_device_mesh(kind, (world // tp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 else None
@@ -90,15 +100,21 @@ class TinyFsdpTrainer:
     arena: bool = True
     tp: int = 1
     """Tensor-parallel ranks of a 2-D (dp, tp) mesh (dense MLPs only; 1: a 1-D data-parallel mesh)."""
+    master: bool = False
+    """Mixed precision as RL trainers run it: FP32 master parameters (AdamW steps them), BF16 compute, and a BF16
+    image is what syncs serve and checkpoints hold (False: BF16 parameters stepped in place)."""
 
     def __call__(self, ctx: SourceContext) -> FsdpSource:
         group = init_group(ctx)
         model = hf_model(ctx.model, ctx.seed, ctx.device)
-        shard(model, ctx.layout.world, ctx.device, self.tp)
+        if self.master:
+            model = model.float()
+        shard(model, ctx.layout.world, ctx.device, self.tp, self.master)
         optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr)
         run = _Steps(self, ctx, model, optimizer)
         order = [t.name for t in hf_tensors(ctx.model)]
-        return FsdpSource(model, group, order, arena=self.arena, on_step=run)
+        image = torch.bfloat16 if self.master else None
+        return FsdpSource(model, group, order, arena=self.arena, on_step=run, image_dtype=image)
 
 
 class _Steps:
@@ -120,13 +136,17 @@ class _Steps:
         self.optimizer.zero_grad(set_to_none=True)
         self.losses.append(float(loss.detach()))
         if spec.save_dir is not None:
-            save_checkpoint(self.model, Path(spec.save_dir) / f"step-{version}", c.rank)
+            image = torch.bfloat16 if spec.master else None
+            save_checkpoint(self.model, Path(spec.save_dir) / f"step-{version}", c.rank, image)
 
 
-def save_checkpoint(model: torch.nn.Module, directory: Path, rank: int) -> None:
-    """``save_pretrained`` of the full state dict (a collective gather; rank 0 writes)."""
+def save_checkpoint(model: torch.nn.Module, directory: Path, rank: int, dtype: torch.dtype | None = None) -> None:
+    """``save_pretrained`` of the full state dict (a collective gather; rank 0 writes), rounded to ``dtype`` (the
+    BF16 image of FP32 masters) where given."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dtype is not None:
+        state = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     if rank == 0:
         model.save_pretrained(str(directory), state_dict=state, safe_serialization=True)  # type: ignore[operator]

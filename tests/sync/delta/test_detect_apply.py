@@ -1,0 +1,144 @@
+"""A pull through both halves of a delta sync: the trainer's detection and encoding against its kept image, the
+engine's patch through the pull's landing program (strided BF16 regions, FP8 weights and scales, padding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmove.quant import FP8_DTYPE
+from kvmove.sync.delta.apply import Patch
+from kvmove.sync.delta.detect import Images, region_class, summary
+from kvmove.sync.delta.encoding import Encoding
+from kvmove.sync.planning.entries import ENGINE, PLAIN, TRAINER
+from kvmove.sync.planning.packing import PartSpec, ServeSpec, pack_layout
+from kvmove.sync.planning.plan import Box
+from kvmove.sync.programs import ProgramBuilder
+from kvmove.sync.verify import bits_equal
+
+NAMES = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.3.up_proj.weight", "model.norm.weight")
+
+
+class Pull:
+    """Trainer tensors served by one pull, the engine's parameters they land in, and the landing program."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.src = [
+            torch.randn(8, 4, generator=g).to(torch.bfloat16),  # lands in columns 1:5 of an (8, 6) parameter
+            torch.randn(4, 16, generator=g).to(FP8_DTYPE),  # an FP8 weight and its scale
+            torch.rand(1, 1, generator=g) + 0.5,
+            torch.randn(3, generator=g).to(torch.bfloat16),  # 6 bytes: padding follows
+        ]
+        self.params = [torch.zeros(8, 6, dtype=torch.bfloat16), torch.zeros(4, 16, dtype=FP8_DTYPE)]
+        self.params += [torch.zeros(1, 1), torch.zeros(3, dtype=torch.bfloat16)]
+        self.sizes = [t.numel() * t.element_size() for t in self.src]
+        self.layout = pack_layout(self.sizes)
+        self.slot = torch.zeros(self.layout.nbytes + 64, dtype=torch.uint8)
+        self.recv = torch.full_like(self.slot, 0xAB)
+        transforms = (PLAIN, TRAINER, TRAINER, PLAIN)
+        tensors = (NAMES[0], NAMES[1], NAMES[1], NAMES[2])
+        self.specs = [
+            ServeSpec(
+                tr, name, tuple(t.shape), Box.full(tuple(t.shape)), True, (PartSpec("data", None, (), t.dtype, n),)
+            )
+            for tr, name, t, n in zip(transforms, tensors, self.src, self.sizes, strict=True)
+        ]
+        b = ProgramBuilder()
+        for dst, t, off in zip(self.regions(), self.src, self.layout.offsets, strict=True):
+            b.copy(dst, self.recv[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+        self.program = b.build(persistent=True)
+
+    def regions(self) -> list[torch.Tensor]:
+        return [self.params[0][:, 1:5], self.params[1], self.params[2], self.params[3]]
+
+    def sync(self, images: Images, sync_id: int, base: int | None) -> Encoding:
+        """Pack densely, encode, 'read' the slot's bytes into the receive slot, land."""
+        for t, off in zip(self.src, self.layout.offsets, strict=True):
+            self.slot[off : off + t.numel() * t.element_size()].copy_(t.contiguous().view(-1).view(torch.uint8))
+        coded = images.encode(("v1", 0, 7), self.slot, self.specs, sync_id, base)
+        self.recv[: coded.nbytes].copy_(self.slot[: coded.nbytes])
+        patch = Patch.of(coded.encoding, coded.changed, self.sizes)
+        if patch is not None:
+            patch.apply(self.program, self.recv)
+        self.program.run()
+        return coded.encoding
+
+    def landed(self) -> bool:
+        return all(bits_equal(r.contiguous(), t) for r, t in zip(self.regions(), self.src, strict=True))
+
+
+def _set_bits(t: torch.Tensor, index: int, bits: int) -> None:
+    t.view(-1).view(torch.int16)[index] = bits
+
+
+def test_a_sequence_of_delta_syncs_lands_every_change_bit_exact() -> None:
+    pull, images = Pull(), Images()
+    assert pull.sync(images, 1, None) is Encoding.DENSE and pull.landed()  # first sync: no image yet
+    assert pull.sync(images, 2, 1) is Encoding.INDEX and pull.landed()  # nothing changed: an empty delta
+    assert images.take_counts()["sent_bytes"] == 0 + pull.layout.nbytes
+    pull.src[0][3, 2] += 1.0  # one element
+    assert pull.sync(images, 3, 2) is Encoding.INDEX and pull.landed()
+    counts = images.take_counts()
+    assert counts["changed.attention"] == 1 and counts["changed.experts"] == 0 and counts["sent_bytes"] == 18
+    _set_bits(pull.src[0], 0, 0x7FC0)  # a NaN
+    _set_bits(pull.src[3], 1, 0x0000)  # +0.0
+    assert pull.sync(images, 4, 3) is not Encoding.DENSE and pull.landed()
+    images.take_counts()
+    _set_bits(pull.src[0], 0, 0x7FC1)  # another NaN payload: a change, though NaN != NaN either way
+    _set_bits(pull.src[3], 1, -0x8000)  # -0.0: a change, though -0.0 == +0.0 as values
+    assert pull.sync(images, 5, 4) is Encoding.INDEX and pull.landed()
+    counts = images.take_counts()
+    assert counts["pulls.index"] == 1 and counts["changed.attention"] == 1 and counts["changed.other"] == 1
+    pull.src[2] *= 2.0  # an FP8 block's new scale, and every weight quantized with it
+    pull.src[1] = (pull.src[1].float() * 0.5).to(FP8_DTYPE)
+    assert pull.sync(images, 6, 5) is not Encoding.DENSE and pull.landed()
+
+
+def test_everything_changed_costs_no_more_than_dense_and_a_missed_sync_goes_dense() -> None:
+    pull, images = Pull(), Images()
+    pull.sync(images, 1, None)
+    images.take_counts()
+    for t in pull.src:
+        t.view(-1).view(torch.uint8).add_(1)
+    assert pull.sync(images, 2, 1) is not Encoding.INDEX and pull.landed()
+    assert images.take_counts()["sent_bytes"] <= pull.layout.nbytes  # a bitmap beats dense only by the padding
+    pull.src[0][0, 0] += 1.0
+    assert pull.sync(images, 3, None) is Encoding.DENSE and pull.landed()  # an engine that rejoined
+    pull.src[0][0, 1] += 1.0
+    assert pull.sync(images, 4, 2) is Encoding.DENSE and pull.landed()  # it holds sync 2, the image is of 3
+    pull.src[0][0, 2] += 1.0
+    assert pull.sync(images, 5, 4) is Encoding.INDEX and pull.landed()
+
+
+def test_pulls_the_engine_quantizes_always_go_dense() -> None:
+    pull, images = Pull(), Images()
+    pull.specs[0] = pull.specs[0]._replace(transform=ENGINE)
+    pull.sync(images, 1, None)
+    pull.src[0][0, 0] += 1.0
+    assert pull.sync(images, 2, 1) is Encoding.DENSE and pull.landed()
+    assert images.nbytes == 0  # nothing kept for it
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [
+        ("model.embed_tokens.weight", "embeddings"),
+        ("lm_head.weight", "embeddings"),
+        ("model.layers.1.self_attn.k_proj.weight", "attention"),
+        ("model.layers.1.mlp.experts.12.down_proj.weight", "experts"),
+        ("model.layers.1.mlp.gate_proj.weight", "dense_mlp"),
+        ("model.layers.1.mlp.gate.weight", "other"),
+        ("model.layers.1.input_layernorm.weight", "other"),
+    ],
+)
+def test_region_classes(name: str, cls: str) -> None:
+    assert region_class(name) == cls
+
+
+def test_summary_adds_up_every_trainer_rank() -> None:
+    a = {"dense_bytes": 100, "sent_bytes": 10, "pulls.index": 1, "changed.experts": 3, "words.experts": 50}
+    b = {"dense_bytes": 100, "sent_bytes": 30, "pulls.dense": 1, "changed.experts": 2, "words.experts": 50}
+    s = summary([a, b])
+    assert s["ratio"] == 0.2 and s["pulls"] == {"dense": 1, "index": 1, "bitmap": 0}
+    assert s["changed_fraction"] == {"experts": 0.05} and summary([{}]) == {}
