@@ -94,7 +94,7 @@ def run(
 
     Example: kvmove bench run --suite plan
 
-    Example: kvmove bench run --suite sync --syncs 3 --results results/   # the rows the README quotes
+    Example: kvmove bench run --suite sync --syncs 3 --results results/   # the rows docs/benchmarks.md quotes
     """
     if suite is Suite.gpu:
         _gpu_syncs(results, transport.value, GpuShape(syncs, layers, gpus), as_json)
@@ -133,12 +133,19 @@ def run(
 
 
 def _show(suite: str, rows: list[Row], results: Path | None, as_json: bool) -> None:
-    """Print ``rows`` (a table, or JSON lines) and append them to ``results/<suite>.parquet`` when asked."""
+    """Append ``rows`` to ``results/<suite>.parquet`` when asked, say where they went, and print them."""
     where = None
     if results is not None and rows:
         from kvmove.bench.results import append_rows
 
         where = append_rows(results, suite, rows)
+    _print_rows(suite, rows, where, as_json)
+
+
+def _print_rows(suite: str, rows: list[Row], where: Path | None, as_json: bool) -> None:
+    """Say where ``rows`` went (``where``: the file they were appended to, None: not recorded) and print them (a
+    table, or JSON lines)."""
+    if rows and where is not None:
         streams.note(f"{len(rows)} {suite} rows appended to {where}")
     elif rows:
         streams.note(f"{len(rows)} {suite} rows not recorded (rows are appended only with --results DIR)")
@@ -227,8 +234,7 @@ def _gpu_rows(run_suite: Any, suite: Any, results: Path, as_json: bool) -> None:
     labels = Labels(hardware, {**versions(), "cuda": str(torch.version.cuda)}, git_commit())
     with streams.progress() as say:
         rows = run_suite(suite, lambda new: append_rows(results, "gpu", new, labels) if new else None, say)
-    streams.note(f"{len(rows)} gpu rows appended to {results / 'gpu.parquet'}")
-    _show("gpu", rows, None, as_json)
+    _print_rows("gpu", rows, results / "gpu.parquet", as_json)  # recorded as they landed
 
 
 def _soak(transport: str, migrations: int, results: Path | None, as_json: bool, say: Callable[[str], None]) -> None:
