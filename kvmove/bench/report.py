@@ -130,6 +130,21 @@ def build_report(results_dir: Path, filters: Filters | None = None) -> Report:
     return report_from_rows(rows, notes)
 
 
+def _dirty_notes(rows: pd.DataFrame) -> list[str]:
+    """One note per results file holding rows of dirty trees (recorded before recording refused them): they cannot
+    be traced to code, and the report keeps them apart from their commit's clean rows."""
+    commits = rows["git_commit"].fillna("").astype(str)
+    dirty = rows[commits.str.endswith("-dirty")]
+    if dirty.empty:
+        return []
+    files = dirty["source_file"] if "source_file" in dirty.columns else pd.Series("?", index=dirty.index)
+    return [
+        f"{len(group)} rows of dirty trees ({', '.join(sorted(set(group['git_commit'].astype(str))))}) in {name}: "
+        "they cannot be traced to code"
+        for name, group in dirty.groupby(files.fillna("?"), sort=True)
+    ]
+
+
 def report_from_rows(rows: pd.DataFrame, notes: list[str] | None = None) -> Report:
     """The report of rows already loaded (and decorated) by :func:`load_rows`."""
     notes = list(notes or [])
@@ -144,6 +159,7 @@ def report_from_rows(rows: pd.DataFrame, notes: list[str] | None = None) -> Repo
     migrations = migration_table(rows)
     if migrations.empty:
         notes.append("no migration rows (kvmove migrate --results DIR)")
+    notes += _dirty_notes(rows)
     costs = costs_table(rows)
     if not costs.empty and (costs["kind"] == "default").any():
         names = ", ".join(costs.loc[costs["kind"] == "default", "cost"])

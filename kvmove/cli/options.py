@@ -77,6 +77,18 @@ def _strategies(value: str) -> str:
     return value
 
 
+def _results_dir(value: Path | None) -> Path | None:
+    """--results DIR: refused up front (before anything runs) when the tree is dirty, as its rows would be."""
+    if value is not None:
+        from kvmove.bench.results import git_commit, require_traceable
+
+        try:
+            require_traceable(git_commit())
+        except KvmoveError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
 ModelOpt = Annotated[
     str,
     typer.Option(
@@ -143,7 +155,8 @@ ResultsOpt = Annotated[
     typer.Option(
         "--results",
         metavar="DIR",
-        help="Append measured rows to DIR/<suite>.parquet (nothing is recorded without it).",
+        help="Append measured rows to DIR/<suite>.parquet (nothing is recorded without it; only from a clean tree).",
+        callback=_results_dir,
         rich_help_panel=PANEL_OUTPUT,
     ),
 ]

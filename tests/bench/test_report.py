@@ -89,9 +89,13 @@ def test_faulty_syncs_are_reported_apart_never_in_medians(tmp_path) -> None:
 
 def test_dirty_commits_stay_apart_from_clean_ones(tmp_path) -> None:
     write(tmp_path, "sync", sync_rows(), "0123456789ab")
-    write(tmp_path, "sync", sync_rows({"v1": 9.0, "v3": 9.0}), "0123456789ab-dirty")
+    write(tmp_path, "sync", sync_rows({"v1": 9.0, "v3": 9.0}), "0123456789ab")
+    df = pd.read_parquet(tmp_path / "sync.parquet")  # rows recorded before dirty trees were refused
+    df.loc[df.index[3:], "git_commit"] = "0123456789ab-dirty"
+    df.to_parquet(tmp_path / "sync.parquet", index=False)
     rep = build_report(tmp_path)
     assert sorted(rep.sync["commit"]) == ["01234567", "01234567-dirty"]
+    assert any("2 rows of dirty trees (0123456789ab-dirty) in sync.parquet" in n for n in rep.notes), rep.notes
     assert short_commit("unknown") == "unknown" and short_commit(None) == ""
 
 
