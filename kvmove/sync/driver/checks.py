@@ -23,6 +23,7 @@ def checked(config: SyncConfig) -> SyncConfig:
     check_placement(config)
     check_faults(config)
     check_engine_kind(config)
+    check_engine_build(config)
     check_format(config)
     config = replace(config, transport=check_transport(config))
     check_memory(config)
@@ -78,6 +79,19 @@ def check_engine_kind(config: SyncConfig) -> None:
     adapter.check(config.engine)
     if not adapter.broadcast and any(s.delivery is Delivery.BROADCAST for s in config.strategies):
         raise KvmoveError(f"the broadcast baseline is not built for --engine-kind {adapter.name} (use v1, v2 or v3)")
+
+
+def check_engine_build(config: SyncConfig) -> None:
+    """What the engine's own construction refuses (an FP8 split that cuts a 128x128 quantization block, ...), found
+    before anything starts: the first rank of each pipeline stage is built on meta tensors, one layer each (every
+    rank of a stage holds equal shares, and the rules are per layer)."""
+    adapter = get_engine(config.engine_kind)
+    if not adapter.builds_outside:
+        return
+    layout = config.engine
+    for stage, layers in enumerate(layout.stage_layers(config.model)):
+        coord = next(layout.coord(r) for r in range(layout.ranks_per_replica) if layout.coord(r).pp == stage)
+        adapter.build(config.model, layout, coord, layers=list(layers)[:1], device="meta")
 
 
 def check_format(config: SyncConfig) -> None:
