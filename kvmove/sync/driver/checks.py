@@ -1,8 +1,15 @@
-"""Up-front refusals: everything a run can be refused for is checked here, before any rank (or Ray) starts."""
+"""Up-front refusals: everything a run can be refused for is checked here, before any rank (or Ray) starts.
+
+The one owner of sync-config validation. ``checked`` (real syncs) runs once per config: the CLI checks before its
+first progress line, and ``run_syncs`` takes the checked config without checking it again. A dry run moves no
+bytes and starts nothing, so ``check_plannable`` is its share of the same checks (layouts, the engine's dtype,
+the checkpoint format; with ``--verify`` a checkpoint small enough to materialize).
+"""
 
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import replace
 
 from kvmove.engines import get_engine
@@ -16,10 +23,17 @@ from kvmove.transport import get_transport
 MEMORY_FRACTION = 0.6
 
 
+_CHECKED: dict[int, weakref.ref[SyncConfig]] = {}
+"""Configs ``checked`` returned (by id, while they live): checking one again returns it as it is."""
+
+
 def checked(config: SyncConfig) -> SyncConfig:
-    """``config`` with its transport resolved to a concrete name, or a KvmoveError saying what is wrong."""
-    config.trainer.validate(config.model)
-    config.engine.validate(config.model)
+    """``config`` with its transport resolved to a concrete name, or a KvmoveError saying what is wrong. A config
+    this function returned is returned as it is (the checks run once per run)."""
+    seen = _CHECKED.get(id(config))
+    if seen is not None and seen() is config:
+        return config
+    check_layouts(config)
     check_placement(config)
     check_faults(config)
     check_engine_kind(config)
@@ -27,7 +41,27 @@ def checked(config: SyncConfig) -> SyncConfig:
     check_format(config)
     config = replace(config, transport=check_transport(config))
     check_memory(config)
+    key = id(config)
+    _CHECKED[key] = weakref.ref(config, lambda _ref: _CHECKED.pop(key, None))
     return config
+
+
+def check_plannable(config: SyncConfig) -> None:
+    """What a dry run (plans only: no rank, transport or fault) is refused for: the checks it shares with real
+    syncs, and with --verify a checkpoint that can be materialized here."""
+    from kvmove.sync.verify import check_verifiable
+
+    check_layouts(config)
+    get_engine(config.engine_kind).check_dtype(config.model)
+    check_format(config)
+    if config.verify:
+        check_verifiable(config.model)
+
+
+def check_layouts(config: SyncConfig) -> None:
+    """Trainer and engine layouts that tile the model (kvmove.layout names the violated constraint)."""
+    config.trainer.validate(config.model)
+    config.engine.validate(config.model)
 
 
 def check_placement(config: SyncConfig) -> None:

@@ -14,12 +14,13 @@ from kvmove.models.checkpoint import SCALE_SUFFIX, engine_tensors
 from kvmove.models.tensors import hf_tensors
 from kvmove.quant import FP8_DTYPE
 from kvmove.sync.config import SyncConfig
+from kvmove.sync.driver.checks import check_layouts, check_plannable
 from kvmove.sync.planning.direct import DirectPlanner
 from kvmove.sync.planning.ownership import Ownership
 from kvmove.sync.planning.plan import ShardingPlan, plan_engine
 from kvmove.sync.planning.routing import SourceMap, route
 from kvmove.sync.strategies import Delivery, Strategy
-from kvmove.sync.verify import check_verifiable, verify_plans
+from kvmove.sync.verify import verify_plans
 
 
 class DryRunReport(NamedTuple):
@@ -51,19 +52,17 @@ class DryRunReport(NamedTuple):
 
 
 def build_plans(config: SyncConfig) -> tuple[tuple[ShardingPlan, ...], float]:
-    """Validate layouts, then dry-run the engine loader for every rank of one replica."""
-    config.trainer.validate(config.model)
-    config.engine.validate(config.model)
+    """Dry-run the engine loader for every rank of one replica (layouts validated first)."""
+    check_layouts(config)
     start = time.perf_counter()
     plans = plan_engine(config.model, config.engine, reuse=config.options.reuse, engine=get_engine(config.engine_kind))
     return plans, time.perf_counter() - start
 
 
 def dry_run_sync(config: SyncConfig) -> list[DryRunReport]:
-    """Plan once, route per strategy, verify if asked: one report per strategy."""
-    get_engine(config.engine_kind).check_dtype(config.model)
-    if config.verify:
-        check_verifiable(config.model)
+    """Check what a dry run is refused for (kvmove.sync.driver.checks), plan once, route per strategy, verify if
+    asked: one report per strategy."""
+    check_plannable(config)
     plans, plan_seconds = build_plans(config)
     ownership = Ownership(config.model, config.trainer)
     return [_report(config, plans, plan_seconds, ownership, s) for s in config.strategies]

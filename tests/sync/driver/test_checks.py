@@ -129,3 +129,19 @@ def test_fp8_engines_sync_only_from_hf_tensors() -> None:
     with pytest.raises(KvmoveError, match="an fp8 engine syncs from trainer tensors in the hf format, not megatron"):
         check_format(config)
     check_format(SyncConfig(cfg, TrainerLayout(), EngineLayout(), tuple(parse_strategies("v3"))))
+
+
+def test_a_config_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI checks before its first progress line and run_syncs takes that config: the checks run once."""
+    from dataclasses import replace
+
+    from kvmove.sync.config import Placement
+    from kvmove.sync.driver import checks
+
+    calls: list[object] = []
+    monkeypatch.setattr(checks, "check_memory", calls.append)
+    on_cpu = replace(_colocated_on_gpu("gloo"), placement=Placement("processes"))
+    config = checks.checked(on_cpu)
+    assert checks.checked(config) is config and len(calls) == 1
+    again = checks.checked(replace(config, syncs=2))  # another config: checked on its own
+    assert again.syncs == 2 and len(calls) == 2
