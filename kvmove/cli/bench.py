@@ -17,8 +17,9 @@ import typer
 from kvmove.cli import render, streams
 from kvmove.cli import report as report_cli
 from kvmove.cli import simulate as simulate_cli
-from kvmove.cli.options import JsonOpt, ResultsOpt
+from kvmove.cli.options import BENCH_TRANSPORT_CHOICES, JsonOpt, ResultsOpt, transport_choice
 from kvmove.errors import JobFailed, KvmoveError
+from kvmove.transport import AUTO
 
 if TYPE_CHECKING:
     from kvmove.bench.results import Row
@@ -44,29 +45,21 @@ class Suite(StrEnum):
     gpu_fp8 = "gpu-fp8"
 
 
-class BenchTransport(StrEnum):
-    """The sync transports, and http (the KV servers' fallback data plane, for decode-latency)."""
-
-    auto = "auto"
-    nixl = "nixl"
-    rdt_nixl = "rdt-nixl"
-    rdt_gloo = "rdt-gloo"
-    gloo = "gloo"
-    nccl = "nccl"
-    cuda_ipc = "cuda-ipc"
-    object_store = "object-store"
-    http = "http"
-
-
 @app.command("run")
 @streams.owns_stdout
 def run(
     suite: Annotated[Suite, typer.Option("--suite", help="Which benchmark to run.")] = Suite.quick,
     results: ResultsOpt = None,
     transport: Annotated[
-        BenchTransport,
-        typer.Option("--transport", help="Transport of the sync, vllm (pulls) and decode-latency (KV) suites."),
-    ] = BenchTransport.auto,
+        str,
+        typer.Option(
+            "--transport",
+            metavar="NAME",
+            help="Transport of the sync, vllm (pulls) and decode-latency (KV) suites: "
+            f"{', '.join(BENCH_TRANSPORT_CHOICES)}.",
+            callback=transport_choice(BENCH_TRANSPORT_CHOICES),
+        ),
+    ] = AUTO,
     syncs: Annotated[int, typer.Option("--syncs", min=1, help="Syncs per strategy in the sync suite.")] = 3,
     layers: Annotated[
         int,
@@ -97,10 +90,10 @@ def run(
     Example: kvmove bench run --suite sync --syncs 3 --results results/   # the rows docs/benchmarks.md quotes
     """
     if suite is Suite.gpu:
-        _gpu_syncs(results, transport.value, GpuShape(syncs, layers, gpus), as_json)
+        _gpu_syncs(results, transport, GpuShape(syncs, layers, gpus), as_json)
         return
     if suite is Suite.gpu_fp8:
-        _gpu_fp8(results, transport.value, GpuShape(syncs, layers, 0), as_json)
+        _gpu_fp8(results, transport, GpuShape(syncs, layers, 0), as_json)
         return
     if suite is Suite.migration_gpu:
         _gpu(results, gpus=1, module="kvmove.bench.resume")  # NOTE: one GPU, plain torch
@@ -114,7 +107,7 @@ def run(
         if suite in (Suite.sync, Suite.quick, Suite.full):
             from kvmove.bench.syncs import summarize, sync_suite
 
-            rows = sync_suite(transport=transport.value, syncs=syncs, progress=say)
+            rows = sync_suite(transport=transport, syncs=syncs, progress=say)
             _show("transport", [r for r in rows if r.suite == "transport"], results, as_json)
             _show("sync", [r for r in rows if r.suite == "sync"], results, as_json)
             if not as_json:
@@ -122,14 +115,14 @@ def run(
         if suite is Suite.decode_latency:
             from kvmove.bench.decode_latency import DecodeLatencyConfig, decode_latency
 
-            row = decode_latency(DecodeLatencyConfig(transport=transport.value), say=say)
+            row = decode_latency(DecodeLatencyConfig(transport=transport), say=say)
             _show("decode_latency", [row], results, as_json)
         if suite is Suite.soak:
-            _soak(transport.value, migrations, results, as_json, say)
+            _soak(transport, migrations, results, as_json, say)
         if suite is Suite.vllm:
             from kvmove.bench.syncs import vllm_suite
 
-            _show("vllm", vllm_suite(transport=transport.value, syncs=syncs, progress=say), results, as_json)
+            _show("vllm", vllm_suite(transport=transport, syncs=syncs, progress=say), results, as_json)
 
 
 def _show(suite: str, rows: list[Row], results: Path | None, as_json: bool) -> None:

@@ -1,12 +1,14 @@
 """Option aliases shared by commands (one spelling, one help text), the choices they accept (enums, shown in
 ``--help``) and the help panels that group them.
 
-Nothing here imports torch, pandas or Ray: ``kvmove --help`` must stay fast. The enums mirror registries that do
-import them (transports, engines); tests/cli keep the two equal.
+Nothing here imports torch, pandas or Ray: ``kvmove --help`` must stay fast. Transport names come from their owner
+(kvmove.transport, whose names import without torch); the enums of engines and KV data planes mirror registries
+that do import torch, and tests/cli keep the two equal.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -15,6 +17,7 @@ import typer
 
 from kvmove.errors import KvmoveError
 from kvmove.sync.strategies import STRATEGIES
+from kvmove.transport import AUTO, SYNC_TRANSPORTS
 
 DEFAULT_MODEL = "qwen3-moe-tiny"  # == kvmove.models.DEFAULT_MODEL (a test keeps them equal)
 DEFAULT_TRAINER = "tp=2,pp=2,ep=2"
@@ -30,17 +33,21 @@ PANEL_TUNING = "Transport tuning (run mode)"
 PANEL_OUTPUT = "Output"
 
 
-class SyncTransport(StrEnum):
-    """Byte movers of a weight sync (``auto``: the first available of nixl, rdt-nixl, rdt-gloo, gloo)."""
+SYNC_TRANSPORT_CHOICES = (AUTO, *SYNC_TRANSPORTS)
+"""--transport of a weight sync: kvmove.transport owns the names and what ``auto`` means."""
+BENCH_TRANSPORT_CHOICES = (*SYNC_TRANSPORT_CHOICES, "http")
+"""--transport of the benchmarks: the sync transports, and http (the KV servers' data plane, for decode-latency)."""
 
-    auto = "auto"
-    nixl = "nixl"
-    rdt_nixl = "rdt-nixl"
-    rdt_gloo = "rdt-gloo"
-    gloo = "gloo"
-    nccl = "nccl"
-    cuda_ipc = "cuda-ipc"
-    object_store = "object-store"
+
+def transport_choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    """A --transport callback accepting ``choices`` (kvmove.transport's names), else one line naming them."""
+
+    def check(value: str) -> str:
+        if value not in choices:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(map(repr, choices))}")
+        return value
+
+    return check
 
 
 class KVTransport(StrEnum):
