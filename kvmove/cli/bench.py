@@ -17,7 +17,7 @@ import typer
 from kvmove.cli import render, streams
 from kvmove.cli import report as report_cli
 from kvmove.cli import simulate as simulate_cli
-from kvmove.cli.options import BENCH_TRANSPORT_CHOICES, JsonOpt, ResultsOpt, transport_choice
+from kvmove.cli.options import BenchTransportOpt, JsonOpt, ResultsOpt
 from kvmove.errors import JobFailed, KvmoveError
 from kvmove.transport import AUTO
 
@@ -50,16 +50,7 @@ class Suite(StrEnum):
 def run(
     suite: Annotated[Suite, typer.Option("--suite", help="Which benchmark to run.")] = Suite.quick,
     results: ResultsOpt = None,
-    transport: Annotated[
-        str,
-        typer.Option(
-            "--transport",
-            metavar="NAME",
-            help="Transport of the sync, vllm (pulls) and decode-latency (KV) suites: "
-            f"{', '.join(BENCH_TRANSPORT_CHOICES)}.",
-            callback=transport_choice(BENCH_TRANSPORT_CHOICES),
-        ),
-    ] = AUTO,
+    transport: BenchTransportOpt = AUTO,
     syncs: Annotated[int, typer.Option("--syncs", min=1, help="Syncs per strategy in the sync suite.")] = 3,
     layers: Annotated[
         int,

@@ -157,6 +157,17 @@ JsonOpt = Annotated[
         "--json", help="One JSON object per line on stdout (logs stay on stderr).", rich_help_panel=PANEL_OUTPUT
     ),
 ]
+BenchTransportOpt = Annotated[
+    str,
+    typer.Option(
+        "--transport",
+        metavar="NAME",
+        help="Transport of the sync, vllm (pulls) and decode-latency (KV) suites: "
+        + ", ".join(BENCH_TRANSPORT_CHOICES)
+        + ".",
+        callback=transport_choice(BENCH_TRANSPORT_CHOICES),
+    ),
+]
 ResultsOpt = Annotated[
     Path | None,
     typer.Option(
