@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
 
@@ -77,7 +77,14 @@ class Report:
         }
 
 
-def load_rows(results_dir: Path) -> tuple[pd.DataFrame, list[str]]:
+class LoadedRows(NamedTuple):
+    """Every readable row (decorated), and a note per file skipped or column kept."""
+
+    rows: pd.DataFrame
+    notes: list[str]
+
+
+def load_rows(results_dir: Path) -> LoadedRows:
     """All readable rows; notes name every file skipped. A KvmoveError if nothing is readable."""
     if not results_dir.is_dir():
         raise KvmoveError(f"results directory {results_dir} does not exist; run `kvmove bench run` first")
@@ -108,7 +115,7 @@ def load_rows(results_dir: Path) -> tuple[pd.DataFrame, list[str]]:
         rows[c] = pd.to_numeric(rows[c], errors="coerce").fillna(0.0)
     rows["phases_d"] = rows["phases"].map(_json_dict)
     rows["extra_d"] = rows["extra"].map(_json_dict)
-    return rows, notes
+    return LoadedRows(rows, notes)
 
 
 def _json_dict(value: Any) -> dict[str, Any]:

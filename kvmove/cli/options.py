@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import typer
 
@@ -228,12 +228,19 @@ FailTrainerOpt = Annotated[
 ]
 
 
-def parse_slow_engine(text: str) -> tuple[int, float]:
-    """``--slow-engine REPLICA=SECONDS`` -> (replica, seconds)."""
+class SlowEngine(NamedTuple):
+    """``--slow-engine REPLICA=SECONDS``: replica ``replica`` waits ``seconds`` per group."""
+
+    replica: int
+    seconds: float
+
+
+def parse_slow_engine(text: str) -> SlowEngine:
+    """``--slow-engine REPLICA=SECONDS`` -> SlowEngine(replica, seconds)."""
     replica, sep, seconds = text.partition("=")
     try:
         if not sep:
             raise ValueError
-        return int(replica), float(seconds)
+        return SlowEngine(int(replica), float(seconds))
     except ValueError:
         raise KvmoveError(f"--slow-engine {text!r} is not REPLICA=SECONDS") from None

@@ -79,8 +79,7 @@ class EngineHost(Host):
         checked tensor by tensor against the plan's op chains instead."""
         c, weights = self.config, self.weights_device()
         if model_totals(c.model).total_bytes > VERIFY_LIMIT_BYTES and c.reference is None:
-            ok, bad = verify_streaming(c.model, self.plan, self.model, seed, version, weights)
-            return VerifyResult(ok, 1, len(self.plan.regions), tuple(bad))
+            return verify_streaming(c.model, self.plan, self.model, seed, version, weights)
         ref = self.adapter.build(c.model, c.engine, self.coord, device=self.spec.device)
         checkpoint = engine_checkpoint(c.model, self.reference(version, seed, weights))
         self.adapter.load_weights(ref, checkpoint.items())
