@@ -8,12 +8,12 @@ the checkpoint format; with ``--verify`` a checkpoint small enough to materializ
 
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import replace
 
 from kvmove.engines import get_engine
 from kvmove.errors import KvmoveError, MissingDependencyError
+from kvmove.memory import usable_memory
 from kvmove.models.tensors import model_totals
 from kvmove.sync.config import Side, SyncConfig
 from kvmove.sync.launchers import get_launcher
@@ -181,7 +181,7 @@ def check_memory(config: SyncConfig) -> None:
         engine += total * config.engine.world  # every engine rank receives the whole model
     if any(s.scope is Gather.GLOBAL for s in config.strategies):
         trainer += total * config.trainer.world  # every trainer rank materializes every tensor
-    need, have = trainer + engine, available_memory()
+    need, have = trainer + engine, usable_memory()
     if need > have * MEMORY_FRACTION:
         raise KvmoveError(
             f"{config.model.name} ({total / 1e9:.2f} GB) over {config.trainer.world} trainer and "
@@ -189,15 +189,3 @@ def check_memory(config: SyncConfig) -> None:
             f"{have * MEMORY_FRACTION / 1e9:.1f} GB may be used ({have / 1e9:.1f} GB available). "
             "Use a smaller model or fewer ranks."
         )
-
-
-def available_memory() -> int:
-    """Bytes of memory available to new allocations on this machine (MemAvailable, else physical)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
