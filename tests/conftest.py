@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# rows the tests record (into temporary folders) carry this commit: recording refuses a dirty tree, and a test must
+# not fail because the checkout it runs in has uncommitted changes (tests of the refusal set their own)
+os.environ.setdefault("KVMOVE_GIT_COMMIT", "0000000000aa")
 
 import pytest
 

@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 
 from kvmove.bench.results import Labels, Row, append_rows, git_commit, hardware_label, versions
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from kvmove.quant.fp8 import FP8_MAX
 
 
 def quantize_blocks(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

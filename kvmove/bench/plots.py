@@ -96,6 +96,8 @@ def _setup_label(r: pd.Series, width: int = 26) -> str:
     """Layout, transport (+ pulls or simulator constraints) and commit of one setup row."""
     kind = str(r.get("engine_kind") or "")
     engine = f"{kind} {_compact(r['engine'])}" if kind not in ("", "reference") else _compact(r["engine"])
+    if str(r.get("engine_dtype") or "bf16") != "bf16":
+        engine = f"{engine} {r['engine_dtype']}"
     how = " ".join(filter(None, [str(r["transport"]), str(r.get("pulls") or ""), _constraints(r)]))
     return "\n".join(wrap(t, width) for t in (f"{_compact(r['trainer'])} → {engine}", how, f"@{r['commit']}"))
 

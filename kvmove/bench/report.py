@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
 
@@ -78,7 +78,14 @@ class Report:
         }
 
 
-def load_rows(results_dir: Path) -> tuple[pd.DataFrame, list[str]]:
+class LoadedRows(NamedTuple):
+    """Every readable row (decorated), and a note per file skipped or column kept."""
+
+    rows: pd.DataFrame
+    notes: list[str]
+
+
+def load_rows(results_dir: Path) -> LoadedRows:
     """All readable rows; notes name every file skipped. A KvmoveError if nothing is readable."""
     if not results_dir.is_dir():
         raise KvmoveError(f"results directory {results_dir} does not exist; run `kvmove bench run` first")
@@ -109,7 +116,7 @@ def load_rows(results_dir: Path) -> tuple[pd.DataFrame, list[str]]:
         rows[c] = pd.to_numeric(rows[c], errors="coerce").fillna(0.0)
     rows["phases_d"] = rows["phases"].map(_json_dict)
     rows["extra_d"] = rows["extra"].map(_json_dict)
-    return rows, notes
+    return LoadedRows(rows, notes)
 
 
 def _json_dict(value: Any) -> dict[str, Any]:
@@ -131,6 +138,21 @@ def build_report(results_dir: Path, filters: Filters | None = None) -> Report:
     return report_from_rows(rows, notes)
 
 
+def _dirty_notes(rows: pd.DataFrame) -> list[str]:
+    """One note per results file holding rows of dirty trees (recorded before recording refused them): they cannot
+    be traced to code, and the report keeps them apart from their commit's clean rows."""
+    commits = rows["git_commit"].fillna("").astype(str)
+    dirty = rows[commits.str.endswith("-dirty")]
+    if dirty.empty:
+        return []
+    files = dirty["source_file"] if "source_file" in dirty.columns else pd.Series("?", index=dirty.index)
+    return [
+        f"{len(group)} rows of dirty trees ({', '.join(sorted(set(group['git_commit'].astype(str))))}) in {name}: "
+        "they cannot be traced to code"
+        for name, group in dirty.groupby(files.fillna("?"), sort=True)
+    ]
+
+
 def report_from_rows(rows: pd.DataFrame, notes: list[str] | None = None) -> Report:
     """The report of rows already loaded (and decorated) by :func:`load_rows`."""
     notes = list(notes or [])
@@ -145,6 +167,7 @@ def report_from_rows(rows: pd.DataFrame, notes: list[str] | None = None) -> Repo
     migrations = migration_table(rows)
     if migrations.empty:
         notes.append("no migration rows (kvmove migrate --results DIR)")
+    notes += _dirty_notes(rows)
     costs = costs_table(rows)
     if not costs.empty and (costs["kind"] == "default").any():
         names = ", ".join(costs.loc[costs["kind"] == "default", "cost"])

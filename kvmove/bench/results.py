@@ -129,7 +129,20 @@ def git_commit() -> str:
         return "unknown"
 
 
+def require_traceable(commit: str) -> str:
+    """``commit`` if rows labelled with it can be traced to code, else a KvmoveError: a ``-dirty`` commit names a
+    tree whose tracked code differed from the commit, so no checkout reproduces what its rows measured."""
+    if commit.endswith("-dirty"):
+        raise KvmoveError(
+            f"refusing to record rows from a dirty tree ({commit}: tracked files differ from the commit, so the rows "
+            "could not be traced to code); commit or stash the changes first"
+        )
+    return commit
+
+
 def to_record(row: Row, labels: Labels) -> dict[str, Any]:
+    """The parquet record of ``row``; refuses labels whose commit is not traceable (see require_traceable)."""
+    require_traceable(labels.git_commit)
     rec = asdict(row)
     rec.update(timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), hardware=labels.hardware)
     rec.update(versions=json.dumps(labels.versions, sort_keys=True), git_commit=labels.git_commit)

@@ -1,9 +1,10 @@
 """Weight-sync rows as runs: one row per (commit, setup), strategies side by side, from fault-free syncs only.
 
 A *setup* is what a run measured: kind (measured/simulated), hardware, model, trainer and engine layouts, engine
-kind, simulator constraints, the pulls' transport and whether v2/v3 pulled directly or packed. A *run* is a setup
-at one commit; ``-dirty`` commits stay apart from clean ones. A sync with a dead replica, fewer live engine ranks
-than the layout has, or a failed verification is a *fault*: it is listed apart and never enters a median.
+kind, the engine's weight format (BF16 or FP8: one layout into either is two setups), simulator constraints, the
+pulls' transport and whether v2/v3 pulled directly or packed. A *run* is a setup at one commit; ``-dirty`` commits
+stay apart from clean ones. A sync with a dead replica, fewer live engine ranks than the layout has, or a failed
+verification is a *fault*: it is listed apart and never enters a median.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import pandas as pd
 
 STRATEGY_ORDER = ("v1", "v2", "v3", "broadcast")
-RUN_KEYS = ["kind", "commit", "hardware", "model", "trainer", "engine", "engine_kind", "constraints"]
+RUN_KEYS = ["kind", "commit", "hardware", "model", "trainer", "engine", "engine_kind", "engine_dtype", "constraints"]
 SETUP_KEYS = [k for k in RUN_KEYS if k != "commit"] + ["transport", "pulls"]
 EXCLUDED_SUITES = ("plan", "migration")
 
@@ -49,6 +50,7 @@ def sync_rows(rows: pd.DataFrame) -> pd.DataFrame:
     # NOTE: rows written before engine kinds existed synced into kvmove's reference engine
     default_kind = df["kind"].map(lambda k: "reference" if k == "measured" else "")
     df["engine_kind"] = [str(e.get("engine_kind") or d) for e, d in zip(extra, default_kind, strict=True)]
+    df["engine_dtype"] = [_engine_dtype(k, e) for k, e in zip(df["kind"], extra, strict=True)]
     df["hardware"] = [_hardware(k, h, e) for k, h, e in zip(df["kind"], df["hardware"], extra, strict=True)]
     df["pulls"] = [_pulls(k, s, e) for k, s, e in zip(df["kind"], df["strategy"], extra, strict=True)]
     df["sync"] = extra.map(lambda e: e.get("sync"))
@@ -71,6 +73,14 @@ def _hardware(kind: str, hardware: Any, extra: dict[str, Any]) -> str:
     cluster = dict(p.split("=", 1) for p in str(extra.get("cluster", "")).split(",") if "=" in p)
     nodes = f"{extra.get('trainer_nodes', '?')}+{extra.get('engine_nodes', '?')}"
     return f"sim {nodes} nodes x{cluster.get('gpus_per_node', '?')} GPU"
+
+
+def _engine_dtype(kind: str, extra: dict[str, Any]) -> str:
+    """Measured: the engine's weight format (rows written before FP8 engines existed synced BF16). Simulated: ""
+    (a simulated setup names its format, and where it quantizes, in its constraints)."""
+    if kind == "simulated":
+        return ""
+    return str(extra.get("engine_dtype") or "bf16")
 
 
 def _variant(extra: dict[str, Any]) -> str:

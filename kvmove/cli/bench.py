@@ -17,8 +17,9 @@ import typer
 from kvmove.cli import render, streams
 from kvmove.cli import report as report_cli
 from kvmove.cli import simulate as simulate_cli
-from kvmove.cli.options import JsonOpt, ResultsOpt
+from kvmove.cli.options import BenchTransportOpt, JsonOpt, ResultsOpt
 from kvmove.errors import JobFailed, KvmoveError
+from kvmove.transport import AUTO
 
 if TYPE_CHECKING:
     from kvmove.bench.results import Row
@@ -46,29 +47,12 @@ class Suite(StrEnum):
     delta = "delta"
 
 
-class BenchTransport(StrEnum):
-    """The sync transports, and http (the KV servers' fallback data plane, for decode-latency)."""
-
-    auto = "auto"
-    nixl = "nixl"
-    rdt_nixl = "rdt-nixl"
-    rdt_gloo = "rdt-gloo"
-    gloo = "gloo"
-    nccl = "nccl"
-    cuda_ipc = "cuda-ipc"
-    object_store = "object-store"
-    http = "http"
-
-
 @app.command("run")
 @streams.owns_stdout
 def run(
     suite: Annotated[Suite, typer.Option("--suite", help="Which benchmark to run.")] = Suite.quick,
     results: ResultsOpt = None,
-    transport: Annotated[
-        BenchTransport,
-        typer.Option("--transport", help="Transport of the sync, vllm (pulls) and decode-latency (KV) suites."),
-    ] = BenchTransport.auto,
+    transport: BenchTransportOpt = AUTO,
     syncs: Annotated[int, typer.Option("--syncs", min=1, help="Syncs per strategy in the sync suite.")] = 3,
     layers: Annotated[
         int,
@@ -98,13 +82,13 @@ def run(
 
     Example: kvmove bench run --suite plan
 
-    Example: kvmove bench run --suite sync --syncs 3 --results results/   # the rows the README quotes
+    Example: kvmove bench run --suite sync --syncs 3 --results results/   # the rows docs/benchmarks.md quotes
     """
     if suite is Suite.gpu:
-        _gpu_syncs(results, transport.value, GpuShape(syncs, layers, gpus), as_json)
+        _gpu_syncs(results, transport, GpuShape(syncs, layers, gpus), as_json)
         return
     if suite is Suite.gpu_fp8:
-        _gpu_fp8(results, transport.value, GpuShape(syncs, layers, 0), as_json)
+        _gpu_fp8(results, transport, GpuShape(syncs, layers, 0), as_json)
         return
     if suite is Suite.delta:
         _delta(results, layers, as_json)
@@ -121,7 +105,7 @@ def run(
         if suite in (Suite.sync, Suite.quick, Suite.full):
             from kvmove.bench.syncs import summarize, sync_suite
 
-            rows = sync_suite(transport=transport.value, syncs=syncs, progress=say)
+            rows = sync_suite(transport=transport, syncs=syncs, progress=say)
             _show("transport", [r for r in rows if r.suite == "transport"], results, as_json)
             _show("sync", [r for r in rows if r.suite == "sync"], results, as_json)
             if not as_json:
@@ -129,23 +113,30 @@ def run(
         if suite is Suite.decode_latency:
             from kvmove.bench.decode_latency import DecodeLatencyConfig, decode_latency
 
-            row = decode_latency(DecodeLatencyConfig(transport=transport.value), say=say)
+            row = decode_latency(DecodeLatencyConfig(transport=transport), say=say)
             _show("decode_latency", [row], results, as_json)
         if suite is Suite.soak:
-            _soak(transport.value, migrations, results, as_json, say)
+            _soak(transport, migrations, results, as_json, say)
         if suite is Suite.vllm:
             from kvmove.bench.syncs import vllm_suite
 
-            _show("vllm", vllm_suite(transport=transport.value, syncs=syncs, progress=say), results, as_json)
+            _show("vllm", vllm_suite(transport=transport, syncs=syncs, progress=say), results, as_json)
 
 
 def _show(suite: str, rows: list[Row], results: Path | None, as_json: bool) -> None:
-    """Print ``rows`` (a table, or JSON lines) and append them to ``results/<suite>.parquet`` when asked."""
+    """Append ``rows`` to ``results/<suite>.parquet`` when asked, say where they went, and print them."""
     where = None
     if results is not None and rows:
         from kvmove.bench.results import append_rows
 
         where = append_rows(results, suite, rows)
+    _print_rows(suite, rows, where, as_json)
+
+
+def _print_rows(suite: str, rows: list[Row], where: Path | None, as_json: bool) -> None:
+    """Say where ``rows`` went (``where``: the file they were appended to, None: not recorded) and print them (a
+    table, or JSON lines)."""
+    if rows and where is not None:
         streams.note(f"{len(rows)} {suite} rows appended to {where}")
     elif rows:
         streams.note(f"{len(rows)} {suite} rows not recorded (rows are appended only with --results DIR)")
@@ -251,8 +242,7 @@ def _gpu_rows(run_suite: Any, suite: Any, results: Path, as_json: bool) -> None:
     labels = Labels(hardware, {**versions(), "cuda": str(torch.version.cuda)}, git_commit())
     with streams.progress() as say:
         rows = run_suite(suite, lambda new: append_rows(results, "gpu", new, labels) if new else None, say)
-    streams.note(f"{len(rows)} gpu rows appended to {results / 'gpu.parquet'}")
-    _show("gpu", rows, None, as_json)
+    _print_rows("gpu", rows, results / "gpu.parquet", as_json)  # recorded as they landed
 
 
 def _soak(transport: str, migrations: int, results: Path | None, as_json: bool, say: Callable[[str], None]) -> None:

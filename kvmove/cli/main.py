@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import typer
 
@@ -93,10 +93,17 @@ def _fail(code: int, message: str) -> int:
     return code
 
 
-def _cli_errors() -> tuple[type[Exception], type[Exception]]:
+class CliErrors(NamedTuple):
+    """The CLI library's usage-error and abort classes."""
+
+    usage: type[Exception]
+    abort: type[Exception]
+
+
+def _cli_errors() -> CliErrors:
     """The usage-error and abort classes of the click that this typer uses (typer >= 0.24 vendors its own)."""
     click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
-    return click_error, typer.Abort
+    return CliErrors(click_error, typer.Abort)
 
 
 def _usage_message(exc: Exception) -> str:

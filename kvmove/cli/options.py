@@ -1,20 +1,23 @@
 """Option aliases shared by commands (one spelling, one help text), the choices they accept (enums, shown in
 ``--help``) and the help panels that group them.
 
-Nothing here imports torch, pandas or Ray: ``kvmove --help`` must stay fast. The enums mirror registries that do
-import them (transports, engines); tests/cli keep the two equal.
+Nothing here imports torch, pandas or Ray: ``kvmove --help`` must stay fast. Transport names come from their owner
+(kvmove.transport, whose names import without torch); the enums of engines and KV data planes mirror registries
+that do import torch, and tests/cli keep the two equal.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import typer
 
 from kvmove.errors import KvmoveError
 from kvmove.sync.strategies import STRATEGIES
+from kvmove.transport import AUTO, SYNC_TRANSPORTS
 
 DEFAULT_MODEL = "qwen3-moe-tiny"  # == kvmove.models.DEFAULT_MODEL (a test keeps them equal)
 DEFAULT_TRAINER = "tp=2,pp=2,ep=2"
@@ -30,17 +33,21 @@ PANEL_TUNING = "Transport tuning (run mode)"
 PANEL_OUTPUT = "Output"
 
 
-class SyncTransport(StrEnum):
-    """Byte movers of a weight sync (``auto``: the first available of nixl, rdt-nixl, rdt-gloo, gloo)."""
+SYNC_TRANSPORT_CHOICES = (AUTO, *SYNC_TRANSPORTS)
+"""--transport of a weight sync: kvmove.transport owns the names and what ``auto`` means."""
+BENCH_TRANSPORT_CHOICES = (*SYNC_TRANSPORT_CHOICES, "http")
+"""--transport of the benchmarks: the sync transports, and http (the KV servers' data plane, for decode-latency)."""
 
-    auto = "auto"
-    nixl = "nixl"
-    rdt_nixl = "rdt-nixl"
-    rdt_gloo = "rdt-gloo"
-    gloo = "gloo"
-    nccl = "nccl"
-    cuda_ipc = "cuda-ipc"
-    object_store = "object-store"
+
+def transport_choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    """A --transport callback accepting ``choices`` (kvmove.transport's names), else one line naming them."""
+
+    def check(value: str) -> str:
+        if value not in choices:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(map(repr, choices))}")
+        return value
+
+    return check
 
 
 class KVTransport(StrEnum):
@@ -74,6 +81,18 @@ def _strategies(value: str) -> str:
     if unknown or not names:
         bad = ", ".join(map(repr, unknown)) or repr(value)
         raise typer.BadParameter(f"unknown strategy {bad} (known: {', '.join(STRATEGIES)})")
+    return value
+
+
+def _results_dir(value: Path | None) -> Path | None:
+    """--results DIR: refused up front (before anything runs) when the tree is dirty, as its rows would be."""
+    if value is not None:
+        from kvmove.bench.results import git_commit, require_traceable
+
+        try:
+            require_traceable(git_commit())
+        except KvmoveError as exc:
+            raise typer.BadParameter(str(exc)) from None
     return value
 
 
@@ -138,12 +157,24 @@ JsonOpt = Annotated[
         "--json", help="One JSON object per line on stdout (logs stay on stderr).", rich_help_panel=PANEL_OUTPUT
     ),
 ]
+BenchTransportOpt = Annotated[
+    str,
+    typer.Option(
+        "--transport",
+        metavar="NAME",
+        help="Transport of the sync, vllm (pulls) and decode-latency (KV) suites: "
+        + ", ".join(BENCH_TRANSPORT_CHOICES)
+        + ".",
+        callback=transport_choice(BENCH_TRANSPORT_CHOICES),
+    ),
+]
 ResultsOpt = Annotated[
     Path | None,
     typer.Option(
         "--results",
         metavar="DIR",
-        help="Append measured rows to DIR/<suite>.parquet (nothing is recorded without it).",
+        help="Append measured rows to DIR/<suite>.parquet (nothing is recorded without it; only from a clean tree).",
+        callback=_results_dir,
         rich_help_panel=PANEL_OUTPUT,
     ),
 ]
@@ -197,12 +228,19 @@ FailTrainerOpt = Annotated[
 ]
 
 
-def parse_slow_engine(text: str) -> tuple[int, float]:
-    """``--slow-engine REPLICA=SECONDS`` -> (replica, seconds)."""
+class SlowEngine(NamedTuple):
+    """``--slow-engine REPLICA=SECONDS``: replica ``replica`` waits ``seconds`` per group."""
+
+    replica: int
+    seconds: float
+
+
+def parse_slow_engine(text: str) -> SlowEngine:
+    """``--slow-engine REPLICA=SECONDS`` -> SlowEngine(replica, seconds)."""
     replica, sep, seconds = text.partition("=")
     try:
         if not sep:
             raise ValueError
-        return int(replica), float(seconds)
+        return SlowEngine(int(replica), float(seconds))
     except ValueError:
         raise KvmoveError(f"--slow-engine {text!r} is not REPLICA=SECONDS") from None

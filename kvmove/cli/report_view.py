@@ -39,6 +39,8 @@ def compact_layout(label: Any) -> str:
 def _layout(r: pd.Series) -> str:
     kind = str(r.get("engine_kind") or "")
     engine = f"{kind} {compact_layout(r['engine'])}" if kind and kind != "reference" else compact_layout(r["engine"])
+    if str(r.get("engine_dtype") or "bf16") != "bf16":
+        engine = f"{engine} {r['engine_dtype']}"
     return f"{compact_layout(r['trainer'])} → {engine}"
 
 

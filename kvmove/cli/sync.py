@@ -26,6 +26,7 @@ from kvmove.cli.options import (
     PANEL_RUN,
     PANEL_SIM,
     PANEL_TUNING,
+    SYNC_TRANSPORT_CHOICES,
     EngineDevicesOpt,
     EngineDtypeOpt,
     EngineKind,
@@ -42,12 +43,13 @@ from kvmove.cli.options import (
     ReplicasOpt,
     ResultsOpt,
     StrategyOpt,
-    SyncTransport,
     TrainerDevicesOpt,
     TrainerOpt,
     parse_slow_engine,
+    transport_choice,
 )
 from kvmove.errors import JobFailed, KvmoveError
+from kvmove.transport import AUTO
 
 if TYPE_CHECKING:
     from kvmove.sync.config import SyncConfig
@@ -168,11 +170,13 @@ DeadlineOpt = Annotated[
     typer.Option("--deadline", help="Seconds without progress before a peer is dropped.", rich_help_panel=PANEL_FAULTS),
 ]
 TransportOpt = Annotated[
-    SyncTransport,
+    str,
     typer.Option(
         "--transport",
         metavar="NAME",
-        help=f"Byte mover of the pulls: {', '.join(t.value for t in SyncTransport)}.",
+        help=f"Byte mover of the pulls: {', '.join(SYNC_TRANSPORT_CHOICES)} (auto: the first available of nixl, "
+        "rdt-nixl, rdt-gloo, gloo).",
+        callback=transport_choice(SYNC_TRANSPORT_CHOICES),
         rich_help_panel=PANEL_TUNING,
     ),
 ]
@@ -255,7 +259,7 @@ def sync_weights(
     fail_trainer: FailTrainerOpt = None,
     slow_engine: SlowEngineOpt = None,
     deadline: DeadlineOpt = 60.0,
-    transport: TransportOpt = SyncTransport.auto,
+    transport: TransportOpt = AUTO,
     group_size: GroupSizeOpt = 1,
     lookahead: LookaheadOpt = 1,
     direct: DirectOpt = True,
@@ -291,7 +295,7 @@ def sync_weights(
         spec: dict[str, Any] = {"model": model, "overrides": tuple(override or []), "trainer": trainer}
         spec |= {"engine": engine, "trainer_nodes": trainer_nodes, "engine_nodes": engine_nodes, "cluster": cluster}
         spec |= {"group_size": group_size, "lookahead": lookahead, "direct": direct}
-        _simulate(config, spec, transport.value, published_constraints, results)
+        _simulate(config, spec, transport, published_constraints, results)
     elif dry_run:
         _dry_run(config, as_json)
     else:
@@ -303,7 +307,7 @@ def sync_weights(
         }
         where: dict[str, Any] = {"launcher": launcher.value, "trainer": trainer_devices, "engine": engine_devices}
         where |= {"colocated": placement is PlacementMode.colocated, "ray_address": ray_address}
-        run_config = _sync_config(config, transport.value, syncs, deadline, options, faults, where)
+        run_config = _sync_config(config, transport, syncs, deadline, options, faults, where)
         run_config = _delta_config(run_config, delta, full_every, train_step, lr)
         _run(run_config, as_json, None if no_record else results)
 

@@ -38,6 +38,9 @@ class EngineAdapter:
     """Refuses (KvmoveError) a layout the engine cannot run here, or a missing engine package; runs up front."""
     broadcast: bool = True
     """Whether the broadcast baseline is wired to this engine."""
+    builds_outside: bool = True
+    """Whether ``build`` runs outside a live engine (False: plans are recorded inside the running engine), so the
+    up-front checks can build a rank on meta tensors and let the engine's own construction refuse a layout."""
     unserved_dtypes: Mapping[str, str] = field(default_factory=dict)
     """Engine dtypes (kvmove.models.config.ENGINE_DTYPES) this engine does not serve, each with the reason."""
 
@@ -105,6 +108,7 @@ ENGINES: dict[str, EngineAdapter] = {
         host="kvmove.engines.vllm.actor:VllmEngineHost",
         check=_vllm_check,
         broadcast=False,
+        builds_outside=False,
         unserved_dtypes={"fp8": VLLM_FP8},
     ),
 }

@@ -12,6 +12,7 @@ import torch
 
 from kvmove.errors import KvmoveError
 from kvmove.kvcache import KVGeometry
+from kvmove.memory import available_memory
 from kvmove.models import resolve_model
 from kvmove.server.config import ServerConfig
 
@@ -37,17 +38,6 @@ def process_resources() -> ProcessResources:
     except OSError:
         threads = threading.active_count()
     return ProcessResources(fds, rss, threads)
-
-
-def available_memory() -> int | None:
-    """Bytes the kernel reports as available (``MemAvailable``), or None where it does not say."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def kv_geometry(model: str, page_size: int, dtype: str) -> KVGeometry:

@@ -231,7 +231,7 @@ class _Holdings:
 
 def verify_streaming(
     cfg: ModelConfig, plan: ShardingPlan, model: nn.Module, seed: int, version: int, device: str = "cpu"
-) -> tuple[bool, list[str]]:
+) -> VerifyResult:
     """Every region of ``plan`` in ``model`` equals the loader's op chain replayed on the seeded full tensor
     (generated on ``device``, put in the engine's format there - an FP8 engine quantizes it whole - then moved
     to the parameter's device).
@@ -257,4 +257,4 @@ def verify_streaming(
                     replay(r.ops, tensor).reshape(r.dst.shape).to(params[r.param].device),
                 )
             ]
-    return not bad, bad
+    return VerifyResult(not bad, 1, len(plan.regions), tuple(bad))

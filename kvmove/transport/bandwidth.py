@@ -121,12 +121,19 @@ def measure_concurrent(name: str, nbytes: int, pairs: int, repeats: int = 5) -> 
             ray.kill(actor)
 
 
-def pair_memberships(name: str) -> tuple[Membership | None, Membership | None]:
+class PairMemberships(NamedTuple):
+    """The server's and the reader's places in a two-member group (None: the transport forms none)."""
+
+    server: Membership | None
+    reader: Membership | None
+
+
+def pair_memberships(name: str) -> PairMemberships:
     """Server's and reader's places in a two-member group, for transports whose endpoints form one (else None)."""
     if not get_transport(name).group_member:
-        return None, None
+        return PairMemberships(None, None)
     group = GlooGroup.local(2)  # picks a free loopback port for the group's store
-    return Membership(0, 2, group.host, group.port), Membership(1, 2, group.host, group.port)
+    return PairMemberships(Membership(0, 2, group.host, group.port), Membership(1, 2, group.host, group.port))
 
 
 def _time_ray(name: str, nbytes: int, repeats: int) -> list[float]:

@@ -40,7 +40,15 @@ class CheckRow(NamedTuple):
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def stage_to_tp_spans() -> tuple[np.ndarray, int, int]:
+class Spans(NamedTuple):
+    """Copy spans (src, dst, nbytes) and the bytes of the source and destination buffers."""
+
+    spans: np.ndarray
+    src_bytes: int
+    dst_bytes: int
+
+
+def stage_to_tp_spans() -> Spans:
     """Spans (src, dst, nbytes), source bytes, destination bytes."""
     half = ROW_BYTES // 2
     r = np.arange(EXPERTS * ROWS, dtype=np.int64)
@@ -48,7 +56,7 @@ def stage_to_tp_spans() -> tuple[np.ndarray, int, int]:
     src0, dst0 = EXPERTS * ROWS * ROW_BYTES, EXPERTS * ROWS * half
     k = np.arange(WHOLE, dtype=np.int64)
     whole = np.stack([src0 + k * WHOLE_BYTES, dst0 + k * WHOLE_BYTES, np.full(WHOLE, WHOLE_BYTES)], axis=1)
-    return np.concatenate([narrow, whole]), src0 + WHOLE * WHOLE_BYTES, dst0 + WHOLE * WHOLE_BYTES
+    return Spans(np.concatenate([narrow, whole]), src0 + WHOLE * WHOLE_BYTES, dst0 + WHOLE * WHOLE_BYTES)
 
 
 def _time(fn: Callable[[], object], stream: torch.cuda.Stream, repeats: int) -> float:

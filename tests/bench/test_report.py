@@ -63,6 +63,18 @@ def test_one_row_per_commit_and_setup_with_strategies_side_by_side(tmp_path) -> 
     assert row["broadcast_transport"] == "gloo-broadcast" and row["strategies"] == "v1,v3,broadcast"
 
 
+def test_bf16_and_fp8_engines_of_one_layout_are_two_setups(tmp_path) -> None:
+    bf16 = sync_rows({"v3": 1.0}, {"engine_dtype": "bf16"})
+    fp8 = sync_rows({"v3": 4.0}, {"engine_dtype": "fp8"}) + sync_rows({"v3": 5.0}, {"engine_dtype": "fp8"})
+    older = sync_rows({"v3": 1.0})  # rows written before FP8 engines existed: BF16
+    write(tmp_path, "gpu", bf16 + fp8 + older, "c0ffee001234")
+    rep = build_report(tmp_path)
+    assert len(rep.sync) == 2
+    by_dtype = rep.sync.set_index("engine_dtype")
+    assert by_dtype.loc["bf16", "v3_seconds"] == 1.0 and by_dtype.loc["bf16", "syncs"] == 2
+    assert by_dtype.loc["fp8", "v3_seconds"] == 4.5 and by_dtype.loc["fp8", "syncs"] == 2
+
+
 def test_faulty_syncs_are_reported_apart_never_in_medians(tmp_path) -> None:
     clean = sync_rows()
     dead = sync_rows({"v3": 0.5}, {"dead_replicas": [1], "live_engines": 2})
@@ -77,9 +89,13 @@ def test_faulty_syncs_are_reported_apart_never_in_medians(tmp_path) -> None:
 
 def test_dirty_commits_stay_apart_from_clean_ones(tmp_path) -> None:
     write(tmp_path, "sync", sync_rows(), "0123456789ab")
-    write(tmp_path, "sync", sync_rows({"v1": 9.0, "v3": 9.0}), "0123456789ab-dirty")
+    write(tmp_path, "sync", sync_rows({"v1": 9.0, "v3": 9.0}), "0123456789ab")
+    df = pd.read_parquet(tmp_path / "sync.parquet")  # rows recorded before dirty trees were refused
+    df.loc[df.index[3:], "git_commit"] = "0123456789ab-dirty"
+    df.to_parquet(tmp_path / "sync.parquet", index=False)
     rep = build_report(tmp_path)
     assert sorted(rep.sync["commit"]) == ["01234567", "01234567-dirty"]
+    assert any("2 rows of dirty trees (0123456789ab-dirty) in sync.parquet" in n for n in rep.notes), rep.notes
     assert short_commit("unknown") == "unknown" and short_commit(None) == ""
 
 

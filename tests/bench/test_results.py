@@ -37,3 +37,15 @@ def test_unknown_columns_tolerated_and_corrupt_files_named(tmp_path) -> None:
 def test_empty_results_dir(tmp_path) -> None:
     with pytest.raises(KvmoveError, match="no results"):
         load_results(tmp_path)
+
+
+def test_rows_from_a_dirty_tree_are_refused_and_nothing_is_written(tmp_path) -> None:
+    row = Row(kind="measured", suite="plan", name="x", seconds=0.5)
+    append_rows(tmp_path, "plan", [row], LABELS)
+    before = (tmp_path / "plan.parquet").read_bytes()
+    dirty = Labels("cpu:test x2", {"kvmove": "0"}, "0123456789ab-dirty")
+    with pytest.raises(KvmoveError, match=r"refusing to record rows from a dirty tree \(0123456789ab-dirty"):
+        append_rows(tmp_path, "plan", [row], dirty)
+    with pytest.raises(KvmoveError, match="dirty tree"):
+        append_rows(tmp_path, "sync", [row], dirty)
+    assert (tmp_path / "plan.parquet").read_bytes() == before and not (tmp_path / "sync.parquet").exists()

@@ -174,6 +174,23 @@ def test_rows_are_recorded_only_with_results(fake_syncs, tmp_path, monkeypatch) 
     assert "1 measured rows appended to rows/sync.parquet" in r.err and len(r.out.splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["sync-weights", "--strategy", "v3"],
+        ["migrate", "--requests", "1"],
+        ["bench", "run", "--suite", "plan"],
+    ],
+)
+def test_results_from_a_dirty_tree_are_refused_before_anything_runs(fake_syncs, tmp_path, monkeypatch, args) -> None:
+    monkeypatch.setenv("KVMOVE_GIT_COMMIT", "0123456789ab-dirty")
+    fake_syncs.results[:] = [fake_result("v3", 1)]
+    r = cli(*args, "--results", str(tmp_path / "rows"))
+    assert r.code == 2 and "refusing to record rows from a dirty tree (0123456789ab-dirty" in r.err, r
+    assert len(r.err.splitlines()) == 1 and r.out == "" and fake_syncs.events == []
+    assert not (tmp_path / "rows").exists()
+
+
 def test_dry_run_json_lines_and_a_failed_dry_run_verify_exits_1(monkeypatch) -> None:
     r = cli("sync-weights", "--dry-run", "--verify", "--json", "--strategy", "v1,v3")
     assert r.code == 0 and [json.loads(line)["verified"] for line in r.out.splitlines()] == [True, True]
@@ -214,17 +231,23 @@ def test_committed_results_report_is_json_clean_and_fits_120_columns() -> None:
 
 
 def test_enums_mirror_the_registries() -> None:
-    from kvmove.cli.bench import BenchTransport
-    from kvmove.cli.options import DEFAULT_MODEL, EngineKind, KVTransport, SyncTransport
+    from kvmove.cli.options import (
+        BENCH_TRANSPORT_CHOICES,
+        DEFAULT_MODEL,
+        SYNC_TRANSPORT_CHOICES,
+        EngineKind,
+        KVTransport,
+    )
     from kvmove.engines import ENGINES
     from kvmove.migration.endpoint import SERVER_TRANSPORTS
     from kvmove.models import DEFAULT_MODEL as MODEL
-    from kvmove.transport import TRANSPORTS
+    from kvmove.transport import KV_TRANSPORTS, TRANSPORTS
 
-    assert {t.value for t in SyncTransport} == {"auto"} | (set(TRANSPORTS) - {"http"})
-    assert {t.value for t in BenchTransport} == {"auto"} | set(TRANSPORTS)
+    # kvmove.transport owns the transport names (the registry checks its classes against them)
+    assert set(SYNC_TRANSPORT_CHOICES) == {"auto"} | (set(TRANSPORTS) - {"http"})
+    assert set(BENCH_TRANSPORT_CHOICES) == {"auto"} | set(TRANSPORTS)
     assert {k.value for k in EngineKind} == set(ENGINES)
-    assert {t.value for t in KVTransport} == {"auto"} | set(SERVER_TRANSPORTS)
+    assert {t.value for t in KVTransport} == {"auto"} | set(SERVER_TRANSPORTS) == {"auto"} | set(KV_TRANSPORTS)
     assert DEFAULT_MODEL == MODEL
 
 

@@ -116,6 +116,17 @@ class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo
             process_weights_after_loading(model, self.model_config, self.device)
         return model
 
+    def parse_init_info(self, init_dict: dict[str, Any]) -> KvmoveInitInfo:
+        """vLLM's parse (an unknown key is a ValueError), and, as vLLM's own engines refuse an init_info that lacks
+        what they need, a ValueError for one that names neither a trainer registry nor an in-process session."""
+        info = super().parse_init_info(init_dict)
+        if not info.session and not info.registry_host:
+            raise ValueError(
+                f"Invalid init_info for {type(self).__name__}: it names neither a trainer registry (registry_host, "
+                "registry_port, authkey: what kvmove's trainer engine sends) nor an in-process session"
+            )
+        return info
+
     def init_transfer_engine(self, init_info: KvmoveInitInfo) -> None:
         if not init_info.session and not init_info.registry_host:
             raise BackendError(

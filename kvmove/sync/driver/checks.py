@@ -1,12 +1,19 @@
-"""Up-front refusals: everything a run can be refused for is checked here, before any rank (or Ray) starts."""
+"""Up-front refusals: everything a run can be refused for is checked here, before any rank (or Ray) starts.
+
+The one owner of sync-config validation. ``checked`` (real syncs) runs once per config: the CLI checks before its
+first progress line, and ``run_syncs`` takes the checked config without checking it again. A dry run moves no
+bytes and starts nothing, so ``check_plannable`` is its share of the same checks (layouts, the engine's dtype,
+the checkpoint format; with ``--verify`` a checkpoint small enough to materialize).
+"""
 
 from __future__ import annotations
 
-import os
+import weakref
 from dataclasses import replace
 
 from kvmove.engines import get_engine
 from kvmove.errors import KvmoveError, MissingDependencyError
+from kvmove.memory import usable_memory
 from kvmove.models.tensors import model_totals
 from kvmove.sync.config import Side, SyncConfig
 from kvmove.sync.launchers import get_launcher
@@ -16,17 +23,28 @@ from kvmove.transport import get_transport
 MEMORY_FRACTION = 0.6
 
 
+_CHECKED: dict[int, weakref.ref[SyncConfig]] = {}
+"""Configs ``checked`` returned (by id, while they live): checking one again returns it as it is."""
+
+
 def checked(config: SyncConfig) -> SyncConfig:
-    """``config`` with its transport resolved to a concrete name, or a KvmoveError saying what is wrong."""
-    config.trainer.validate(config.model)
-    config.engine.validate(config.model)
+    """``config`` with its transport resolved to a concrete name, or a KvmoveError saying what is wrong. A config
+    this function returned is returned as it is (the checks run once per run)."""
+    seen = _CHECKED.get(id(config))
+    if seen is not None and seen() is config:
+        return config
+    check_layouts(config)
     check_placement(config)
     check_faults(config)
     check_engine_kind(config)
+    check_engine_build(config)
     check_format(config)
     config = replace(config, transport=check_transport(config))
     check_memory(config)
-    return delta_checked(config)
+    config = delta_checked(config)
+    key = id(config)
+    _CHECKED[key] = weakref.ref(config, lambda _ref: _CHECKED.pop(key, None))
+    return config
 
 
 def delta_checked(config: SyncConfig) -> SyncConfig:
@@ -37,6 +55,24 @@ def delta_checked(config: SyncConfig) -> SyncConfig:
     if config.delta and config.options.direct:
         return replace(config, options=replace(config.options, direct=False))
     return config
+
+
+def check_plannable(config: SyncConfig) -> None:
+    """What a dry run (plans only: no rank, transport or fault) is refused for: the checks it shares with real
+    syncs, and with --verify a checkpoint that can be materialized here."""
+    from kvmove.sync.verify import check_verifiable
+
+    check_layouts(config)
+    get_engine(config.engine_kind).check_dtype(config.model)
+    check_format(config)
+    if config.verify:
+        check_verifiable(config.model)
+
+
+def check_layouts(config: SyncConfig) -> None:
+    """Trainer and engine layouts that tile the model (kvmove.layout names the violated constraint)."""
+    config.trainer.validate(config.model)
+    config.engine.validate(config.model)
 
 
 def check_placement(config: SyncConfig) -> None:
@@ -88,6 +124,19 @@ def check_engine_kind(config: SyncConfig) -> None:
     adapter.check(config.engine)
     if not adapter.broadcast and any(s.delivery is Delivery.BROADCAST for s in config.strategies):
         raise KvmoveError(f"the broadcast baseline is not built for --engine-kind {adapter.name} (use v1, v2 or v3)")
+
+
+def check_engine_build(config: SyncConfig) -> None:
+    """What the engine's own construction refuses (an FP8 split that cuts a 128x128 quantization block, ...), found
+    before anything starts: the first rank of each pipeline stage is built on meta tensors, one layer each (every
+    rank of a stage holds equal shares, and the rules are per layer)."""
+    adapter = get_engine(config.engine_kind)
+    if not adapter.builds_outside:
+        return
+    layout = config.engine
+    for stage, layers in enumerate(layout.stage_layers(config.model)):
+        coord = next(layout.coord(r) for r in range(layout.ranks_per_replica) if layout.coord(r).pp == stage)
+        adapter.build(config.model, layout, coord, layers=list(layers)[:1], device="meta")
 
 
 def check_format(config: SyncConfig) -> None:
@@ -143,7 +192,7 @@ def check_memory(config: SyncConfig) -> None:
         engine += total * config.engine.world  # every engine rank receives the whole model
     if any(s.scope is Gather.GLOBAL for s in config.strategies):
         trainer += total * config.trainer.world  # every trainer rank materializes every tensor
-    need, have = trainer + engine, available_memory()
+    need, have = trainer + engine, usable_memory()
     if need > have * MEMORY_FRACTION:
         raise KvmoveError(
             f"{config.model.name} ({total / 1e9:.2f} GB) over {config.trainer.world} trainer and "
@@ -151,15 +200,3 @@ def check_memory(config: SyncConfig) -> None:
             f"{have * MEMORY_FRACTION / 1e9:.1f} GB may be used ({have / 1e9:.1f} GB available). "
             "Use a smaller model or fewer ranks."
         )
-
-
-def available_memory() -> int:
-    """Bytes of memory available to new allocations on this machine (MemAvailable, else physical)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -14,12 +14,13 @@ from kvmove.models.checkpoint import SCALE_SUFFIX, engine_tensors
 from kvmove.models.tensors import hf_tensors
 from kvmove.quant import FP8_DTYPE
 from kvmove.sync.config import SyncConfig
+from kvmove.sync.driver.checks import check_layouts, check_plannable
 from kvmove.sync.planning.direct import DirectPlanner
 from kvmove.sync.planning.ownership import Ownership
 from kvmove.sync.planning.plan import ShardingPlan, plan_engine
 from kvmove.sync.planning.routing import SourceMap, route
 from kvmove.sync.strategies import Delivery, Strategy
-from kvmove.sync.verify import check_verifiable, verify_plans
+from kvmove.sync.verify import verify_plans
 
 
 class DryRunReport(NamedTuple):
@@ -50,20 +51,25 @@ class DryRunReport(NamedTuple):
         return out
 
 
-def build_plans(config: SyncConfig) -> tuple[tuple[ShardingPlan, ...], float]:
-    """Validate layouts, then dry-run the engine loader for every rank of one replica."""
-    config.trainer.validate(config.model)
-    config.engine.validate(config.model)
+class EnginePlans(NamedTuple):
+    """The plans of one replica's engine ranks, and the seconds planning took."""
+
+    plans: tuple[ShardingPlan, ...]
+    seconds: float
+
+
+def build_plans(config: SyncConfig) -> EnginePlans:
+    """Dry-run the engine loader for every rank of one replica (layouts validated first)."""
+    check_layouts(config)
     start = time.perf_counter()
     plans = plan_engine(config.model, config.engine, reuse=config.options.reuse, engine=get_engine(config.engine_kind))
-    return plans, time.perf_counter() - start
+    return EnginePlans(plans, time.perf_counter() - start)
 
 
 def dry_run_sync(config: SyncConfig) -> list[DryRunReport]:
-    """Plan once, route per strategy, verify if asked: one report per strategy."""
-    get_engine(config.engine_kind).check_dtype(config.model)
-    if config.verify:
-        check_verifiable(config.model)
+    """Check what a dry run is refused for (kvmove.sync.driver.checks), plan once, route per strategy, verify if
+    asked: one report per strategy."""
+    check_plannable(config)
     plans, plan_seconds = build_plans(config)
     ownership = Ownership(config.model, config.trainer)
     return [_report(config, plans, plan_seconds, ownership, s) for s in config.strategies]
@@ -120,14 +126,22 @@ def _report(
     )
 
 
-def _traffic(config: SyncConfig, smap: SourceMap, s: Strategy) -> tuple[list[int], list[int], float]:
+class Traffic(NamedTuple):
+    """Bytes received per engine rank and sent per trainer rank, and the trainer side's load balance."""
+
+    per_engine: list[int]
+    per_trainer: list[int]
+    balance: float
+
+
+def _traffic(config: SyncConfig, smap: SourceMap, s: Strategy) -> Traffic:
     """Bytes received per engine rank and sent per trainer rank; broadcast delivers the whole model (in the engine's
     format: rank 0 quantizes an FP8 engine's tensors before it broadcasts them)."""
     if s.delivery is not Delivery.BROADCAST:
-        return list(smap.bytes_per_engine), list(smap.bytes_per_trainer), smap.balance
+        return Traffic(list(smap.bytes_per_engine), list(smap.bytes_per_trainer), smap.balance)
     model_bytes = sum(t.nbytes for t in engine_tensors(config.model))
     per_trainer = [model_bytes] + [0] * (config.trainer.world - 1)
-    return [model_bytes] * config.engine.world, per_trainer, float(config.trainer.world)
+    return Traffic([model_bytes] * config.engine.world, per_trainer, float(config.trainer.world))
 
 
 def _broadcast_bytes(config: SyncConfig) -> dict[str, int]:

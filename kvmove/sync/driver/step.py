@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvmove.errors import JobFailed, KvmoveError
 from kvmove.sync.config import Side
@@ -122,7 +122,14 @@ def transfer(cluster: Cluster, step: Step) -> Outcome:
     return outcome
 
 
-def _launch_pulls(cluster: Cluster, step: Step) -> tuple[list[Call], dict[int, Call]]:
+class Launched(NamedTuple):
+    """A started sync's calls: the trainer ranks' in rank order, and each live engine rank's."""
+
+    trainers: list[Call]
+    engines: dict[int, Call]
+
+
+def _launch_pulls(cluster: Cluster, step: Step) -> Launched:
     c = cluster.config
     trainer_calls = [
         t.submit(RunSync(loop, step.trainer_deaths.get(r)))
@@ -134,20 +141,20 @@ def _launch_pulls(cluster: Cluster, step: Step) -> tuple[list[Call], dict[int, C
         delay = delays.get(c.engine.coord(e).replica, 0.0)
         command = RunPulls(step.sync_id, step.strategy, delay, step.engine_deaths.get(e))
         engine_calls[e] = cluster.engines[e].submit(command)
-    return trainer_calls, engine_calls
+    return Launched(trainer_calls, engine_calls)
 
 
-def _launch_broadcast(cluster: Cluster, step: Step) -> tuple[list[Call], dict[int, Call]]:
+def _launch_broadcast(cluster: Cluster, step: Step) -> Launched:
     c = cluster.config
     (store,) = cluster.launcher.call(cluster.trainers[:1], PickAddress(), c.deadline_s)
     group = BroadcastGroup(store, 1 + len(step.live), f"bcast-{step.sync_id}")
     trainer_calls = [t.submit(SendBroadcast(group, step.trainer_deaths.get(r))) for r, t in enumerate(cluster.trainers)]
     engine_calls = {e: cluster.engines[e].submit(ReceiveBroadcast(group, 1 + i)) for i, e in enumerate(step.live)}
-    return trainer_calls, engine_calls
+    return Launched(trainer_calls, engine_calls)
 
 
 LAUNCH = {Delivery.PULL: _launch_pulls, Delivery.BROADCAST: _launch_broadcast}
-"""How each delivery starts a sync: (trainer calls in rank order, engine rank -> call)."""
+"""How each delivery starts a sync."""
 
 
 def _collect(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -19,7 +19,14 @@ from kvmove.sync.ranks.source import WeightSource
 from kvmove.sync.strategies import Gather
 
 
-def open_group(group: BroadcastGroup, member: int, device: str, timeout_s: float) -> tuple[Any, Any]:
+class OpenedGroup(NamedTuple):
+    """One member's TCP store (member 0 hosts it) and torch.distributed process group of a broadcast."""
+
+    store: Any
+    group: Any
+
+
+def open_group(group: BroadcastGroup, member: int, device: str, timeout_s: float) -> OpenedGroup:
     """(store, process group) of ``member``: NCCL for CUDA buffers, else gloo; member 0 hosts the store."""
     import torch.distributed as dist
 
@@ -30,11 +37,11 @@ def open_group(group: BroadcastGroup, member: int, device: str, timeout_s: float
     if device.startswith("cuda"):
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return store, dist.ProcessGroupNCCL(prefixed, member, group.size, options)
+        return OpenedGroup(store, dist.ProcessGroupNCCL(prefixed, member, group.size, options))
     gloo = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     gloo._timeout = timeout
     gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return store, dist.ProcessGroupGloo(prefixed, member, group.size, gloo)
+    return OpenedGroup(store, dist.ProcessGroupGloo(prefixed, member, group.size, gloo))
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -80,8 +80,7 @@ class EngineHost(Host):
         c, weights = self.config, self.weights_device()
         replayed = getattr(c.source, "checkpoint", None) is not None
         if model_totals(c.model).total_bytes > VERIFY_LIMIT_BYTES and c.reference is None and not replayed:
-            ok, bad = verify_streaming(c.model, self.plan, self.model, seed, version, weights)
-            return VerifyResult(ok, 1, len(self.plan.regions), tuple(bad))
+            return verify_streaming(c.model, self.plan, self.model, seed, version, weights)
         ref = self.adapter.build(c.model, c.engine, self.coord, device=self.spec.device)
         checkpoint = engine_checkpoint(c.model, self.reference(version, seed, weights))
         self.adapter.load_weights(ref, checkpoint.items())

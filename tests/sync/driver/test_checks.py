@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import pytest
@@ -44,6 +43,15 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
             "--engine-kind vllm does not serve fp8 weights (qwen3-moe-vllm: --engine-dtype fp8",
         ),
         (["--engine-kind", "vllm", "--model", "qwen3-moe-fp8-tiny"], "need AMX tiles (Intel Sapphire Rapids"),
+        # the engine's own construction refuses the split (q/k/v of 32 rows per rank cut a 128-row block): up front
+        (
+            ["--engine-dtype", "fp8", "--launcher", "processes"],
+            "engine tp=2 with FP8 weights: self_attn.qkv_proj q/k/v partition is 32 per rank, not a multiple of",
+        ),
+        (
+            ["--engine-dtype", "fp8", "--launcher", "processes", "--engine", "tp=1", "--strategy", "v3"],
+            "engine tp=1 with FP8 weights",
+        ),
     ],
 )
 def test_refused_in_one_line(args: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
@@ -91,9 +99,19 @@ def test_colocated_gpu_ranks_are_checked_on_their_gpu_not_the_unused_engine_devi
     # into "cuda-ipc does not move cpu buffers" on one GPU)
     from kvmove.errors import MissingDependencyError
     from kvmove.sync.driver.checks import check_transport
+    from kvmove.transport import get_transport
 
-    with contextlib.suppress(MissingDependencyError):  # no CUDA here: refused for that, past the device kinds
-        assert check_transport(_colocated_on_gpu("cuda-ipc")) == "cuda-ipc"
+    config = _colocated_on_gpu("cuda-ipc")
+    try:
+        chosen = check_transport(config)
+    except MissingDependencyError as exc:  # no CUDA here: refused for that alone, after the device kinds
+        assert "transport 'cuda-ipc' is not installed here" in str(exc), exc
+    else:
+        assert chosen == "cuda-ipc"
+    # and on any machine: with cuda-ipc taken as installed, the colocated GPU ranks are accepted
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(get_transport("cuda-ipc"), "is_available", classmethod(lambda cls: True))
+        assert check_transport(config) == "cuda-ipc"
 
 
 def test_fp8_engines_sync_only_from_hf_tensors() -> None:
@@ -111,3 +129,19 @@ def test_fp8_engines_sync_only_from_hf_tensors() -> None:
     with pytest.raises(KvmoveError, match="an fp8 engine syncs from trainer tensors in the hf format, not megatron"):
         check_format(config)
     check_format(SyncConfig(cfg, TrainerLayout(), EngineLayout(), tuple(parse_strategies("v3"))))
+
+
+def test_a_config_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI checks before its first progress line and run_syncs takes that config: the checks run once."""
+    from dataclasses import replace
+
+    from kvmove.sync.config import Placement
+    from kvmove.sync.driver import checks
+
+    calls: list[object] = []
+    monkeypatch.setattr(checks, "check_memory", calls.append)
+    on_cpu = replace(_colocated_on_gpu("gloo"), placement=Placement("processes"))
+    config = checks.checked(on_cpu)
+    assert checks.checked(config) is config and len(calls) == 1
+    again = checks.checked(replace(config, syncs=2))  # another config: checked on its own
+    assert again.syncs == 2 and len(calls) == 2

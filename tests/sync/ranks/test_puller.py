@@ -30,8 +30,8 @@ def _pull_elsewhere(config: SyncConfig, init: bytes, out: Any) -> None:
     plan = plan_rank(config.model, layout, layout.coord(0), engine=adapter)
     puller = open_puller(pickle.loads(init), model, plan)  # its own transport endpoint, from the init info
     stats = puller.run(1, STRATEGIES["v3"])
-    ok, bad = verify_streaming(config.model, plan, model, config.seed, version=1)
-    out.put((stats, ok, bad, plan.nbytes))
+    result = verify_streaming(config.model, plan, model, config.seed, version=1)
+    out.put((stats, result.ok, list(result.mismatches), plan.nbytes))
     puller.close()
 
 
