@@ -12,8 +12,9 @@ from kvmove.models.config import ModelConfig
 
 _LAYER_RE = re.compile(r"^(model|decoder)\.layers\.(\d+)\.")
 """Decoder layers in HF (``model.layers.N.``) and megatron-core (``decoder.layers.N.``) names."""
-_EXPERT_RE = re.compile(r"\.mlp\.experts\.(?:local_experts\.)?(\d+)\.|\.mlp\.experts\.linear_fc[12]\.weight(\d+)$")
-"""Routed experts: HF ``mlp.experts.E.``, megatron-core ``mlp.experts.local_experts.E.`` or grouped ``weightE``."""
+_EXPERT_RE = re.compile(r"\.experts\.(?:local_experts\.)?(\d+)\.|\.mlp\.experts\.linear_fc[12]\.weight(\d+)$")
+"""Routed experts: HF ``mlp.experts.E.`` (Mixtral: ``block_sparse_moe.experts.E.``), megatron-core
+``mlp.experts.local_experts.E.`` or grouped ``weightE``."""
 
 
 class TensorMeta(NamedTuple):
