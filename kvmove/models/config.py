@@ -107,7 +107,7 @@ _DENSE = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
 _RENAMES = {"n_routed_experts": "num_experts", "num_local_experts": "num_experts"}  # DeepSeek, transformers 5
 _FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
 _NOT_FROM_HF = ("name", "architecture", "extra", "engine_dtype", "checkpoint", "raw", "spelling")
-_NOT_HF = (*_NOT_FROM_HF, "qk_norm")
+NOT_HF = (*_NOT_FROM_HF, "qk_norm")
 """Fields that are kvmove's, not keys of an HF config."""
 
 
@@ -165,7 +165,7 @@ def config_from_dict(
 
 def _transformers_defaults(arch: str, data: dict[str, Any], name: str) -> dict[str, Any]:
     """The shape-deciding fields ``data`` leaves out, as transformers' config class of ``arch`` defaults them."""
-    from kvmove.models.table import model_type_of
+    from kvmove.models.table import model_type_of, quiet_transformers
 
     wanted = [k for k in ("head_dim", "tie_word_embeddings") if k not in data]
     model_type = model_type_of(arch, data.get("model_type"))
@@ -175,7 +175,8 @@ def _transformers_defaults(arch: str, data: dict[str, Any], name: str) -> dict[s
 
     fields = {k: v for k, v in data.items() if k in ("hidden_size", "num_attention_heads")}
     try:
-        config = AutoConfig.for_model(model_type, **fields)
+        with quiet_transformers():
+            config = AutoConfig.for_model(model_type, **fields)
     except (ValueError, TypeError) as exc:
         raise ModelError(f"config of {name!r}: transformers cannot build a {model_type} config: {exc}") from None
     out = {k: getattr(config, k, None) for k in wanted}
@@ -188,7 +189,7 @@ def hf_dict(cfg: ModelConfig) -> dict[str, Any]:
     out = {k: _thaw_raw(v) for k, v in cfg.raw}
     spelled = dict(cfg.spelling)
     for f in dataclasses.fields(cfg):
-        if f.name in _NOT_HF:
+        if f.name in NOT_HF:
             continue
         key, value = spelled.get(f.name, f.name), getattr(cfg, f.name)
         if key in out or value != f.default:
@@ -233,7 +234,7 @@ def _check_override_keys(overrides: dict[str, Any], present: set[str], name: str
             raise ModelError(f"override key {key!r} is not a field of the config of {name!r}{hint}")
 
 
-def load_config_file(path: Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
+def load_config_file(path: Path, overrides: dict[str, Any] | None = None, checkpoint: str | None = None) -> ModelConfig:
     """Read an HF-style ``config.json``; its directory name (or file stem) names the model."""
     try:
         raw = json.loads(path.read_text())
@@ -244,7 +245,7 @@ def load_config_file(path: Path, overrides: dict[str, Any] | None = None) -> Mod
     if not isinstance(raw, dict):
         raise ModelError(f"{path} is not a JSON object")
     name = path.parent.name if path.name == "config.json" else path.stem
-    return config_from_dict(raw, name, overrides)
+    return config_from_dict(raw, name, overrides, checkpoint)
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -298,8 +299,8 @@ def _check(cfg: ModelConfig) -> None:
             f"config of {cfg.name!r}: num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
             f"num_key_value_heads ({cfg.num_key_value_heads})"
         )
-    if cfg.is_moe and (cfg.moe_intermediate_size <= 0 or cfg.num_experts_per_tok <= 0):
-        raise ModelError(f"config of {cfg.name!r}: an MoE needs moe_intermediate_size and num_experts_per_tok > 0")
+    if cfg.is_moe and cfg.num_experts_per_tok <= 0:
+        raise ModelError(f"config of {cfg.name!r}: an MoE needs num_experts_per_tok > 0")
     if cfg.is_mla and min(cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) <= 0:
         raise ModelError(
             f"config of {cfg.name!r}: MLA needs kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim > 0"

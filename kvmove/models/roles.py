@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from enum import Enum
 from fnmatch import fnmatchcase
+from functools import lru_cache
 from typing import NamedTuple
 
 from kvmove.errors import PlanError
@@ -88,6 +89,16 @@ def families_of(cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(f.name for f in FAMILIES if cfg.architecture in f.architectures)
 
 
+def check_classified(cfg: ModelConfig) -> None:
+    """Every tensor of ``cfg``'s checkpoint has a Megatron role (one layer of each kind stands for the rest);
+    PlanError naming the first that has none."""
+    from kvmove.models.table import table_of
+
+    table = table_of(cfg)
+    for t in [*table.head, *(t for _, ts in table.templates.values() for t in ts), *table.tail]:
+        role_of(cfg, t.name)
+
+
 def role_of(cfg: ModelConfig, name: str) -> Role:
     """Megatron's role of HF tensor ``name`` of ``cfg`` (PlanError naming the tensor if no rule classifies it)."""
     family = next((f for f in FAMILIES if cfg.architecture in f.architectures), None)
@@ -96,8 +107,12 @@ def role_of(cfg: ModelConfig, name: str) -> Role:
             f"no Megatron sharding rule for tensor {name}: {cfg.architecture} is in no family of kvmove.models.roles "
             f"(known: {', '.join(a for f in FAMILIES for a in f.architectures)})"
         )
-    module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
-    for pattern, role in family.rules:
-        if fnmatchcase(module, pattern):
-            return role
-    raise PlanError(f"no Megatron sharding rule of family {family.name} classifies tensor {name}")
+    role = _role(family, name.rsplit(".", 2)[-2] if "." in name else name)
+    if role is None:
+        raise PlanError(f"no Megatron sharding rule of family {family.name} classifies tensor {name}")
+    return role
+
+
+@lru_cache(maxsize=4096)
+def _role(family: Family, module: str) -> Role | None:
+    return next((role for pattern, role in family.rules if fnmatchcase(module, pattern)), None)

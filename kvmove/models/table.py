@@ -18,7 +18,8 @@ layers, not its 70k expert tensors.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -88,18 +89,32 @@ def model_type_of(architecture: str, model_type: str | None = None) -> str:
     return candidates[0]
 
 
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings about a config (logged, not raised) kept off kvmove's one-line stderr."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
 def meta_model(hf: Mapping[str, Any]) -> torch.nn.Module:
     """transformers' model of HF config ``hf`` on the meta device, in bf16 (the weights a BF16 trainer holds)."""
     import transformers
 
     arch = hf["architectures"][0]
     fields = {k: v for k, v in hf.items() if k != "model_type" and not k.startswith("_")}
-    try:
-        config = transformers.AutoConfig.for_model(model_type_of(arch, hf.get("model_type")), **fields)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ModelError(f"transformers cannot build a config for {arch}: {exc}") from None
-    with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with quiet_transformers():
+        try:
+            config = transformers.AutoConfig.for_model(model_type_of(arch, hf.get("model_type")), **fields)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ModelError(f"transformers cannot build a config for {arch}: {exc}") from None
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 
 
 @lru_cache(maxsize=32)

@@ -86,6 +86,10 @@ class ModelTotals(NamedTuple):
     non_expert_params: int
     num_layers: int
     moe_layers: int
+    megatron_families: tuple[str, ...] = ()
+    """The families of kvmove.models.roles whose Megatron rules apply (empty: FSDP2/DTensor sources only)."""
+    table_source: str = "config"
+    """Where the tensor table came from: ``config`` (transformers' model of it) or ``checkpoint`` (headers)."""
 
 
 def model_totals(cfg: ModelConfig) -> ModelTotals:
@@ -107,6 +111,8 @@ def model_totals(cfg: ModelConfig) -> ModelTotals:
     for t in hf_tensors(cfg, layers=()):
         count, params, nbytes = count + 1, params + t.numel, nbytes + t.nbytes
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    from kvmove.models.roles import families_of
+
     return ModelTotals(
         cfg.name,
         cfg.architecture,
@@ -117,4 +123,6 @@ def model_totals(cfg: ModelConfig) -> ModelTotals:
         params - expert,
         cfg.num_hidden_layers,
         moe_layers,
+        families_of(cfg),
+        "checkpoint" if cfg.checkpoint else "config",
     )

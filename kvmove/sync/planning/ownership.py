@@ -21,7 +21,7 @@ from kvmove.errors import ModelError, PlanError
 from kvmove.layout import TrainerLayout
 from kvmove.models.config import ModelConfig
 from kvmove.models.megatron import megatron_split
-from kvmove.models.roles import role_of
+from kvmove.models.roles import check_classified, role_of
 from kvmove.models.tensors import TensorMeta, expert_of, layer_of
 from kvmove.sync.planning.plan import Box
 from kvmove.sync.strategies import Gather
@@ -103,6 +103,8 @@ class Ownership:
         """``rule``: Megatron's split of each tensor by name (default: :func:`shard_rule` of HF names)."""
         self.cfg, self.layout = cfg, layout
         self.world = layout.world
+        if rule is None:
+            check_classified(cfg)  # NOTE: up front, naming the tensor, rather than in whichever planner asks first
         self.rule: Rule = rule or shard_rule
         self.coords = [layout.coord(r) for r in range(layout.world)]
         self._experts_per_rank = cfg.num_experts // layout.ep if cfg.is_moe else 0
