@@ -18,6 +18,7 @@ layers, not its 70k expert tensors.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import lru_cache
@@ -139,6 +140,65 @@ def _config_table(frozen: tuple[tuple[str, Any], ...]) -> TensorTable:
     converted = revert_weight_conversion(model, wanted)
     metas = [TensorMeta(n, tuple(converted[n].shape), torch.bfloat16) for n in _module_order(wanted, converted)]
     return _assemble(metas, kinds, firsts, head_names)
+
+
+class View(NamedTuple):
+    """Where one checkpoint tensor lies in a model's parameter: ``param.flatten()[offset:]`` viewed as
+    ``shape`` with ``stride`` (a tensor the conversion keeps: offset 0, the parameter's own shape)."""
+
+    param: str
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def checkpoint_views(model: torch.nn.Module) -> dict[str, View]:
+    """Checkpoint name -> where it lies in ``model``'s parameters (tied ones once), by running transformers'
+    own checkpoint conversion on stand-ins of the parameters: meta tensors for 1-D and 2-D ones (renamed at most),
+    and for fused (3-D) ones a probe holding each (expert, row) index with the trailing dims collapsed, so the
+    checkpoint tensors the conversion cuts out say which rows of which expert they are. ModelError where a
+    checkpoint tensor is no block of rows of one expert."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    params = dict(model.named_parameters())
+    stand_ins: dict[str, torch.Tensor] = {}
+    bases: dict[str, int] = {}  # each fused parameter's probe counts on from the last one's: values name it
+    for n, p in params.items():
+        if p.dim() < 3:
+            stand_ins[n] = torch.empty(p.shape, dtype=p.dtype, device="meta")
+            continue
+        bases[n] = sum(params[m].shape[0] * params[m].shape[1] for m in bases)
+        rows = p.shape[0] * p.shape[1]
+        stand_ins[n] = torch.arange(bases[n], bases[n] + rows).view(p.shape[0], p.shape[1], *([1] * (p.dim() - 2)))
+    storages = {t.untyped_storage()._cdata: n for n, t in stand_ins.items() if t.is_meta}
+    with quiet_transformers():
+        converted = revert_weight_conversion(model, stand_ins)  # type: ignore[arg-type]
+    out: dict[str, View] = {}
+    for name, t in converted.items():
+        param = storages.get(t.untyped_storage()._cdata) if t.is_meta else None
+        out[name] = (
+            View(param, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
+            if param is not None
+            else _probed(name, t, params, bases)
+        )
+    return out
+
+
+def _probed(name: str, t: torch.Tensor, params: Mapping[str, torch.Tensor], bases: Mapping[str, int]) -> View:
+    """The View of checkpoint tensor ``name`` cut out of a probe (its values: the fused parameter's rows)."""
+    if t.is_meta or t.dim() < 1 or t.numel() == 0 or any(s != 1 for s in t.shape[1:]):
+        raise ModelError(f"transformers' conversion makes {name} from no block of rows of a fused parameter")
+    index = t.reshape(-1)
+    first = int(index[0])
+    param = next((n for n, b in bases.items() if b <= first < b + params[n].shape[0] * params[n].shape[1]), None)
+    contiguous = torch.equal(index, torch.arange(first, first + index.numel()))
+    if param is None or not contiguous:
+        raise ModelError(f"transformers' conversion makes {name} from no block of rows of a fused parameter")
+    p, local = params[param], first - bases[param]
+    if local // p.shape[1] != (local + index.numel() - 1) // p.shape[1]:
+        raise ModelError(f"transformers' conversion makes {name} from rows of two experts of {param}")
+    shape = (index.numel(), *p.shape[2:])
+    return View(param, local * math.prod(p.shape[2:]), shape, tuple(torch.empty(shape, device="meta").stride()))
 
 
 def _module_order(memory: Mapping[str, torch.Tensor], converted: Mapping[str, torch.Tensor]) -> list[str]:
