@@ -39,7 +39,10 @@ def list_models(as_json: JsonOpt = False) -> None:
 @app.command("show")
 @streams.owns_stdout
 def show(model: ModelArg, override: OverrideOpt = None, as_json: JsonOpt = False) -> None:
-    """Totals of a model's HF checkpoint as a BF16 trainer holds it.
+    """Totals of a model's HF checkpoint as a BF16 trainer holds it, and which Megatron rule families apply.
+
+    MODEL: a preset, a config.json of any causal LM transformers knows, or a checkpoint directory (config.json +
+    safetensors: the table is read from the safetensors headers).
 
     Example: kvmove models show qwen3-235b-a22b --json
     """
@@ -47,6 +50,8 @@ def show(model: ModelArg, override: OverrideOpt = None, as_json: JsonOpt = False
 
     totals = model_totals(resolve_model(model, parse_overrides(override or [])))
     if as_json:
-        render.json_lines([{**{k: getattr(totals, k) for k in _SHOW_KEYS}, "num_layers": totals.num_layers}])
+        extra = {"num_layers": totals.num_layers, "megatron_families": list(totals.megatron_families)}
+        extra["table_source"] = totals.table_source
+        render.json_lines([{**{k: getattr(totals, k) for k in _SHOW_KEYS}, **extra}])
     else:
         render.model_show(totals)

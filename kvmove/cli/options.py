@@ -101,7 +101,7 @@ ModelOpt = Annotated[
     typer.Option(
         "--model",
         "-m",
-        help="Preset name (see `kvmove models list`) or path to an HF config.json.",
+        help="Preset name (see `kvmove models list`), path to an HF config.json, or a checkpoint directory.",
         rich_help_panel=PANEL_MODEL,
     ),
 ]
@@ -115,7 +115,10 @@ EngineDtypeOpt = Annotated[
         rich_help_panel=PANEL_MODEL,
     ),
 ]
-ModelArg = Annotated[str, typer.Argument(help="Preset name or path to an HF-style config.json.")]
+ModelArg = Annotated[
+    str,
+    typer.Argument(help="Preset name, path to an HF-style config.json, or a checkpoint directory (+ safetensors)."),
+]
 OverrideOpt = Annotated[
     list[str] | None,
     typer.Option(

@@ -77,6 +77,9 @@ def model_show(t: ModelTotals) -> None:
     table.add_row("expert parameters", f"{t.expert_params:,}")
     table.add_row("non-expert parameters", f"{t.non_expert_params:,}")
     table.add_row("layers (MoE)", f"{t.num_layers} ({t.moe_layers})")
+    families = ", ".join(t.megatron_families) or "none (FSDP2/DTensor sources only)"
+    table.add_row("Megatron rules", families)
+    table.add_row("tensor table from", "safetensors headers" if t.table_source == "checkpoint" else "config")
     console().print(table)
 
 

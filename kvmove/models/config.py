@@ -11,12 +11,6 @@ from typing import Any
 
 from kvmove.errors import ModelError
 
-SUPPORTED_ARCHITECTURES = (
-    "Qwen3MoeForCausalLM",
-    "DeepseekV3ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen2ForCausalLM",
-)
 ENGINE_DTYPES = ("bf16", "fp8")
 """Weight formats an inference engine can hold (kvmove.models.checkpoint says what each one loads)."""
 
@@ -59,7 +53,14 @@ class ModelConfig:
     engine_dtype: str = "bf16"
     """The engine's weight format (one of ENGINE_DTYPES): not an HF field, chosen where the config is built.
     The trainer always holds the BF16 checkpoint; "fp8" engines hold kvmove.models.checkpoint's FP8 one."""
+    checkpoint: str | None = None
+    """A checkpoint directory (config.json + safetensors) whose headers give the tensor table; None: the table
+    transformers' model of the config describes (kvmove.models.table)."""
     extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False, repr=False)
+    raw: tuple[tuple[str, Any], ...] = field(default=(), compare=False, repr=False)
+    """The HF config as given (overrides applied), frozen: what :func:`hf_dict` starts from."""
+    spelling: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
+    """Our field -> the HF key it was read from, where the architecture spells it otherwise."""
 
     def __post_init__(self) -> None:
         if self.engine_dtype not in ENGINE_DTYPES:
@@ -71,25 +72,25 @@ class ModelConfig:
 
     @property
     def is_mla(self) -> bool:
-        return self.architecture == "DeepseekV3ForCausalLM"
+        """Multi-head latent attention (DeepSeek-V3, Kimi K2): KV through a low-rank latent."""
+        return self.kv_lora_rank > 0
 
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether decoder layer ``layer`` has routed experts (HF's rule for each architecture)."""
-        if not self.is_moe:
-            return False
-        if self.is_mla:
-            return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
-        if layer in self.mlp_only_layers:
-            return False
-        return (layer + 1) % self.decoder_sparse_step == 0
+        """Whether decoder layer ``layer`` holds routed experts (read off the checkpoint's tensor table)."""
+        return self.layer_kind(layer).startswith("moe")
 
     def layer_kind(self, layer: int) -> str:
-        """Layers of one kind have identical tensor names (up to the index) and shapes."""
-        return "moe" if self.is_moe_layer(layer) else "dense"
+        """Layers of one kind have identical tensor names (up to the index) and shapes (``dense``, ``moe``, ...)."""
+        from kvmove.models.table import table_of
+
+        kinds = table_of(self).kinds
+        if not 0 <= layer < len(kinds):
+            raise ModelError(f"layer {layer} is outside the {len(kinds)} layers of {self.name}")
+        return kinds[layer]
 
 
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -99,14 +100,24 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "DeepseekV3ForCausalLM": {"attention_bias": False, "qk_norm": False},
 }
 
+_DENSE = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
+"""Dense architectures whose configs may still carry an (unused) ``num_experts``."""
+
 # HF spells some fields differently per architecture; these map them onto ours.
 _RENAMES = {"n_routed_experts": "num_experts", "num_local_experts": "num_experts"}  # DeepSeek, transformers 5
 _FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
-_NOT_FROM_HF = ("name", "architecture", "extra", "engine_dtype")
+_NOT_FROM_HF = ("name", "architecture", "extra", "engine_dtype", "checkpoint", "raw", "spelling")
+NOT_HF = (*_NOT_FROM_HF, "qk_norm")
+"""Fields that are kvmove's, not keys of an HF config."""
 
 
-def config_from_dict(raw: dict[str, Any], name: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
-    """Build a config from an HF-style dict plus ``overrides``; raise ModelError naming the problem."""
+def config_from_dict(
+    raw: dict[str, Any], name: str, overrides: dict[str, Any] | None = None, checkpoint: str | None = None
+) -> ModelConfig:
+    """Build a config from an HF-style dict plus ``overrides``; raise ModelError naming the problem.
+
+    Any causal-LM architecture transformers knows is accepted; fields the dict leaves out that decide tensor
+    shapes (``head_dim``, ``tie_word_embeddings``) take the architecture's own defaults from transformers."""
     data = {k: v for k, v in raw.items() if not k.startswith("_")}
     _check_override_keys(overrides or {}, set(data), name)
     data.update(overrides or {})
@@ -114,14 +125,14 @@ def config_from_dict(raw: dict[str, Any], name: str, overrides: dict[str, Any] |
     if not isinstance(archs, list) or not archs:
         raise ModelError(f"config of {name!r} has no 'architectures' list")
     arch = archs[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelError(
-            f"architecture {arch!r} of {name!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    values: dict[str, Any] = {"name": name, "architecture": arch, **_ARCH_DEFAULTS[arch]}
+    values: dict[str, Any] = {"name": name, "architecture": arch, **_ARCH_DEFAULTS.get(arch, {})}
+    values |= _transformers_defaults(arch, data, name)
     extra = []
-    for key, value in data.items():
-        key = _RENAMES.get(key, key)
+    spelling = []
+    for hf_key, value in data.items():
+        key = _RENAMES.get(hf_key, hf_key)
+        if key != hf_key:
+            spelling.append((key, hf_key))
         if key in _FIELDS and key not in _NOT_FROM_HF:
             values[key] = value
         elif key != "architectures":
@@ -133,11 +144,14 @@ def config_from_dict(raw: dict[str, Any], name: str, overrides: dict[str, Any] |
         values["head_dim"] = int(values.get("hidden_size", 0)) // int(heads)
     if "num_key_value_heads" not in values:
         values["num_key_value_heads"] = values.get("num_attention_heads")
-    if arch in ("Qwen3ForCausalLM", "Qwen2ForCausalLM"):
+    if arch in _DENSE:
         values["num_experts"] = 0
     values["mlp_only_layers"] = tuple(values.get("mlp_only_layers") or ())
     values["engine_dtype"] = _engine_dtype(data.get("quantization_config"), name)
     values["extra"] = tuple(sorted(extra))
+    values["raw"] = _freeze_raw(data)
+    values["spelling"] = tuple(spelling)
+    values["checkpoint"] = checkpoint
     missing = [f for f in _REQUIRED if values.get(f) in (None, "")]
     if missing:
         raise ModelError(f"config of {name!r} lacks required field(s): {', '.join(missing)}")
@@ -147,6 +161,51 @@ def config_from_dict(raw: dict[str, Any], name: str, overrides: dict[str, Any] |
         raise ModelError(f"config of {name!r} is malformed: {exc}") from None
     _check(cfg)
     return cfg
+
+
+def _transformers_defaults(arch: str, data: dict[str, Any], name: str) -> dict[str, Any]:
+    """The shape-deciding fields ``data`` leaves out, as transformers' config class of ``arch`` defaults them."""
+    from kvmove.models.table import model_type_of, quiet_transformers
+
+    wanted = [k for k in ("head_dim", "tie_word_embeddings") if k not in data]
+    model_type = model_type_of(arch, data.get("model_type"))
+    if not wanted:
+        return {}
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in data.items() if k in ("hidden_size", "num_attention_heads")}
+    try:
+        with quiet_transformers():
+            config = AutoConfig.for_model(model_type, **fields)
+    except (ValueError, TypeError) as exc:
+        raise ModelError(f"config of {name!r}: transformers cannot build a {model_type} config: {exc}") from None
+    out = {k: getattr(config, k, None) for k in wanted}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def hf_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """``cfg`` as an HF config dict: the config it was read from, with every field's current value in the
+    architecture's own spelling (so a ``dataclasses.replace``'d config describes its own tensors)."""
+    out = {k: _thaw_raw(v) for k, v in cfg.raw}
+    spelled = dict(cfg.spelling)
+    for f in dataclasses.fields(cfg):
+        if f.name in NOT_HF:
+            continue
+        key, value = spelled.get(f.name, f.name), getattr(cfg, f.name)
+        if key in out or value != f.default:
+            out[key] = list(value) if isinstance(value, tuple) else value
+    out["architectures"] = [cfg.architecture]
+    if cfg.engine_dtype == "bf16":  # an FP8 model served in BF16 (--engine-dtype bf16): no quantization
+        out.pop("quantization_config", None)
+    return out
+
+
+def _freeze_raw(data: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in data.items()))
+
+
+def _thaw_raw(text: str) -> Any:
+    return json.loads(text)
 
 
 def _engine_dtype(quantization: Any, name: str) -> str:
@@ -175,7 +234,7 @@ def _check_override_keys(overrides: dict[str, Any], present: set[str], name: str
             raise ModelError(f"override key {key!r} is not a field of the config of {name!r}{hint}")
 
 
-def load_config_file(path: Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
+def load_config_file(path: Path, overrides: dict[str, Any] | None = None, checkpoint: str | None = None) -> ModelConfig:
     """Read an HF-style ``config.json``; its directory name (or file stem) names the model."""
     try:
         raw = json.loads(path.read_text())
@@ -186,7 +245,7 @@ def load_config_file(path: Path, overrides: dict[str, Any] | None = None) -> Mod
     if not isinstance(raw, dict):
         raise ModelError(f"{path} is not a JSON object")
     name = path.parent.name if path.name == "config.json" else path.stem
-    return config_from_dict(raw, name, overrides)
+    return config_from_dict(raw, name, overrides, checkpoint)
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -240,8 +299,8 @@ def _check(cfg: ModelConfig) -> None:
             f"config of {cfg.name!r}: num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
             f"num_key_value_heads ({cfg.num_key_value_heads})"
         )
-    if cfg.is_moe and (cfg.moe_intermediate_size <= 0 or cfg.num_experts_per_tok <= 0):
-        raise ModelError(f"config of {cfg.name!r}: an MoE needs moe_intermediate_size and num_experts_per_tok > 0")
+    if cfg.is_moe and cfg.num_experts_per_tok <= 0:
+        raise ModelError(f"config of {cfg.name!r}: an MoE needs num_experts_per_tok > 0")
     if cfg.is_mla and min(cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) <= 0:
         raise ModelError(
             f"config of {cfg.name!r}: MLA needs kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim > 0"

@@ -23,7 +23,9 @@ layout depends on the trainer's TP size; its conversion to HF accounts for that.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator
+from fnmatch import fnmatchcase
 
 import torch
 
@@ -43,8 +45,17 @@ def vocab_padded(cfg: ModelConfig, tp: int) -> int:
 
 
 def _check(cfg: ModelConfig) -> None:
+    """The format names every tensor of ``cfg``'s checkpoint (GQA models in HF's Llama/Qwen spelling)."""
     if cfg.is_mla or cfg.n_shared_experts:
         raise ModelError(f"the megatron checkpoint format covers GQA models without shared experts, not {cfg.name}")
+    from kvmove.models.table import table_of
+
+    known = {*_LAYER_LEAVES.values(), *_FUSED_LEAVES}
+    for _, tensors in table_of(cfg).templates.values():
+        for t in tensors:
+            leaf = _EXPERT_INDEX.sub(".experts.E.", t.name.split(".", 3)[3])
+            if leaf not in known:
+                raise ModelError(f"the megatron checkpoint format has no megatron-core name for {cfg.name}'s {t.name}")
 
 
 class MegatronLayout:
@@ -174,6 +185,14 @@ _LAYER_LEAVES = {
     "mlp.router.weight": "mlp.gate.weight",
 }
 """megatron-core leaf (after ``decoder.layers.N.``) -> HF leaf (after ``model.layers.N.``), one to one."""
+_FUSED_LEAVES = (
+    *(f"self_attn.{x}_proj.{k}" for x in "qkv" for k in ("weight", "bias")),
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    *(f"mlp.experts.E.{x}_proj.weight" for x in ("gate", "up", "down")),
+)
+"""HF leaves the format fuses (q/k/v into linear_qkv, gate/up into linear_fc1) or holds per expert."""
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
 
 
 def _split_qkv(cfg: ModelConfig, t: torch.Tensor, prefix: str, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -214,17 +233,29 @@ def _merge_fc1(gate: torch.Tensor, up: torch.Tensor, tp: int) -> torch.Tensor:
     return torch.cat([torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp), strict=True)])
 
 
+_SPLITS: tuple[tuple[str, int | None], ...] = (
+    ("embedding.word_embeddings.weight", 0),
+    ("output_layer.weight", 0),
+    ("*.linear_qkv.weight", 0),
+    ("*.linear_qkv.bias", 0),
+    ("*.linear_fc1.weight", 0),
+    ("*.linear_proj.weight", 1),
+    ("*.linear_fc2.weight", 1),
+    ("*layernorm*", None),
+    ("*.layer_norm_weight", None),
+    ("*.mlp.router.weight", None),
+)
+"""megatron-core tensor (glob) -> its TP split dim (None: replicated); experts split over ETP the same way."""
+_EXPERT_SPLITS: tuple[tuple[str, int], ...] = (("*.linear_fc1.*", 0), ("*.linear_fc2.*", 1))
+
+
 def megatron_split(cfg: ModelConfig, name: str) -> tuple[int | None, str]:
     """(split dim or None if replicated, "tp" or "etp") of megatron-core tensor ``name`` under TP/ETP."""
     if expert_of(name) is not None:
-        return (0 if ".linear_fc1." in name else 1), "etp"
-    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        return 0, "tp"
-    leaf = name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]
-    if leaf in ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight"):
-        return 0, "tp"
-    if leaf in ("linear_proj.weight", "linear_fc2.weight"):
-        return 1, "tp"
-    if "layernorm" in name or "layer_norm_weight" in name or name.endswith("mlp.router.weight"):
-        return None, "tp"
+        dim = next((d for pattern, d in _EXPERT_SPLITS if fnmatchcase(name, pattern)), None)
+        if dim is not None:
+            return dim, "etp"
+    for pattern, split in _SPLITS:
+        if fnmatchcase(name, pattern):
+            return split, "tp"
     raise ModelError(f"no megatron-core sharding rule for tensor {name}")

@@ -130,6 +130,65 @@ _TINY["deepseek-v3-fp8-tiny"] = {
     "quantization_config": FP8_BLOCK_QUANTIZATION,
 }
 
+# Tiny models of the other architectures the field trains, every dim off the powers of two (96 hidden, 6 heads
+# over 2 KV heads, 160 intermediate, 300 tokens, 3 layers): their tensor tables come from transformers' own models.
+_OTHER_TINY = {
+    "hidden_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 160,
+    "vocab_size": 300,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+_TINY["llama3-tiny"] = {
+    **_OTHER_TINY,
+    "architectures": ["LlamaForCausalLM"],
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 16384,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
+_TINY["mistral-tiny"] = {**_OTHER_TINY, "architectures": ["MistralForCausalLM"], "sliding_window": 64}
+_TINY["mixtral-tiny"] = {
+    **_OTHER_TINY,
+    "architectures": ["MixtralForCausalLM"],
+    "intermediate_size": 80,
+    "num_local_experts": 6,
+    "num_experts_per_tok": 2,
+}
+_TINY["gemma2-tiny"] = {
+    **_OTHER_TINY,
+    "architectures": ["Gemma2ForCausalLM"],
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 16,
+    "sliding_window": 64,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+}
+_TINY["glm4-moe-tiny"] = {
+    **_OTHER_TINY,
+    "architectures": ["Glm4MoeForCausalLM"],
+    "moe_intermediate_size": 48,
+    "n_routed_experts": 6,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "partial_rotary_factor": 0.5,
+    "attention_bias": True,
+    "use_qk_norm": False,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+}
+
 _FULL = ("qwen3-235b-a22b", "kimi-k2")
 
 
@@ -148,11 +207,16 @@ def preset_raw(name: str) -> dict[str, Any]:
 
 
 def resolve_model(model: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
-    """A preset name or a path to an HF-style config.json (or a directory holding one)."""
+    """A preset name, a path to an HF-style config.json, or a directory holding one: with safetensors files
+    beside it, a checkpoint directory whose headers give the tensor table (kvmove.models.table)."""
     if model in _TINY or model in _FULL:
         return config_from_dict(preset_raw(model), model, overrides)
     path = Path(model)
     if path.is_dir():
+        if any(path.glob("*.safetensors")):
+            if overrides:
+                raise ModelError(f"{model} is a checkpoint directory: its tensors are fixed, --override cannot apply")
+            return load_config_file(path / "config.json", checkpoint=str(path.resolve()))
         path = path / "config.json"
     if path.suffix == ".json" or path.exists():
         return load_config_file(path, overrides)

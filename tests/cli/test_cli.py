@@ -83,6 +83,67 @@ def test_bad_input_is_one_line_exit_2(monkeypatch, capsys, args: list[str], mess
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_models_show_and_dry_run_a_checkpoint_directory(monkeypatch, capsys, tmp_path) -> None:
+    from kvmove.models import resolve_model
+    from kvmove.sync.sources.tiny_trainer import hf_model
+
+    hf_model(resolve_model("mixtral-tiny"), seed=0).save_pretrained(str(tmp_path / "mixtral"))
+    capsys.readouterr()
+    code, out, _ = run(monkeypatch, capsys, "models", "show", str(tmp_path / "mixtral"), "--json")
+    row = json.loads(out)
+    assert code == 0 and row["architecture"] == "MixtralForCausalLM" and row["table_source"] == "checkpoint"
+    assert row["megatron_families"] == ["gqa-moe"] and row["num_tensors"] == 78
+    args = ["sync-weights", "--dry-run", "--verify", "--json", "--model", str(tmp_path / "mixtral")]
+    code, out, _ = run(monkeypatch, capsys, *args, "--trainer", "tp=2,ep=2", "--engine", "tp=2", "--strategy", "v3")
+    assert code == 0 and json.loads(out)["verified"] is True
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"architectures": ["NoSuchLMForCausalLM"]}, "'NoSuchLMForCausalLM' is not a causal LM transformers knows"),
+        (
+            {
+                "architectures": ["GptOssForCausalLM"],
+                "hidden_size": 96,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 6,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "intermediate_size": 64,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "vocab_size": 300,
+            },
+            "no Megatron sharding rule for tensor model.embed_tokens.weight: GptOssForCausalLM is in no family",
+        ),
+    ],
+)
+def test_unknown_architectures_and_unclassified_tensors_exit_2(monkeypatch, capsys, tmp_path, raw, message) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    code, _, err = run(monkeypatch, capsys, "sync-weights", "--dry-run", "--model", str(path), "--strategy", "v1")
+    assert code == 2 and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_checkpoint_that_does_not_tile_exits_2(monkeypatch, capsys, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from kvmove.models import resolve_model
+    from kvmove.sync.sources.tiny_trainer import hf_model
+
+    out = tmp_path / "llama"
+    hf_model(resolve_model("llama3-tiny"), seed=0).save_pretrained(str(out))
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:100].clone()
+    save_file(tensors, str(out / "model.safetensors"), {"format": "pt"})
+    capsys.readouterr()
+    code, _, err = run(monkeypatch, capsys, "models", "show", str(out))
+    assert code == 2 and "tensor model.layers.1.mlp.up_proj.weight is (100, 96)" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_malformed_config_file(monkeypatch, capsys, tmp_path) -> None:
     path = tmp_path / "config.json"
     path.write_text("{oops")

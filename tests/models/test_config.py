@@ -78,7 +78,7 @@ def test_config_json_path_and_overrides(tmp_path) -> None:
         ("{not json", "cannot read"),
         ("[1, 2]", "not a JSON object"),
         ('{"hidden_size": 8}', "no 'architectures'"),
-        ('{"architectures": ["LlamaForCausalLM"]}', "not supported"),
+        ('{"architectures": ["NoSuchModelForCausalLM"]}', "not a causal LM transformers knows"),
         ('{"architectures": ["Qwen3ForCausalLM"], "hidden_size": 8}', "lacks"),
         (
             '{"architectures": ["Qwen3ForCausalLM"], "hidden_size": 8, "num_hidden_layers": "two",'

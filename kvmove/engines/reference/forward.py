@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvmove.engines.reference.model import DecoderLayer, DenseMLP, GQAAttention, MoEMLP, ReferenceModel
+from kvmove.engines.reference.model import ReferenceModel
 from kvmove.errors import ModelError
 from kvmove.kvcache import KVPool
 from kvmove.models.config import ModelConfig
@@ -55,13 +56,20 @@ class ForwardBatch:
         return ForwardBatch(self.input_ids.to(device), self.positions.to(device), self.out_slots.to(device), seqs)
 
 
+FORWARD_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+"""The families whose math this module implements (GQA, neox rotary, SiLU MLPs, softmax top-k routing)."""
+
+
 def check_supported(models: ReferenceModel | Sequence[ReferenceModel]) -> None:
     """Raise ModelError unless this module can run ``models``: GQA attention, ep = pp = 1, every layer, and (for
     tensor parallelism) exactly the ranks ``0 .. tp_size - 1`` of one tp group, in order."""
     ranks = [models] if isinstance(models, ReferenceModel) else list(models)
     cfg = ranks[0].config
-    if cfg.is_mla:
-        raise ModelError(f"{cfg.name}: the reference forward pass supports GQA models only, not MLA")
+    if cfg.architecture not in FORWARD_ARCHITECTURES:
+        raise ModelError(
+            f"{cfg.name}: the reference forward pass runs {', '.join(FORWARD_ARCHITECTURES)}, not "
+            f"{cfg.architecture} (weight sync and --verify load any architecture: they need only the loader)"
+        )
     for r, model in enumerate(ranks):
         ctx = model.ctx
         if ctx.ep_size != 1 or ctx.pp_size != 1:
@@ -88,11 +96,11 @@ def forward_ranks(models: Sequence[ReferenceModel], pools: Sequence[KVPool], bat
     cfg = models[0].config
     x = _all_reduce([m.model.embed_tokens(batch.input_ids).float() for m in models])
     cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta)
-    layers: list[list[DecoderLayer]] = [list(m.model.layers.values()) for m in models]  # type: ignore[arg-type]
+    layers: list[list[Any]] = [list(m.model.layers.values()) for m in models]
     for i in range(cfg.num_hidden_layers):
         h = layers[0][i].input_layernorm(x)
         x = x + _all_reduce(
-            [attention(ls[i].self_attn, i, h, cos, sin, p, batch) for ls, p in zip(layers, pools, strict=True)]  # type: ignore[arg-type]
+            [attention(ls[i].self_attn, i, h, cos, sin, p, batch) for ls, p in zip(layers, pools, strict=True)]
         )
         h = layers[0][i].post_attention_layernorm(x)
         x = x + _all_reduce([mlp(cfg, ls[i], h) for ls in layers])
@@ -107,12 +115,11 @@ def _all_reduce(parts: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def mlp(cfg: ModelConfig, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+def mlp(cfg: ModelConfig, layer: Any, h: torch.Tensor) -> torch.Tensor:
     """The layer's MLP (dense or MoE) on the normalized hidden states: this rank's partial sum."""
     block = layer.mlp
-    if isinstance(block, MoEMLP):
+    if "experts" in block:
         return moe(block, h, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    assert isinstance(block, DenseMLP)
     return dense_mlp(block, h)
 
 
@@ -131,7 +138,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention(
-    attn: GQAAttention,
+    attn: Any,
     index: int,
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -148,7 +155,7 @@ def attention(
     d = proj.head_dim
     q, k, v = proj(x.to(proj.weight.dtype)).float().split(list(proj.sizes), dim=-1)
     q, k, v = q.view(-1, proj.q_heads, d), k.view(-1, proj.kv_heads, d), v.view(-1, proj.kv_heads, d)
-    if hasattr(attn, "q_norm"):
+    if "q_norm" in attn:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     dtype = pool.geometry.dtype
@@ -192,12 +199,12 @@ def _causal_mask(num_new: int, context_len: int, device: torch.device) -> torch.
     return torch.arange(context_len, device=device).unsqueeze(0) <= q_pos
 
 
-def dense_mlp(mlp: DenseMLP, x: torch.Tensor) -> torch.Tensor:
+def dense_mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor:
     gate, up = mlp.gate_up_proj(x.to(mlp.gate_up_proj.weight.dtype)).float().chunk(2, dim=-1)
     return mlp.down_proj((F.silu(gate) * up).to(mlp.down_proj.weight.dtype)).float()
 
 
-def moe(mlp: MoEMLP, x: torch.Tensor, top_k: int, norm_topk_prob: bool) -> torch.Tensor:
+def moe(mlp: Any, x: torch.Tensor, top_k: int, norm_topk_prob: bool) -> torch.Tensor:
     """Softmax router, top-k experts (renormalized if ``norm_topk_prob``), each expert run on its tokens."""
     experts = mlp.experts
     probs = mlp.gate(x.to(mlp.gate.weight.dtype)).float().softmax(dim=-1)

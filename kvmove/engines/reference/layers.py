@@ -227,7 +227,9 @@ class RowParallelLinear(nn.Module):
 
     weight: nn.Parameter
 
-    def __init__(self, ctx: RankContext, in_size: int, out_size: int, tp: bool = True, label: str = "") -> None:
+    def __init__(
+        self, ctx: RankContext, in_size: int, out_size: int, tp: bool = True, label: str = "", bias: bool = False
+    ) -> None:
         super().__init__()
         self.tp_size, self.tp_rank = (ctx.tp_size, ctx.tp_rank) if tp else (1, 0)
         _weights(self, ctx, "weight", out_size, in_size // self.tp_size)
@@ -235,6 +237,10 @@ class RowParallelLinear(nn.Module):
             _check_blocks(ctx, label or "RowParallelLinear", "input columns", [in_size // self.tp_size])
         for p in self.parameters():
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias = None
+        if bias:  # added once after the partial sums: every rank holds it whole
+            self.bias = _param(ctx, out_size)
+            self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         size = param.shape[1]
@@ -245,6 +251,21 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+
+def head_parallel_param(ctx: RankContext, heads: int) -> nn.Parameter:
+    """A per-head parameter (attention sinks): rank r holds heads [r·heads/tp, (r+1)·heads/tp)."""
+    size = heads // ctx.tp_size
+    param = _param(ctx, size)
+
+    def load(p: nn.Parameter, loaded: torch.Tensor) -> None:
+        _check_dim(loaded, 0, heads, "head-parallel parameter")
+        src = loaded.narrow(0, ctx.tp_rank * size, size)
+        _check_shape(p.data, src, "head-parallel parameter")
+        p.data.copy_(src)
+
+    param.weight_loader = load  # type: ignore[attr-defined]
+    return param
 
 
 def pad_vocab(vocab: int, tp: int, multiple: int = 64) -> int:

@@ -1,8 +1,10 @@
-"""The reference inference model: one engine rank's parameters in vLLM's fused layout."""
+"""The reference inference model: one engine rank's parameters in vLLM's fused layout, for any checkpoint."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,105 +21,164 @@ from kvmove.engines.reference.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     default_weight_loader,
+    head_parallel_param,
 )
+from kvmove.engines.reference.mapping import (
+    COLUMN_PARALLEL,
+    EXPERT_NAME,
+    EXPERT_PARAMS,
+    HEAD_PARALLEL,
+    ROW_PARALLEL,
+    TIED,
+    VOCAB_PARALLEL,
+    pieces_of,
+    stacked_of,
+)
+from kvmove.errors import ModelError
 from kvmove.layout import EngineCoord, EngineLayout
-from kvmove.models.checkpoint import engine_format
+from kvmove.models.checkpoint import engine_format, is_block_quantized
 from kvmove.models.config import ModelConfig
-
-
-class GQAAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: RankContext) -> None:
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(
-            ctx, h, d, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_bias, "self_attn.qkv_proj"
-        )
-        self.o_proj = RowParallelLinear(ctx, cfg.num_attention_heads * d, h, label="self_attn.o_proj")
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(ctx, d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(ctx, d, cfg.rms_norm_eps)
-
-
-class MLAAttention(nn.Module):
-    """DeepSeek-V3 multi-head latent attention, as vLLM lays out its parameters."""
-
-    def __init__(self, cfg: ModelConfig, ctx: RankContext) -> None:
-        super().__init__()
-        h, n = cfg.hidden_size, cfg.num_attention_heads
-        kv_a = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        if cfg.q_lora_rank:
-            q_a = [cfg.q_lora_rank, kv_a]
-            self.fused_qkv_a_proj = MergedColumnParallelLinear(
-                ctx, h, q_a, tp=False, label="self_attn.fused_qkv_a_proj"
-            )
-            self.q_a_layernorm = RMSNorm(ctx, cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(ctx, cfg.q_lora_rank, n * cfg.qk_head_dim, label="self_attn.q_b_proj")
-        else:
-            self.q_proj = ColumnParallelLinear(ctx, h, n * cfg.qk_head_dim, label="self_attn.q_proj")
-            self.kv_a_proj_with_mqa = ReplicatedLinear(ctx, h, kv_a)
-        self.kv_a_layernorm = RMSNorm(ctx, cfg.kv_lora_rank, cfg.rms_norm_eps)
-        kv_b = n * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        self.kv_b_proj = ColumnParallelLinear(ctx, cfg.kv_lora_rank, kv_b, label="self_attn.kv_b_proj")
-        self.o_proj = RowParallelLinear(ctx, n * cfg.v_head_dim, h, label="self_attn.o_proj")
-
-
-class DenseMLP(nn.Module):
-    def __init__(self, ctx: RankContext, hidden: int, inter: int, label: str = "mlp") -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(ctx, hidden, [inter, inter], label=f"{label}.gate_up_proj")
-        self.down_proj = RowParallelLinear(ctx, inter, hidden, label=f"{label}.down_proj")
-
-
-class MoEMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: RankContext) -> None:
-        super().__init__()
-        h = cfg.hidden_size
-        self.gate = ReplicatedLinear(ctx, h, cfg.num_experts, quantized=False)  # the router stays in ctx.dtype
-        if cfg.is_mla:
-            bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=ctx.dtype, device=ctx.device), requires_grad=False)
-            bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
-            self.gate.register_parameter("e_score_correction_bias", bias)
-        self.experts = FusedMoE(ctx, cfg.num_experts, h, cfg.moe_intermediate_size)
-        if cfg.n_shared_experts:
-            shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-            self.shared_experts = DenseMLP(ctx, h, shared, "mlp.shared_experts")
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: RankContext, index: int) -> None:
-        super().__init__()
-        self.self_attn = MLAAttention(cfg, ctx) if cfg.is_mla else GQAAttention(cfg, ctx)
-        self.mlp = (
-            MoEMLP(cfg, ctx) if cfg.is_moe_layer(index) else DenseMLP(ctx, cfg.hidden_size, cfg.intermediate_size)
-        )
-        self.input_layernorm = RMSNorm(ctx, cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(ctx, cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: RankContext) -> None:
-        super().__init__()
-        if ctx.first_stage:
-            self.embed_tokens = VocabParallelEmbedding(ctx, cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, ctx, i) for i in ctx.layers})
-        if ctx.last_stage:
-            self.norm = RMSNorm(ctx, cfg.hidden_size, cfg.rms_norm_eps)
+from kvmove.models.table import table_of
+from kvmove.models.tensors import TensorMeta
 
 
 class ReferenceModel(nn.Module):
-    """Parameters of one engine rank; ``load_weights`` (kvmove.engines.reference.loader) fills them."""
+    """Parameters of one engine rank, built from the checkpoint's tensor table through the declarative mapping
+    (kvmove.engines.reference.mapping); ``load_weights`` (kvmove.engines.reference.loader) fills them.
+
+    The module tree follows the checkpoint's names (``model.layers.N.self_attn.qkv_proj``...): a stage holds the
+    tensors before the decoder layers if it is the first, its layers, and the tensors after them if it is the last.
+    """
+
+    model: Any
+    """The backbone: ModuleDicts down to the layer modules (``model.layers["3"].self_attn.qkv_proj``)."""
+    lm_head: Any
 
     def __init__(self, cfg: ModelConfig, ctx: RankContext) -> None:
         super().__init__()
         self.config, self.ctx = cfg, ctx
-        self.model = Backbone(cfg, ctx)
+        table = table_of(cfg)
+        held = list(table.head) if ctx.first_stage else []
+        for i in ctx.layers:
+            held += table.layer(i)
+        self.tied = False
         if ctx.last_stage:
-            self.lm_head = ParallelLMHead(ctx, cfg.vocab_size, cfg.hidden_size)
+            held += table.tail
+            embed = next((t for t in table.head if t.name == TIED[0]), None)
+            if embed is not None and all(t.name != TIED[1] for t in table.tail):
+                self.tied = True
+                held.append(TensorMeta(TIED[1], embed.shape, embed.dtype))
+        for path, module in build_modules(cfg, ctx, held):
+            _attach(self, path, module)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         from kvmove.engines.reference.loader import load_weights
 
         return load_weights(self, weights)
+
+
+Built = tuple[str, "nn.Module | nn.Parameter"]
+
+
+def build_modules(cfg: ModelConfig, ctx: RankContext, tensors: Sequence[TensorMeta]) -> list[Built]:
+    """(path, module or parameter) for every engine module the checkpoint tensors ``tensors`` fill."""
+    groups: dict[str, dict[str, TensorMeta]] = {}
+    experts: dict[str, dict[int, dict[str, TensorMeta]]] = {}
+    order: dict[str, int] = {}  # path -> its first tensor's position: modules are built in checkpoint order
+    for i, t in enumerate(tensors):
+        m = EXPERT_NAME.match(t.name)
+        if m is not None and m["proj"] in EXPERT_PARAMS:
+            experts.setdefault(m["prefix"], {}).setdefault(int(m["expert"]), {})[EXPERT_PARAMS[m["proj"]]] = t
+            order.setdefault(m["prefix"], i)
+            continue
+        path, _, leaf = t.name.rpartition(".")
+        groups.setdefault(path, {})[leaf] = t
+        order.setdefault(path, i)
+    todo: list[tuple[int, str, Callable[[], nn.Module | nn.Parameter]]] = []
+    for prefix, by_expert in experts.items():
+        inter, hidden = by_expert[min(by_expert)]["w1"].shape
+        todo.append((order[prefix], prefix, partial(FusedMoE, ctx, len(by_expert), hidden, inter)))
+    done: set[str] = set()
+    for path, leaves in groups.items():
+        if path in done:
+            continue
+        parent, _, leaf = path.rpartition(".")
+        rule = stacked_of(leaf)
+        siblings = [f"{parent}.{s.piece}" for s in pieces_of(rule.fused)] if rule else []
+        if rule and all(s in groups for s in siblings):
+            fused, parts = f"{parent}.{rule.fused}", [groups[s] for s in siblings]
+            todo.append((min(order[s] for s in siblings), fused, partial(_fused, cfg, ctx, rule.fused, parts, fused)))
+            done.update(siblings)
+        elif "weight" in leaves:
+            todo.append((order[path], path, partial(_single, cfg, ctx, path, leaf, leaves)))
+        else:  # parameters held by a module directly (attention sinks)
+            todo += [(order[path], f"{path}.{n}", partial(_direct, cfg, ctx, n, t)) for n, t in leaves.items()]
+    todo.sort(key=lambda item: item[0])  # NOTE: built in checkpoint order (the first refusal is the first tensor's)
+    return [(path, build()) for _, path, build in todo]
+
+
+def _label(path: str) -> str:
+    parts = path.split(".")
+    return ".".join(parts[3:]) if len(parts) > 3 and parts[1] == "layers" else path
+
+
+def _fused(cfg: ModelConfig, ctx: RankContext, fused: str, pieces: list[dict[str, TensorMeta]], path: str) -> nn.Module:
+    label = _label(path)
+    first = pieces[0]["weight"]
+    hidden, bias = first.shape[1], "bias" in pieces[0]
+    if fused == "qkv_proj":
+        heads = cfg.num_attention_heads
+        head_dim = first.shape[0] // heads
+        return QKVParallelLinear(ctx, hidden, head_dim, heads, cfg.num_key_value_heads, bias, label)
+    rows = [p["weight"].shape[0] for p in pieces]
+    return MergedColumnParallelLinear(ctx, hidden, rows, bias, tp=fused != "fused_qkv_a_proj", label=label)
+
+
+def _single(cfg: ModelConfig, ctx: RankContext, path: str, leaf: str, leaves: dict[str, TensorMeta]) -> nn.Module:
+    weight, bias = leaves["weight"], "bias" in leaves
+    vocab = VOCAB_PARALLEL.get(path)
+    if vocab is not None:
+        cls = VocabParallelEmbedding if vocab == "embedding" else ParallelLMHead
+        return cls(ctx, weight.shape[0], weight.shape[1])
+    if len(weight.shape) == 1 and set(leaves) == {"weight"}:
+        return RMSNorm(ctx, weight.shape[0], cfg.rms_norm_eps)
+    if len(weight.shape) != 2:
+        raise ModelError(f"the reference engine has no layer for tensor {weight.name} {weight.shape}")
+    out_size, in_size = weight.shape
+    if leaf in ROW_PARALLEL:
+        module: nn.Module = RowParallelLinear(ctx, in_size, out_size, bias=bias, label=_label(path))
+    elif leaf in COLUMN_PARALLEL:
+        module = ColumnParallelLinear(ctx, in_size, out_size, bias, label=_label(path))
+    else:
+        module = ReplicatedLinear(ctx, in_size, out_size, bias, quantized=is_block_quantized(weight.name))
+    for name, t in leaves.items():  # e.g. a router's e_score_correction_bias
+        if name not in ("weight", "bias"):
+            module.register_parameter(name, _direct(cfg, ctx, name, t))
+    return module
+
+
+def _direct(cfg: ModelConfig, ctx: RankContext, name: str, t: TensorMeta) -> nn.Parameter:
+    if name in HEAD_PARALLEL:
+        return head_parallel_param(ctx, t.shape[0])
+    param = nn.Parameter(torch.zeros(t.shape, dtype=ctx.dtype, device=ctx.device), requires_grad=False)
+    param.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+    return param
+
+
+def _attach(root: nn.Module, path: str, item: nn.Module | nn.Parameter) -> None:
+    """Put ``item`` at dotted ``path`` under ``root``, creating containers (ModuleDicts) on the way."""
+    node = root
+    parts = path.split(".")
+    for part in parts[:-1]:
+        child = node._modules.get(part)
+        if child is None:
+            child = nn.ModuleDict()
+            node.add_module(part, child)
+        node = child
+    if isinstance(item, nn.Parameter):
+        node.register_parameter(parts[-1], item)
+    else:
+        node.add_module(parts[-1], item)
 
 
 def rank_context(

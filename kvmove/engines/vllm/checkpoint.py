@@ -2,7 +2,7 @@
 
 No hub access exists on these machines, so the tokenizer is a small byte-level BPE trained with ``tokenizers``
 on a fixed text (deterministic, at most ``vocab_size`` tokens). Weights, when written, are exactly the tensors
-``kvmove.models.tensors.hf_tensors`` lists, in bf16 safetensors.
+``kvmove.models.tensors.hf_tensors`` lists, in bf16 safetensors. Any architecture transformers knows.
 """
 
 from __future__ import annotations
@@ -16,39 +16,32 @@ from typing import Any
 import torch
 
 from kvmove.errors import KvmoveError
-from kvmove.models.config import ModelConfig
+from kvmove.models.config import NOT_HF, ModelConfig, hf_dict
+from kvmove.models.table import model_type_of, quiet_transformers
 
-MODEL_TYPES = {
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen2ForCausalLM": "qwen2",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-}
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 _TEXT = "the a of to and in is it that was for on are with as his they be at one have this from or had by hot"
 
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """The config.json of ``cfg`` as transformers and vLLM read it."""
-    if cfg.architecture not in MODEL_TYPES:
-        raise KvmoveError(f"no vLLM model type known for architecture {cfg.architecture} (known: {list(MODEL_TYPES)})")
-    skip = {"name", "architecture", "extra", "qk_norm"}
-    out: dict[str, Any] = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}
-    out = {k: list(v) if isinstance(v, tuple) else v for k, v in out.items() if v is not None}
-    out |= dict(cfg.extra)
-    if cfg.engine_dtype == "bf16":  # an FP8 model served in BF16 (--engine-dtype bf16): vLLM must not quantize
-        out.pop("quantization_config", None)
-    if cfg.architecture == "DeepseekV3ForCausalLM":  # kvmove's num_experts is DeepSeek's n_routed_experts
-        out["n_routed_experts"] = out.pop("num_experts")
-    out |= {
-        "architectures": [cfg.architecture],
-        "model_type": MODEL_TYPES[cfg.architecture],
-        "max_position_embeddings": out.get("max_position_embeddings", 512),
-        "hidden_act": "silu",
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
+    """The config.json of ``cfg`` as transformers and vLLM read it, for any architecture transformers knows: the
+    config it came from (kvmove.models.config.hf_dict), plus every field of ours the architecture's config class
+    has (so a default of ours, such as a preset's ``norm_topk_prob``, is stated rather than left to another's)."""
+    from transformers import AutoConfig
+
+    out = hf_dict(cfg)
+    model_type = model_type_of(cfg.architecture, out.get("model_type"))
+    with quiet_transformers():
+        defaults = AutoConfig.for_model(model_type)
+    spelled = dict(cfg.spelling)
+    for f in dataclasses.fields(cfg):
+        key, value = spelled.get(f.name, f.name), getattr(cfg, f.name)
+        if f.name not in NOT_HF and key not in out and value is not None and hasattr(defaults, key):
+            out[key] = list(value) if isinstance(value, tuple) else value
+    out |= {"architectures": [cfg.architecture], "model_type": model_type, "torch_dtype": "bfloat16"}
+    out.setdefault("max_position_embeddings", 512)
+    out.setdefault("hidden_act", "silu")
+    out |= {"bos_token_id": 1, "eos_token_id": 2}
     return out
 
 

@@ -1,6 +1,7 @@
 """Trainer ownership: which trainer ranks hold which slice of every HF tensor (metadata only).
 
-``shard_rule`` states Megatron's split of each tensor; ``Ownership.slices`` gives the raw shards as the trainer
+``shard_rule`` states Megatron's split of each tensor (its role from kvmove.models.roles' family tables);
+``Ownership.slices`` gives the raw shards as the trainer
 holds them (what it would all-gather), and ``Ownership.holders`` what each rank holds once a strategy's
 gather scope has run (kvmove.sync.strategies): ``stage`` gathers TP (and ETP for experts) inside a pipeline
 stage, ``global`` gathers everything everywhere, ``root`` gathers onto rank 0 only.
@@ -20,12 +21,10 @@ from kvmove.errors import ModelError, PlanError
 from kvmove.layout import TrainerLayout
 from kvmove.models.config import ModelConfig
 from kvmove.models.megatron import megatron_split
+from kvmove.models.roles import check_classified, role_of
 from kvmove.models.tensors import TensorMeta, expert_of, layer_of
 from kvmove.sync.planning.plan import Box
 from kvmove.sync.strategies import Gather
-
-_COLUMN = ("q_proj.", "k_proj.", "v_proj.", "q_b_proj.", "kv_b_proj.", "gate_proj.", "up_proj.")
-_ROW = ("o_proj.", "down_proj.")
 
 
 class ShardRule(NamedTuple):
@@ -43,34 +42,18 @@ class Holding(NamedTuple):
 
 
 def shard_rule(cfg: ModelConfig, layout: TrainerLayout, name: str) -> ShardRule:
-    """Megatron's sharding of HF tensor ``name`` under ``layout``."""
+    """Megatron's sharding of HF tensor ``name`` under ``layout``: its role from the family table
+    (kvmove.models.roles), its stage from the layer it is in; PlanError naming a tensor no rule classifies."""
+    role = role_of(cfg, name)
     layer = layer_of(name)
     if layer is None:
         stage = 0 if name == "model.embed_tokens.weight" else layout.pp - 1
-        dim = 0 if name in ("model.embed_tokens.weight", "lm_head.weight") else None
-        return ShardRule(stage, dim, "tp", None)
-    stage = _stage_of_layer(cfg.num_hidden_layers, layout.pp, layer)
-    expert = expert_of(name)
-    leaf = name.rsplit(".", 2)[-2] + "."
-    replicated = (
-        "layernorm" in name
-        or "norm." in leaf
-        or ".mlp.gate." in name
-        or leaf
-        in (
-            "q_a_proj.",
-            "kv_a_proj_with_mqa.",
-        )
-    )
-    if replicated:
-        return ShardRule(stage, None, "tp", expert)
-    if leaf in _COLUMN:
-        dim = 0
-    elif leaf in _ROW:
-        dim = 1
     else:
-        raise PlanError(f"no trainer sharding rule for tensor {name}")
-    return ShardRule(stage, dim, "etp" if expert is not None else "tp", expert)
+        stage = _stage_of_layer(cfg.num_hidden_layers, layout.pp, layer)
+    expert = expert_of(name)
+    if role.dim is None:
+        return ShardRule(stage, None, "tp", expert)
+    return ShardRule(stage, role.dim, "etp" if expert is not None else "tp", expert)
 
 
 def megatron_rule(cfg: ModelConfig, layout: TrainerLayout, name: str) -> ShardRule:
@@ -120,6 +103,8 @@ class Ownership:
         """``rule``: Megatron's split of each tensor by name (default: :func:`shard_rule` of HF names)."""
         self.cfg, self.layout = cfg, layout
         self.world = layout.world
+        if rule is None:
+            check_classified(cfg)  # NOTE: up front, naming the tensor, rather than in whichever planner asks first
         self.rule: Rule = rule or shard_rule
         self.coords = [layout.coord(r) for r in range(layout.world)]
         self._experts_per_rank = cfg.num_experts // layout.ep if cfg.is_moe else 0

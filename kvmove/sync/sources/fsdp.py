@@ -16,7 +16,7 @@ are reported as ``last_copy_seconds``).
 
 from __future__ import annotations
 
-import re
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -25,13 +25,12 @@ import torch
 from torch import nn
 
 from kvmove.errors import KvmoveError
+from kvmove.models.table import checkpoint_views
 from kvmove.models.tensors import TensorMeta
 from kvmove.sync.planning.direct import ARENA_ALIGN, ArenaLayout, arena_order
 from kvmove.sync.planning.plan import Box
 from kvmove.sync.ranks.source import Gathered, WeightSource
 from kvmove.sync.strategies import Gather
-
-_FUSED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
 class Piece(NamedTuple):
@@ -44,22 +43,24 @@ class Piece(NamedTuple):
 
 
 def checkpoint_pieces(model: nn.Module) -> dict[str, Piece]:
-    """Checkpoint name -> piece of ``model``'s parameters (parameters shared by tying appear once)."""
+    """Checkpoint name -> piece of ``model``'s parameters (parameters shared by tying appear once), as
+    transformers' own checkpoint conversion places each checkpoint tensor (kvmove.models.table.checkpoint_views)."""
+    params = dict(model.named_parameters())
     out: dict[str, Piece] = {}
-    for name, p in model.named_parameters():
-        m = _FUSED.match(name)
-        if m is None:
-            out[name] = Piece(name)
+    for name, view in checkpoint_views(model).items():
+        shape = tuple(params[view.param].shape)
+        if view.offset == 0 and view.shape == shape:
+            out[name] = Piece(view.param)
             continue
-        experts, rows = p.shape[0], p.shape[1]
-        for e in range(experts):
-            base = f"{m['prefix']}.{e}."
-            if m["proj"] == "down_proj":
-                out[base + "down_proj.weight"] = Piece(name, e)
-            else:
-                half = rows // 2
-                out[base + "gate_proj.weight"] = Piece(name, e, slice(0, half))
-                out[base + "up_proj.weight"] = Piece(name, e, slice(half, rows))
+        per_expert = math.prod(shape[1:])
+        row = math.prod(shape[2:])
+        expert, within = divmod(view.offset, per_expert)
+        start = within // row
+        contiguous = view.stride == tuple(torch.empty(view.shape, device="meta").stride())
+        if len(view.shape) != len(shape) - 1 or not contiguous or within % row or view.shape[1:] != shape[2:]:
+            raise KvmoveError(f"{name}: not a block of rows of one expert of {view.param} {shape}")
+        whole = start == 0 and view.shape[0] == shape[1]
+        out[name] = Piece(view.param, expert, None if whole else slice(start, start + view.shape[0]))
     return out
 
 
@@ -222,7 +223,7 @@ class FsdpSource(WeightSource):
         piece = self.pieces[name]
         keep = scope is not Gather.ROOT or self.rank == 0
         if piece.expert is None:
-            param = self.params[name]
+            param = self.params[piece.param]  # NOTE: the checkpoint may rename it (Mixtral's block_sparse_moe.gate)
             if not hasattr(param, "full_tensor"):
                 return param.detach(), False
             self._collectives += 1

@@ -31,6 +31,12 @@ PAIRS = [
     ("qwen3-tiny", "tp=2,pp=2", "tp=4", 2),
     ("qwen2-tiny", "tp=2,pp=2", "tp=2,pp=2", 2),
     ("qwen2-tiny", "tp=2,pp=3", "tp=4,pp=2", 1),
+    # architectures whose tables come from transformers' own models (dims off the powers of two)
+    ("llama3-tiny", "tp=2,pp=2", "tp=2", 2),  # GQA 6 heads over 2 KV heads
+    ("mistral-tiny", "tp=2", "tp=2,pp=3", 1),
+    ("gemma2-tiny", "tp=2,pp=3", "tp=2,pp=2", 1),  # tied embeddings, four norms per layer
+    ("mixtral-tiny", "tp=2,pp=3,ep=2", "tp=2,ep=2", 1),  # block_sparse_moe.experts.E.w1/w2/w3
+    ("glm4-moe-tiny", "tp=2,ep=2,etp=2", "tp=2", 2),  # first dense layer, shared experts, router bias
 ]
 
 
