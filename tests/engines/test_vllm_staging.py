@@ -140,7 +140,7 @@ def test_every_bad_update_is_named_before_anything_changes() -> None:
 def test_tensor_memory_counts_each_storage_once() -> None:
     before = tensor_memory("cpu")
     big = torch.empty(1 << 20, dtype=torch.uint8)
-    views = [big[:10], big.view(torch.int32), big[100:]]  # noqa: F841 - views share the storage
+    views = [big[:10], big.view(torch.int32), big[100:]]  # they share the one storage
     after = tensor_memory("cpu")
     assert after.bytes_by_device["cpu"] - before.bytes_by_device.get("cpu", 0) == 1 << 20
     del big, views

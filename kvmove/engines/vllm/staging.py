@@ -80,7 +80,9 @@ def staging_units(params: Sequence[ParamMeta], staged: Collection[str]) -> dict[
     for p in params:
         if p.name in staged:
             members.setdefault(unit_key(p.name), []).append(p)
-    return {k: Unit(k, tuple(p.name for p in ps), sum(aligned(param_bytes(p)) for p in ps)) for k, ps in members.items()}
+    return {
+        k: Unit(k, tuple(p.name for p in ps), sum(aligned(param_bytes(p)) for p in ps)) for k, ps in members.items()
+    }
 
 
 def window_layout(units: Mapping[str, Unit], params: Sequence[ParamMeta], slots: int = 1) -> WindowLayout:
