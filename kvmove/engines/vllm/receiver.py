@@ -214,10 +214,12 @@ class StagedRank(EngineRank):
 
     def run_sync(self, sync_id: int, strategy: Strategy, pulls: PullPlan, client: Any, **kw: Any) -> EngineStats:
         """A sync, once the window has the slots this strategy's landing order needs (within the budget)."""
-        if self.stager.grow(self.slots_for(strategy, pulls), self.plan.params):
+        slots = self.slots_for(strategy, pulls)
+        need = window_layout(self.stager.window.layout.units, self.plan.params, slots)
+        self.budget.check(need, f"the landing order of {strategy.name}")  # before anything is allocated or lands
+        if self.stager.grow(slots, self.plan.params):
             self._landers.clear()  # their programs wrote into the old window
             self.params = self.stager.targets()  # type: ignore[assignment]
-        self.budget.check(self.stager.window.layout, f"the landing order of {strategy.name}")
         return super().run_sync(sync_id, strategy, pulls, client, **kw)
 
     def slots_for(self, strategy: Strategy, pulls: PullPlan) -> int:
