@@ -43,7 +43,7 @@ def note(engine_core: Any, method: Any, error: BaseException | None) -> None:
 def install() -> None:
     """Wrap the engine core's ``collective_rpc`` and request admission once per process."""
     from vllm.v1.engine.core import EngineCore, EngineCoreProc
-    from vllm.v1.engine.core_client import InprocClient
+    from vllm.v1.engine.llm_engine import LLMEngine
 
     original = EngineCore.collective_rpc
     if getattr(original, _MARK, False):
@@ -75,16 +75,19 @@ def install() -> None:
         init_logger(__name__).error("request %s refused: %s", req.request_id, why)
         return None
 
-    add = InprocClient.add_request
+    add = LLMEngine.add_request
 
     @functools.wraps(add)
-    def add_request(self: Any, request: Any) -> None:
-        why = refusal(self.engine_core)
+    def add_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # in-process only (the engine core is an attribute of the client): refused before the request is
+        # registered anywhere, so the next generate does not wait for it
+        core = getattr(self.engine_core, "engine_core", None)
+        why = refusal(core) if core is not None else None
         if why is not None:
             raise RuntimeError(why)
-        return add(self, request)
+        return add(self, *args, **kwargs)
 
     setattr(collective_rpc, _MARK, True)
     EngineCore.collective_rpc = collective_rpc
     EngineCoreProc._handle_client_request = handle_client_request
-    InprocClient.add_request = add_request
+    LLMEngine.add_request = add_request
