@@ -179,8 +179,12 @@ def vllm_suite(
     syncs: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> list[Row]:
-    """The same syncs into kvmove's reference engine and into live vLLM engines, side by side in one run."""
+    """The same syncs into kvmove's reference engine and into live vLLM engines, side by side in one run; each row
+    carries ``engine_model_bytes`` (the served model's bytes per engine rank) next to ``peak_extra_bytes``."""
+    from kvmove.models.checkpoint import engine_tensors
+
     rows = []
+    served = sum(t.nbytes for t in engine_tensors(resolve_model(model))) // EngineLayout.parse(engine).ranks_per_replica
     for kind in ("reference", "vllm"):
         config = SyncConfig(
             model=resolve_model(model),
@@ -192,5 +196,6 @@ def vllm_suite(
             verify=True,
             engine_kind=kind,
         )
-        rows += [sync_row(config, r, suite="vllm") for r in run_syncs(config, progress=progress)]
+        extra: dict[str, object] = {"engine_model_bytes": served}
+        rows += [sync_row(config, r, suite="vllm", extra=extra) for r in run_syncs(config, progress=progress)]
     return rows

@@ -203,3 +203,54 @@ def test_an_fsdp2_trainer_syncs_into_vllm_verified_against_its_own_checkpoint(tm
     results = list(run_syncs(config))
     assert [r.strategy for r in results] == ["v1", "v2", "v3"]
     assert all(r.verified is True for r in results), [(r.strategy, r.mismatches) for r in results]
+
+
+@pytest.mark.parametrize("model", ["qwen2-vllm", "qwen3-moe-vllm"])
+def test_a_workers_extra_memory_is_one_unit_not_the_model_and_stays_flat(vllm_ray: Any, model: str) -> None:
+    # measured inside the worker (collective_rpc): every distinct tensor storage its process holds, before the
+    # backend's init, after it, at every module commit of three v3 updates (where an update's memory peaks) and
+    # after each. The bound: the window (one slot of the largest unit: a decoder layer's staged parameters) + the
+    # receive slots + twice the largest staged module (its processed copy, at most float32 of BF16, awaiting its
+    # commit). oneDNN's packed copies live outside torch storages (C++ handles) and are not in these sums.
+    from kvmove.sync.driver.faults import FaultHooks
+    from kvmove.sync.driver.run import start
+    from kvmove.sync.driver.step import run_sync
+
+    cluster = start(_config(model, "v3"))
+    engine = cluster.engines[0].actor  # type: ignore[attr-defined]
+    try:
+        first = vllm_ray.get(engine.invoke.remote("tensor_memory"))
+        b = first.bounds
+        layers = _layer_bytes(cluster.config.model)
+        assert b["slots"] == 1 and b["window_bytes"] == b["unit_bytes"]
+        # one decoder layer (each staged parameter aligned to 256 bytes), not the model
+        assert b["window_bytes"] <= max(layers.values()) + 256 * 16 < b["model_bytes"], (b, layers)
+        assert first.now - first.before_init <= b["window_bytes"], "init holds the window, no copy of the model"
+        resident = []
+        for version in (1, 2, 3):
+            vllm_ray.get(engine.invoke.remote("watch_memory"))
+            result = run_sync(cluster, FaultHooks((), cluster.config.engine), parse_strategies("v3")[0], 1, version)
+            assert result.verified, result.mismatches
+            peak = vllm_ray.get(engine.invoke.remote("watched_memory"))
+            now = vllm_ray.get(engine.invoke.remote("tensor_memory"))
+            bound = b["window_bytes"] + now.bounds["recv_bytes"] + 2 * b["module_bytes"]
+            assert peak > 0, "the memory was measured at the commits"
+            assert peak - first.before_init <= bound, (version, peak - first.before_init, bound, now.bounds)
+            reported = result.peak_extra_bytes["engine"]
+            assert b["window_bytes"] + now.bounds["recv_bytes"] <= reported <= bound, (reported, now.bounds)
+            resident.append(now.now)
+        assert resident[0] == resident[1] == resident[2], f"resident memory moved across updates: {resident}"
+        assert resident[0] - first.before_init <= b["window_bytes"] + now.bounds["recv_bytes"]
+    finally:
+        cluster.close()
+
+
+def _layer_bytes(cfg: Any) -> dict[int, int]:
+    from kvmove.models.checkpoint import engine_tensors
+    from kvmove.models.tensors import layer_of
+
+    out: dict[int, int] = {}
+    for t in engine_tensors(cfg):
+        if (layer := layer_of(t.name)) is not None:
+            out[layer] = out.get(layer, 0) + t.nbytes
+    return out

@@ -1,10 +1,10 @@
 """The ``kvmove`` weight-transfer backend inside one live vLLM, driven through vLLM's own four calls.
 
-A stand-in puller writes chosen checkpoint tensors into the staging model through the plan's regions (the
-bytes a sync would put there), so these tests check the backend itself: partial and empty updates, an atomic
-``finish``, the prefix cache after an update, the read-back ``--verify`` uses, and ``shutdown``. One in-process
-vLLM (Qwen2 tiny: fused qkv and gate_up, biases, tied embeddings, oneDNN-packed linears on CPU) serves them all.
-Needs vLLM (``make test-vllm``).
+A stand-in puller hands the backend chosen checkpoint tensors (what an in-process puller may do), so these tests
+check the backend itself: partial and empty updates, validation before anything changes, an update failing half
+way (the engine refuses requests until it is retried), the prefix cache after an update, the read-back
+``--verify`` uses, and ``shutdown``. One in-process vLLM (Qwen2 tiny: fused qkv and gate_up, biases, tied
+embeddings, oneDNN-packed linears on CPU) serves them all. Needs vLLM (``make test-vllm``).
 """
 
 from __future__ import annotations
@@ -36,22 +36,16 @@ def _vllm_or_skip() -> None:
 
 @dataclass
 class RegionPuller:
-    """Writes ``pending`` HF tensors into the staging model through the plan's regions, as a sync would."""
+    """Hands the backend ``pending`` HF tensors, as an in-process puller may (the backend lands them)."""
 
     session: Any
     pending: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __call__(self, info: dict[str, Any]) -> Any:
         from kvmove.engines.vllm.session import Received
-        from kvmove.sync.planning.recording import replay
 
-        params = dict(self.session.staging.named_parameters())
-        with torch.no_grad():
-            for region in self.session.plan.regions:
-                if region.hf_name in self.pending:
-                    region.dst.apply(params[region.param].data).copy_(replay(region.ops, self.pending[region.hf_name]))
-        received, self.pending = frozenset(self.pending), {}
-        return Received(stats=None, tensors=received)
+        payload, self.pending = self.pending, {}
+        return Received(stats=None, tensors=frozenset(payload), payload=payload)
 
 
 @dataclass
@@ -90,11 +84,10 @@ class Engine:
         self.weights |= tensors
 
     def attach(self) -> None:
-        from kvmove.engines.vllm.session import open_session, staging_plan
+        from kvmove.engines.vllm.session import open_session
 
         self.session = open_session()
         self.llm.init_weight_transfer_engine({"init_info": {"session": self.session.key}})
-        self.session.plan = staging_plan(self.cfg, self.session.staging)
         self.session.puller = self.puller = RegionPuller(self.session)
 
 
@@ -146,7 +139,25 @@ def test_a_one_tensor_update_changes_that_tensor_only(engine: Engine) -> None:
     assert not _changed(engine.expected(), after), "the live model differs from vLLM's loader on the new checkpoint"
 
 
-def test_a_finish_that_fails_half_way_changes_nothing_and_can_be_retried(
+def test_an_update_that_is_not_whole_and_well_formed_is_refused_before_anything_changes(engine: Engine) -> None:
+    before, outputs = engine.state(), engine.generate(PROMPTS)
+    new = _checkpoint(engine.cfg, 5)
+    q = "model.layers.2.self_attn.q_proj.weight"
+    bad = {
+        "a name no parameter reads": {"model.layers.0.mlp.nope.weight": new[q]},
+        "a wrong shape": {q: new[q][:, :64].contiguous()},
+        "a wrong dtype": {q: new[q].float()},
+    }
+    for why, tensors in bad.items():
+        engine.llm.start_weight_update()
+        engine.puller.pending = dict(new) | tensors if why == "a wrong shape" else dict(tensors)
+        with pytest.raises(Exception, match="the update was refused, nothing changed"):
+            engine.llm.update_weights({"update_info": {"sync_id": 5, "strategy": "v2"}})
+        assert not _changed(before, engine.state()), f"{why}: the live model changed"
+    assert engine.generate(PROMPTS) == outputs, "a refused update leaves the engine serving as before"
+
+
+def test_an_update_failing_half_way_is_refused_until_retried_to_completion(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
@@ -164,14 +175,21 @@ def test_a_finish_that_fails_half_way_changes_nothing_and_can_be_retried(
     new = _checkpoint(engine.cfg, 2)
     engine.llm.start_weight_update()
     engine.puller.pending = dict(new)
-    engine.llm.update_weights({"update_info": {"sync_id": 2, "strategy": "v2"}})
     monkeypatch.setattr(UnquantizedLinearMethod, "process_weights_after_loading", failing)
-    with pytest.raises(Exception, match="injected post-processing failure"):
-        engine.llm.finish_weight_update()
+    with pytest.raises(Exception, match=r"update torn.*injected post-processing failure"):
+        engine.llm.update_weights({"update_info": {"sync_id": 2, "strategy": "v2"}})
     monkeypatch.undo()
-    assert not _changed(before, engine.state()), "a failed finish must leave the live model unchanged"
-    assert engine.generate(PROMPTS) == outputs
-    engine.llm.finish_weight_update()  # the same session, retried
+    assert _changed(before, engine.state()), "units before the failure were committed (the update is torn)"
+    with pytest.raises(RuntimeError, match="refuses requests until that update is retried"):
+        engine.generate(PROMPTS)
+    engine.llm.start_weight_update()
+    with pytest.raises(RuntimeError, match=r"update torn.*did not complete"):
+        engine.llm.finish_weight_update()  # finishing a torn update without retrying it is refused too
+    with pytest.raises(RuntimeError, match="refuses requests"):
+        engine.generate(PROMPTS)
+    engine.puller.pending = dict(new)  # the same update (still active in vLLM), retried to completion
+    engine.llm.update_weights({"update_info": {"sync_id": 2, "strategy": "v2"}})
+    engine.llm.finish_weight_update()
     engine.weights |= new
     assert not _changed(engine.expected(), engine.state())
     assert engine.generate(PROMPTS) != outputs
@@ -215,25 +233,17 @@ def test_shutdown_releases_the_session_and_misuse_is_a_runtime_error(engine: Eng
 
     from kvmove.engines.vllm.session import SESSIONS
 
-    key, staging = engine.session.key, weakref.ref(engine.session.staging)
+    key, window = engine.session.key, weakref.ref(engine.session.stager.stager.window.buffer)
     engine.llm.shutdown_weight_transfer_engine()
     engine.session = engine.puller = None  # type: ignore[assignment]
     gc.collect()
     assert key not in SESSIONS, "shutdown must prune the session table"
-    assert staging() is None, "shutdown must release the staging model"
+    assert window() is None, "shutdown must release the staging window"
     with pytest.raises(RuntimeError, match="init_weight_transfer_engine"):
         engine.llm.start_weight_update()
     with pytest.raises(RuntimeError, match="no kvmove session 'nope'"):
         engine.llm.init_weight_transfer_engine({"init_info": {"session": "nope"}})
-    engine.attach()  # a new session on the same engine: its staging starts blank (the disk checkpoint is stale)
+    engine.attach()  # a new session on the same engine: a part of a fused parameter is rebuilt from the live model
     one = "model.layers.0.self_attn.k_proj.weight"
-    engine.llm.start_weight_update()
-    engine.puller.pending = {one: _checkpoint(engine.cfg, 4)[one]}
-    engine.llm.update_weights({"update_info": {"sync_id": 4, "strategy": "v2"}})
-    with pytest.raises(RuntimeError, match="first update after init_weight_transfer_engine"):
-        engine.llm.finish_weight_update()
-    engine.puller.pending = _checkpoint(engine.cfg, 4)
-    engine.llm.update_weights({"update_info": {"sync_id": 4, "strategy": "v2"}})
-    engine.llm.finish_weight_update()
-    engine.weights = _checkpoint(engine.cfg, 4)
+    engine.update({one: _checkpoint(engine.cfg, 4)[one]})
     assert not _changed(engine.expected(), engine.state())

@@ -9,12 +9,14 @@ registered through the ``vllm.general_plugins`` entry point by :func:`register`;
 an RL framework syncs through vLLM's documented calls alone; ``clients`` drive an ``LLM`` or ``AsyncLLM`` of the
 trainer's own process) -> ``rpc`` (what a worker runs for ``collective_rpc``: verification, reports).
 
-The plan comes from a recording-tensor dry run of vLLM's own ``load_weights`` on a fresh, unprocessed vLLM model,
-loaded by vLLM's loader with what the live model was loaded from: its parameters are the *staging* tensors kvmove
-writes into. ``finish_weight_update`` re-runs vLLM's post-load processing (on CPU: MoE weight prepacking and
-intermediate padding, oneDNN linear packing) for the modules the update filled and copies the results into the live
-parameters' storage, as a fresh load would, all or nothing (``update``); the engine core then resets its prefix
-cache (``prefix_cache``). ``verify`` reads back what the live model computes with, packed CPU linears included.
+The plan comes from a recording-tensor dry run of vLLM's own ``load_weights`` on the served model built on the meta
+device (no memory). Parameters whose post-load processing is the identity receive their bytes in place in the live
+model; the others (on CPU: oneDNN-packed linears, prepacked MoE experts) are *staged* in a window of one decoder
+layer's worth, and each complete unit is processed by vLLM and committed into the live model before the window takes
+the next (``staging``, ``receiver``, ``stage``, ``update``); an update that fails half way leaves the engine refusing
+requests until it is retried (``guard``); the engine core resets its prefix cache after every update
+(``prefix_cache``). ``verify`` reads back what the live model computes with, packed CPU linears included; ``memory``
+sums what a worker holds in tensors.
 """
 
 from __future__ import annotations
@@ -42,15 +44,17 @@ def import_vllm() -> Any:
 
 def register() -> None:
     """``vllm.general_plugins`` entry point: make the ``kvmove`` weight-transfer backend known to vLLM, and have
-    the engine core reset its prefix cache after a kvmove update (kvmove.engines.vllm.prefix_cache)."""
+    the engine core reset its prefix cache after a kvmove update (kvmove.engines.vllm.prefix_cache) and refuse
+    requests while an update is torn (kvmove.engines.vllm.guard)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from kvmove.engines.vllm.prefix_cache import install
+    from kvmove.engines.vllm import guard, prefix_cache
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, "kvmove.engines.vllm.transfer", "KvmoveTransferEngine")
     register_trainer()
-    install()
+    prefix_cache.install()
+    guard.install()
 
 
 def register_trainer() -> None:

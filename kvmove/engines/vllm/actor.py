@@ -4,7 +4,7 @@ vLLM, started by either launcher (``ENGINES["vllm"].host`` names it).
 The host is one user of the path any RL framework takes (``kvmove.engines.vllm.join``): it starts a plain
 ``vllm.LLM`` in vLLM's default multi-process mode with ``weight_transfer_config={"backend": "kvmove"}``, opens
 an engine registry of its own and hands the worker the join info through ``init_weight_transfer_engine``. The
-worker, in the engine core's process, dry-runs vLLM's loader on its staging model, registers that plan here and
+worker, in the engine core's process, dry-runs vLLM's loader on its meta-device model, registers that plan here and
 builds its own puller from the ``PullerInit`` the host publishes for it (what kvmove's driver sends at init step
 5). A sync is vLLM's update (``start_weight_update``, ``update_weights``, ``finish_weight_update``); the worker's
 stats, the bit-exact check and the live parameters come back through ``collective_rpc``
@@ -25,7 +25,20 @@ from torch import nn
 
 from kvmove.engines.vllm import BACKEND, check_layout, import_vllm
 from kvmove.engines.vllm.checkpoint import write_model_dir
-from kvmove.engines.vllm.rpc import TransferState, check_weights, live_state, pack, sync_report, transfer_state
+from kvmove.engines.vllm.rpc import (
+    TransferState,
+    WorkerMemory,
+    check_weights,
+    live_state,
+    pack,
+    staging_bounds,
+    sync_report,
+    transfer_state,
+    watch_memory,
+    watched_memory,
+    worker_memory,
+)
+from kvmove.engines.vllm.session import Memory
 from kvmove.errors import KvmoveError
 from kvmove.models.config import ModelConfig
 from kvmove.sync.embedded.member import JoinInfo
@@ -112,6 +125,7 @@ class VllmEngineHost(EngineHost):
         self.registry = EngineRegistry(self.spec.authkey, self.address.host)
         load_format = "auto" if self._weights is not None else "dummy"
         self.llm = start_llm(c.model, model_dir, load_format=load_format, transfer=True)
+        (self.memory_before_init,) = self.llm.collective_rpc(worker_memory)
         where = self.registry.address
         join = JoinInfo(where.host, where.port, self.spec.authkey.hex(), c.transport, c.deadline_s)
         self.llm.init_weight_transfer_engine({"init_info": join.payload()})
@@ -119,7 +133,7 @@ class VllmEngineHost(EngineHost):
         return nn.Module()
 
     def make_plan(self) -> ShardingPlan:
-        """Init step 3: the plan the worker recorded with vLLM's own ``load_weights`` on its staging model."""
+        """Init step 3: the plan the worker recorded with vLLM's own ``load_weights`` on its meta-device model."""
         return self.member.register.plan
 
     @handles(OpenPuller)
@@ -129,7 +143,8 @@ class VllmEngineHost(EngineHost):
         return self.member.register.endpoint
 
     def pull(self, command: RunPulls) -> EngineStats:
-        """vLLM's update: start, update_weights (the worker pulls into its staging tensors), finish."""
+        """vLLM's update: start, update_weights (the worker pulls and commits unit by unit), finish; the engine's
+        ``peak_extra_bytes`` is the worker's (window, receive slots, processing: kvmove.engines.vllm.session.Memory)."""
         start = time.perf_counter()
         overlap = command.strategy.overlap
         info = {"sync_id": command.sync_id, "strategy": command.strategy.name, "pipelined": overlap.background_load}
@@ -138,9 +153,11 @@ class VllmEngineHost(EngineHost):
         self.llm.start_weight_update()
         self.llm.update_weights({"update_info": info})
         self.llm.finish_weight_update(weight_version=str(command.sync_id))
-        ((stats, finish_s),) = self.llm.collective_rpc(sync_report)
+        ((stats, finish_s, memory),) = self.llm.collective_rpc(sync_report)
         report = EngineStats(*stats)  # a NamedTuple crosses vLLM's msgpack as a plain list
-        return report._replace(seconds=time.perf_counter() - start, load_seconds=report.load_seconds + finish_s)
+        peak = Memory(*memory).peak_extra_bytes if memory else report.peak_extra_bytes
+        seconds = time.perf_counter() - start
+        return report._replace(seconds=seconds, load_seconds=report.load_seconds + finish_s, peak_extra_bytes=peak)
 
     def verify(self, version: int, seed: int) -> VerifyResult:
         """Bit-exact check, in the worker, of what the live model computes with (parameters and the read-back
@@ -169,6 +186,20 @@ class VllmEngineHost(EngineHost):
         params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
+
+    def tensor_memory(self) -> WorkerMemory:
+        """The worker's tensor memory before the backend's init and now, and its staging's sizes."""
+        ((now,), (bounds,)) = self.llm.collective_rpc(worker_memory), self.llm.collective_rpc(staging_bounds)
+        return WorkerMemory(self.memory_before_init, now, bounds)
+
+    def watch_memory(self) -> None:
+        """Measure the worker's tensor memory at every module commit of the next updates (rpc.watch_memory)."""
+        self.llm.collective_rpc(watch_memory)
+
+    def watched_memory(self) -> int:
+        """The highest tensor memory measured since :meth:`watch_memory`."""
+        (peak,) = self.llm.collective_rpc(watched_memory)
+        return int(peak)
 
     def pid(self) -> int:
         return os.getpid()

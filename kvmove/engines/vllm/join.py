@@ -2,21 +2,23 @@
 
 ``init_weight_transfer_engine`` hands each worker the trainer's :class:`~kvmove.sync.embedded.member.JoinInfo`
 (registry address, the run's key, transport, deadline: plain JSON). The worker derives kvmove's model config
-from the config vLLM serves, dry-runs vLLM's own loader on its staging model (the plan), opens its own transport
-endpoint and registers plan and endpoint with the trainer's registry; its puller is built from the
-``PullerInit`` it fetches at the first ``update_weights``. Nothing here needs kvmove's launchers or Ray, so it
-works in vLLM's default multi-process engine, the ``uni`` executor and ``AsyncLLM`` alike; the tensor-parallel
-ranks of one engine share a replica key (tensor-parallel rank 0 picks it and broadcasts it on vLLM's own group).
+from the config vLLM serves, dry-runs vLLM's own loader on its meta-device model (the plan) and builds its staging
+window (kvmove.engines.vllm.stage), opens its own transport endpoint and registers plan and endpoint with the
+trainer's registry; its puller is built from the ``PullerInit`` it fetches at the first ``update_weights``.
+Nothing here needs kvmove's launchers or Ray, so it works in vLLM's default multi-process engine, the ``uni``
+executor and ``AsyncLLM`` alike; the tensor-parallel ranks of one engine share a replica key (tensor-parallel
+rank 0 picks it and broadcasts it on vLLM's own group).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvmove.engines.vllm.session import Received, Session, staging_plan
+from kvmove.engines.vllm.session import Received, Session
 from kvmove.layout import EngineLayout
 from kvmove.models.config import ModelConfig, config_from_dict
 from kvmove.sync.embedded.member import FleetMember, JoinInfo, Seat
@@ -47,13 +49,22 @@ def seat(vllm_config: Any) -> Seat:
     return Seat(str(box[0]), int(group.rank_in_group), tp)
 
 
-def join(s: Session, info: JoinInfo, vllm_config: Any, device: Any) -> None:
-    """Plan the staging model, register with the trainer, and make ``s``'s puller and release hook pull/close."""
+def join(
+    s: Session, info: JoinInfo, vllm_config: Any, device: Any, staging: Callable[[EngineLayout, int], Any]
+) -> None:
+    """Plan this rank and build its staging (``staging(layout, rank)``: a kvmove.engines.vllm.stage.Staging), register
+    with the trainer, and make ``s``'s puller and release hook pull/close."""
+    from kvmove.engines.vllm.receiver import ReceiveTarget, StagedRank
+
     model = served_model(vllm_config)
     place = seat(vllm_config)
-    assert s.staging is not None
-    s.plan = staging_plan(model, s.staging, EngineLayout(tp=place.tp), place.local)
-    member = FleetMember(info, place, model, s.staging, s.plan, device)
+    built = staging(EngineLayout(tp=place.tp), place.local)
+    assert s.plan is not None
+
+    def rank(target: Any, plan: Any, recv: Any) -> StagedRank:
+        return StagedRank(target, plan, recv, built.stager, built.budget)
+
+    member = FleetMember(info, place, model, ReceiveTarget(built.stager), s.plan, device, rank=rank)
     s.puller, s.release, s.joined = _puller(member), member.close, info
 
 
@@ -61,7 +72,7 @@ def _puller(member: FleetMember) -> Any:
     names = frozenset(r.hf_name for r in member.plan.regions)
 
     def pull(update: dict[str, Any]) -> Received:
-        """One sync into the staging tensors; a sync moves every tensor of the plan."""
+        """One sync: into the live model and the staging window; a sync moves every tensor of the plan."""
         (strategy,) = parse_strategies(str(update["strategy"]))
         hook = die_after(update.get("die_after_pulls"))
         stats = member.run(int(update["sync_id"]), strategy, float(update.get("delay_s", 0.0)), hook)

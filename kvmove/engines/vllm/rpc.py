@@ -57,19 +57,77 @@ def live_state(worker: Any) -> bytes:
     bytes (``safetensors.torch.load`` reads them)."""
     from kvmove.engines.vllm.verify import computed_state
 
-    return pack(computed_state(worker.weight_transfer_engine.current().require()[0]))
+    return pack(computed_state(worker.weight_transfer_engine.current().require()))
 
 
 class SyncReport(NamedTuple):
-    """The worker's side of the last update: its puller's stats and the seconds ``finish`` took."""
+    """The worker's side of the last update: its puller's stats, the seconds ``finish`` took, and its extra memory
+    (``kvmove.engines.vllm.session.Memory``, as a plain list)."""
 
     stats: Any
     finish_seconds: float
+    memory: Any = None
 
 
 def sync_report(worker: Any) -> SyncReport:
     s = worker.weight_transfer_engine.current()
-    return SyncReport(s.last_stats, s.finish_seconds)
+    return SyncReport(s.last_stats, s.finish_seconds, None if s.memory is None else list(s.memory))
+
+
+def worker_memory(worker: Any) -> int:
+    """Bytes of every distinct tensor storage the worker's process holds now (kvmove.engines.vllm.memory)."""
+    from kvmove.engines.vllm.memory import tensor_memory
+
+    return tensor_memory().total
+
+
+def watch_memory(worker: Any) -> None:
+    """From now on, measure the worker's tensor memory after every module's processing, before its commit (where
+    an update's extra memory peaks); :func:`watched_memory` returns the highest."""
+    from kvmove.engines.vllm.memory import tensor_memory
+
+    staging = worker.weight_transfer_engine.current().stager
+    seen: list[int] = []
+    staging.ledger.probe = lambda _module: seen.append(tensor_memory().total)
+    staging.watched = seen
+
+
+def watched_memory(worker: Any) -> int:
+    """The highest of what :func:`watch_memory` measured since it was set, 0 if nothing (and stop watching)."""
+    staging = worker.weight_transfer_engine.current().stager
+    seen = list(getattr(staging, "watched", []))
+    staging.watched, staging.ledger.probe = [], None
+    return max(seen, default=0)
+
+
+class WorkerMemory(NamedTuple):
+    """A worker's tensor memory before its ``kvmove`` backend's init and now, and its staging's sizes
+    (:func:`staging_bounds`)."""
+
+    before_init: int
+    now: int
+    bounds: dict[str, int]
+
+
+def staging_bounds(worker: Any) -> dict[str, int]:
+    """The worker's staging facts the memory bound is stated in: the window, its slots, the largest unit and the
+    largest staged module (unprocessed bytes), the model's parameter bytes, and the last update's receive slots
+    and reported peak."""
+    from kvmove.engines.vllm.staging import param_bytes
+
+    s = worker.weight_transfer_engine.current()
+    layout = s.stager.stager.window.layout
+    metas = {p.name: p for p in s.plan.params}
+    modules = [sum(param_bytes(metas[f]) for f in local.values()) for local in s.stager.owners.values()]
+    return {
+        "window_bytes": layout.nbytes,
+        "slots": layout.slots,
+        "unit_bytes": layout.slot_bytes,
+        "module_bytes": max(modules, default=0),
+        "model_bytes": sum(param_bytes(p) for p in s.plan.params),
+        "recv_bytes": 0 if s.memory is None else s.memory.recv_bytes,
+        "peak_extra_bytes": 0 if s.memory is None else s.memory.peak_extra_bytes,
+    }
 
 
 class TransferState(NamedTuple):

@@ -1,21 +1,24 @@
 """The ``kvmove`` backend of vLLM's weight-transfer API (imported only inside vLLM processes).
 
 vLLM's four-step update, as kvmove implements it:
-- ``init_weight_transfer_engine``: build a fresh, unprocessed vLLM model of the served config (the *staging*
-  model), load into it what the live model was loaded from (vLLM's own loader, unprocessed), and open a session
-  holding it, the live model and vLLM's loader. Given the trainer's join info (what kvmove's trainer engine,
-  :mod:`kvmove.engines.vllm.trainer`, sends), the worker then dry-runs vLLM's own ``load_weights`` over
-  recording tensors on the staging model (the plan) and registers with the trainer by address
-  (:mod:`kvmove.engines.vllm.join`): any engine mode, any process.
+- ``init_weight_transfer_engine``: build the served model on the meta device (no memory), dry-run vLLM's own
+  ``load_weights`` on it over recording tensors (the plan), decide which parameters must be *staged* (those whose
+  post-load processing is not the identity here: kvmove.engines.vllm.stage) and allocate the staging window: slots
+  of one commit unit (a decoder layer's staged parameters), not a copy of the model (kvmove.engines.vllm.staging).
+  Given the trainer's join info (what kvmove's trainer engine, :mod:`kvmove.engines.vllm.trainer`, sends), the
+  worker registers with the trainer by address (:mod:`kvmove.engines.vllm.join`): any engine mode, any process.
 - ``start_weight_update``: check the session.
-- ``update_weights``: the worker's puller moves checkpoint tensors from trainer ranks into the staging model
-  and names them.
-- ``finish_weight_update``: only the modules owning a staging parameter those tensors fill are re-processed
-  (vLLM's post-load processing) and copied into the live parameters' storage, all or nothing
-  (:mod:`kvmove.engines.vllm.update`); an update that received nothing changes nothing. A failed finish
-  leaves the live model as it was and can be called again.
-- ``shutdown_weight_transfer_engine``: the session is closed (staging model, puller and transport endpoint
-  released) and leaves the process's session table.
+- ``update_weights``: the worker's puller lands each pull: bytes of parameters processing keeps as they are go
+  straight into the live parameters, staged ones into the window, and each unit, once complete, is processed and
+  committed into the live model before the window slot takes the next (kvmove.engines.vllm.receiver); on a
+  pipelined strategy (v3) that commit runs on the loader thread while the next pull is read. An in-process puller's
+  tensors are validated whole (names, shapes, dtypes, what the untouched part of a fused parameter needs) before
+  the first one lands.
+- ``finish_weight_update``: checks every unit the update announced was committed. Between the first byte landing
+  in the live model and that check the update is *torn*: if it fails half way, the engine core refuses requests
+  (kvmove.engines.vllm.guard) until the same update is retried to completion.
+- ``shutdown_weight_transfer_engine``: the session is closed (window, puller and transport endpoint released)
+  and leaves the process's session table.
 
 After a finish, the engine core resets vLLM's prefix cache (:mod:`kvmove.engines.vllm.prefix_cache`).
 """
@@ -23,7 +26,6 @@ After a finish, the engine core resets vLLM's prefix cache (:mod:`kvmove.engines
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,14 +37,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from kvmove.engines.vllm.join import join
-from kvmove.engines.vllm.session import BackendError, Session, close_session, open_session, session
-from kvmove.engines.vllm.update import commit, owners, prepare
+from kvmove.engines.vllm.guard import TORN
+from kvmove.engines.vllm.join import join, served_model
+from kvmove.engines.vllm.session import BackendError, Session, close_session, open_session, session, staging_plan
+from kvmove.engines.vllm.stage import Staging, staged_params
+from kvmove.engines.vllm.staging import Budget
 from kvmove.engines.vllm.verify import computed_state, mismatches
+from kvmove.layout import EngineLayout
 from kvmove.sync.embedded.member import JoinInfo
-
-UPDATED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-"""Live models a kvmove update changed: their checkpoint on disk no longer describes them."""
 
 
 @dataclass
@@ -58,6 +60,9 @@ class KvmoveInitInfo(WeightTransferInitInfo):
     transport: str = "nixl"
     deadline_s: float = 60.0
     session: str = ""
+    staging_bytes: int = 0
+    """The staging budget in bytes (0: the window holds what the sync's landing order needs, one decoder layer's
+    staged parameters for v1 and v3); a sync that needs more is refused before any byte lands."""
 
 
 @dataclass
@@ -72,7 +77,7 @@ class KvmoveUpdateInfo(WeightTransferUpdateInfo):
 
 
 class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo]):
-    """kvmove pulls into a staging copy of the model; finish re-processes what changed into the live one."""
+    """kvmove pulls into the live model and a bounded staging window, committing unit by unit (module docstring)."""
 
     init_info_cls = KvmoveInitInfo
     update_info_cls = KvmoveUpdateInfo
@@ -83,11 +88,10 @@ class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo
         self.key: str | None = None
         self.pending: set[str] = set()
         """Checkpoint tensors received since the last finish that committed."""
-        self.known: set[str] | None = None
-        """Checkpoint tensors whose values the staging model holds (None: all of them)."""
 
-    def fresh_model(self) -> nn.Module:
-        """A new, unprocessed vLLM model of the served config (attention layers register under new names)."""
+    def fresh_model(self, device: str | torch.device | None = None) -> nn.Module:
+        """A new, unprocessed vLLM model of the served config on ``device`` (default: the engine's; "meta": no
+        memory). Attention layers register under new names, outside the live model's forward context."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype
@@ -98,7 +102,7 @@ class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo
             with (
                 set_current_vllm_config(self.vllm_config),
                 set_default_torch_dtype(self.model_config.dtype),
-                torch.device(self.device),
+                torch.device(device or self.device),
             ):
                 return initialize_model(vllm_config=self.vllm_config)
         finally:
@@ -138,41 +142,41 @@ class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo
             s.close()  # a re-init of the same session: what it held is released, the session stays
         elif self.key is not None:
             self.shutdown()
-        staging = self.fresh_model()
-        with torch.no_grad():
-            for p in staging.parameters():
-                p.zero_()  # regions no loader write covers (padding) stay zero, as after a load
-        self.known = None if self._load_baseline(staging) else set()
+        s.live, s.meta, s.reference = self.model, self.fresh_model("meta"), self.reference
         self.pending = set()
-        s.live, s.staging, s.reference = self.model, staging, self.reference
         self.key = s.key
-        if init_info.registry_host:
-            try:
-                join(s, self._join_info(init_info), self.vllm_config, self.device)
-            except BaseException:
-                self.shutdown()
-                raise
+        budget = Budget(init_info.staging_bytes)
+        try:
+            if init_info.registry_host:
+                join(s, self._join_info(init_info), self.vllm_config, self.device, self._staging(s, budget))
+            else:  # an in-process session (tests): one rank
+                s.plan = self._plan(s, EngineLayout(), 0)
+                s.stager = Staging(s.live, s.meta, s.plan, self.vllm_config, self.device, budget)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _plan(self, s: Session, layout: EngineLayout, rank: int) -> Any:
+        """The dry run on the meta model, with the parameters this device stages marked."""
+        import dataclasses
+
+        assert s.live is not None and s.meta is not None
+        plan = staging_plan(served_model(self.vllm_config), s.meta, layout, rank)
+        return dataclasses.replace(plan, staged=staged_params(s.live, s.meta, plan, torch.device(self.device).type))
+
+    def _staging(self, s: Session, budget: Budget) -> Any:
+        """For join: plan this rank (its layout and rank known there), then build its staging."""
+
+        def build(layout: EngineLayout, rank: int) -> Staging:
+            s.plan = self._plan(s, layout, rank)
+            s.stager = Staging(s.require(), s.meta, s.plan, self.vllm_config, self.device, budget)  # type: ignore[arg-type]
+            return s.stager
+
+        return build
 
     @staticmethod
     def _join_info(info: KvmoveInitInfo) -> JoinInfo:
         return JoinInfo(info.registry_host, info.registry_port, info.authkey, info.transport, info.deadline_s)
-
-    def _load_baseline(self, staging: nn.Module) -> bool:
-        """Load what the live model was loaded from into ``staging`` (unprocessed), so that an update carrying
-        part of a fused parameter keeps the rest; False where that is not known (then staging starts blank)."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader import get_model_loader
-        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-        from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
-
-        if self.model in UPDATED:
-            return False
-        loader = get_model_loader(self.vllm_config.load_config)
-        if not isinstance(loader, (DefaultModelLoader, DummyModelLoader)):
-            return False
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            loader.load_weights(staging, self.model_config)
-        return True
 
     def start_weight_update(self) -> None:
         self._session().require()
@@ -181,43 +185,49 @@ class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo
         s = self._session()
         if s.puller is None:
             raise BackendError(f"kvmove session {s.key} has no puller (init_info named no trainer registry)")
-        received = s.puller(update_info.__dict__)
+        staging: Staging = s.stager
+        try:
+            if s.joined is not None:  # kvmove's puller lands in the live model from its first pull on
+                s.torn = s.torn or f"sync {update_info.sync_id} ({update_info.strategy})"
+            received = s.puller(update_info.__dict__)
+            if received.payload is not None:
+                staging.validate(received.payload, self._shapes())
+                if received.payload:
+                    s.torn = s.torn or f"the update of {len(received.payload)} tensors"
+                staging.land(received.payload)
+        except BaseException as exc:
+            if s.torn:
+                raise BackendError(f"{TORN}: {s.torn} failed half way ({exc}); retry the same update") from exc
+            raise
         s.last_stats = received.stats
         self.pending |= received.tensors
-        if self.known is not None:
-            self.known |= received.tensors
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        from kvmove.models.checkpoint import engine_tensors
+
+        return {t.name: t.shape for t in engine_tensors(served_model(self.vllm_config))}
 
     def finish_weight_update(self) -> None:
         s = self._session()
-        live, staging = s.require()
+        s.require()
         start = time.perf_counter()
-        if self.pending:
-            params = self._updated_params(s)
-            commit(prepare(live, staging, owners(staging, params), self.vllm_config))
-            UPDATED.add(live)
-            self.pending = set()
+        staging: Staging = s.stager
+        missing = staging.stager.missing()
+        if missing:
+            raise BackendError(
+                f"{TORN}: {s.torn or 'the update'} did not complete: {missing[:3]} did not receive all their bytes; "
+                "retry the same update (update_weights) to completion"
+            )
+        s.torn, self.pending = "", set()
+        recv = int(getattr(s.last_stats, "peak_extra_bytes", 0) or 0) if s.last_stats is not None else 0
+        s.memory = staging.memory(recv)
         s.finish_seconds = time.perf_counter() - start
-
-    def _updated_params(self, s: Session) -> set[str]:
-        """Staging parameters the pending tensors fill; each must be fully known (no blank part left)."""
-        regions = s.require_plan().regions
-        params = {r.param for r in regions if r.hf_name in self.pending}
-        if self.known is not None:
-            blank = sorted({r.hf_name for r in regions if r.param in params and r.hf_name not in self.known})
-            if blank:
-                raise BackendError(
-                    f"kvmove: the staging model has no values yet for {blank[:4]}{' ...' if len(blank) > 4 else ''} "
-                    "(it started blank: this engine's checkpoint on disk is stale or its load format unknown); "
-                    "the first update after init_weight_transfer_engine must carry whole parameters: send "
-                    "those too (update_weights again), then finish_weight_update"
-                )
-        return params
 
     def check(self, weights: dict[str, torch.Tensor]) -> tuple[list[str], int]:
         """Keys where the live model computes with other bits than vLLM's loader and processing make of
         ``weights`` on a fresh model (kvmove.engines.vllm.verify), and how many keys were compared."""
         s = self._session()
-        live, _ = s.require()
+        live = s.require()
         assert s.reference is not None
         with torch.no_grad():
             got = computed_state(live)
@@ -230,7 +240,7 @@ class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo
     def shutdown(self) -> None:
         if self.key is not None:
             close_session(self.key)
-        self.key, self.pending, self.known = None, set(), None
+        self.key, self.pending = None, set()
 
     def _session(self) -> Session:
         if self.key is None:

@@ -19,6 +19,7 @@ from kvmove.models.config import ModelConfig
 from kvmove.sync.embedded.registry import FetchPullerInit, Register, Registered
 from kvmove.sync.planning.plan import ShardingPlan
 from kvmove.sync.ranks.control import Address, EngineStats, PullerInit
+from kvmove.sync.ranks.engine import EngineRank
 from kvmove.sync.ranks.puller import Puller, open_puller
 from kvmove.sync.ranks.wire import ControlClient
 from kvmove.sync.strategies import Strategy
@@ -83,8 +84,10 @@ class FleetMember:
         target: nn.Module,
         plan: ShardingPlan,
         device: str | torch.device = "cpu",
+        rank: Any = EngineRank,
     ) -> None:
-        self.join, self.target, self.plan, self.device = join, target, plan, device
+        """``rank``: builds the receiving side of the puller (kvmove.sync.ranks.puller.open_puller)."""
+        self.join, self.target, self.plan, self.device, self.rank = join, target, plan, device, rank
         self.transport = check_transport(join.transport).open(None, str(device))
         self._puller: Puller | None = None
         try:
@@ -99,7 +102,9 @@ class FleetMember:
         """This rank's puller (the PullerInit is fetched, and the receive side registered, on first use)."""
         if self._puller is None:
             init: PullerInit = self._call(FetchPullerInit(self.ticket, self.join.deadline_s))
-            self._puller = open_puller(init, self.target, self.plan, transport=self.transport, device=self.device)
+            self._puller = open_puller(
+                init, self.target, self.plan, transport=self.transport, device=self.device, rank=self.rank
+            )
         return self._puller
 
     def run(self, sync_id: int, strategy: Strategy, delay_s: float = 0.0, pulled: Any = None) -> EngineStats:

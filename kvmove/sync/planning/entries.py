@@ -132,7 +132,7 @@ class EntryPlanner:
         dtypes = {p.name: p.dtype for p in plan.params}
         for i, (region, q) in enumerate(zip(plan.regions, quant, strict=True)):
             if q is None:
-                entries.append(self._plain(region, i, dtypes[region.param]))
+                entries.append(self._plain(region, i, dtypes[region.param], region.param in plan.staged))
             elif by_cover[(q.weight, q.cover)][0] == i:
                 members = tuple(by_cover[(q.weight, q.cover)])
                 entries += self._quantized(plan, quant, members, covers)
@@ -145,7 +145,7 @@ class EntryPlanner:
         except KeyError:
             raise PlanError(f"the source has no tensor {name}") from None
 
-    def _plain(self, region: Region, i: int, param_dtype: torch.dtype) -> Entry:
+    def _plain(self, region: Region, i: int, param_dtype: torch.dtype, staged: bool = False) -> Entry:
         key = (region.hf_name, region.box)
         holders = self._holders.get(key)
         if holders is None:
@@ -154,7 +154,9 @@ class EntryPlanner:
                 holders = self.direct.shard_holders(region, holders) or holders
             self._holders[key] = holders
         pieces: tuple[Piece, ...] = ()
-        if self.direct is not None and not self.direct.shard_holders(region, holders):  # no raw shard holds it whole
+        # a staged parameter is packed, never read directly (in pieces neither); a raw shard holding it whole
+        # still serves it without a gather
+        if self.direct is not None and not staged and not self.direct.shard_holders(region, holders):
             pieces = tuple(self.direct.pieces(region, param_dtype) or ())
         return Entry(PLAIN, region.hf_name, region.box, (i,), (region.nbytes,), holders, pieces=pieces)
 

@@ -172,6 +172,9 @@ class ShardingPlan:
     coord: EngineCoord
     regions: tuple[Region, ...]
     params: tuple[ParamMeta, ...]
+    staged: frozenset[str] = frozenset()
+    """Parameters the engine stages and processes before they serve (kvmove.engines.vllm.staging): they receive
+    packed pulls only, never direct reads into their memory."""
 
     @property
     def nbytes(self) -> int:

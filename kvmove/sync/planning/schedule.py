@@ -127,6 +127,7 @@ def pull_plans(
         for i, (entry, src) in enumerate(zip(entry_plan.entries, source_map.sources[e], strict=True)):
             group = group_of[entry.tensor]
             pieces = source_map.pieces.get((e, i))
+            staged = bool(entry.regions) and plan.regions[entry.regions[0]].param in plan.staged
             if pieces and direct is not None:
                 param = plan.regions[entry.regions[0]].param
                 for t, piece in pieces:
@@ -135,7 +136,7 @@ def pull_plans(
                     buckets[(group, t, True)].append(_Item(i, param, piece.nbytes, runs))
                 continue
             runs, param = None, ""
-            if direct is not None and entry.transform == PLAIN:
+            if direct is not None and entry.transform == PLAIN and not staged:
                 region = plan.regions[entry.regions[0]]
                 key, param = (local, i, src), region.param
                 if key not in known:

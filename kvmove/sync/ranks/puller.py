@@ -199,9 +199,11 @@ def open_puller(
     *,
     transport: Transport | None = None,
     device: str | torch.device = "cpu",
+    rank: Callable[[nn.Module, ShardingPlan, Mapping[str, Sequence[torch.Tensor]]], EngineRank] = EngineRank,
 ) -> Puller:
     """Init step 5 on the engine side, once (see the module docstring). ``model`` is what the pulls write (its
-    parameters are the plan's ``params``); ``transport``: this process's endpoint (None: open one from ``init``)."""
+    parameters are the plan's ``params``); ``transport``: this process's endpoint (None: open one from ``init``);
+    ``rank``: builds the receiving side (an engine that lands pulls its own way, e.g. staged, passes its own)."""
     transport = transport or get_transport(init.transport).open(init.membership, str(device))
     recv = {
         s: [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(k)] for s, (k, n) in init.recv_sizes.items()
@@ -213,7 +215,7 @@ def open_puller(
         transport.connect(ep.info)
     reader = ByteReader(transport, endpoints, descs, params)
     reader.prepare(init)
-    rank = EngineRank(model, plan, recv)
+    receiver = rank(model, plan, recv)
     for strategy, pulls in init.pulls.items():
-        rank.prepare(strategy, pulls)
-    return Puller(init, rank, reader, TrainerLinks(init))
+        receiver.prepare(strategy, pulls)
+    return Puller(init, receiver, reader, TrainerLinks(init))
