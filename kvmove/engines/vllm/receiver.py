@@ -188,7 +188,11 @@ class StagedLander(Lander):
                 program = self._programs[(key, k)] = self._build(items)
                 program.warm(restore=True)
 
-    def land(self, entries: Sequence[Entry], buf: torch.Tensor, key: Hashable | None = None) -> None:
+    def land(
+        self, entries: Sequence[Entry], buf: torch.Tensor, key: Hashable | None = None, patch: object | None = None
+    ) -> None:
+        if patch is not None:  # a delta (kvmove.sync.delta) patches a whole pull; staging lands it unit by unit
+            raise KvmoveError("kvmove staging: delta pulls (--delta) do not land through the vLLM backend yet")
         for k, (unit, items) in enumerate(self._chunks(entries, buf)):
             program = self._programs.get((key, k)) if key is not None else None
             if program is None:
