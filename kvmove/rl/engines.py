@@ -93,7 +93,7 @@ class VllmEngines:
 
         out = []
         for llm in self.llms:
-            ((stats, _finish_s),) = llm.collective_rpc(sync_report)
+            ((stats, _finish_s, _memory),) = llm.collective_rpc(sync_report)
             out.append(EngineStats(*stats))  # a NamedTuple crosses vLLM's msgpack as a plain list
         return out
 
