@@ -122,3 +122,22 @@ def test_bad_setups_are_one_clear_error() -> None:
         _qwen(trainer=TrainerSpec.parse("fsdp:world=16,shard=8"), direct=True)
     with pytest.raises(KvmoveError, match=r"shard \(8\) must divide world \(12\)"):
         TrainerSpec.parse("fsdp:world=12,shard=8")
+
+
+def test_bucketed_broadcasts_pay_per_bucket_and_an_engine_taking_one_update_serializes_stages() -> None:
+    from kvmove.bench.sim.setup import CONSTRAINTS
+
+    st = [SIM_STRATEGIES["broadcast"]]
+    per_tensor = simulate(_qwen(transport="nccl"), st, BOOK)[0]
+    book = BOOK.with_values({"broadcast_op_s": 0.01}, "t")
+    small, large = (simulate(_qwen(transport="nccl", bucket_bytes=b), st, book)[0] for b in (1 << 28, 1 << 31))
+    assert small.seconds > large.seconds  # one call per bucket
+    assert per_tensor.bytes_moved == small.bytes_moved == large.bytes_moved
+    waits = simulate(_qwen(transport="nccl", bucket_bytes=1 << 28, bucket_call="async"), st, book)[0]
+    assert waits.seconds < small.seconds  # calls dispatched and awaited once: none on the path
+    v3 = [SIM_STRATEGIES["v3"]]
+    free = simulate(_qwen(), v3, BOOK)[0]
+    one = simulate(_qwen(constraints=CONSTRAINTS["sglang"]), v3, BOOK)[0]
+    assert one.seconds > free.seconds and one.seconds >= one.phases["transfer"] + one.phases["load"] - 1e-9
+    with pytest.raises(KvmoveError, match="bucket_call 'rpc' is not one of"):
+        _qwen(bucket_call="rpc")
