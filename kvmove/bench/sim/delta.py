@@ -51,7 +51,7 @@ class DeltaFractions:
 
     def text(self) -> str:
         """The ``--delta-fraction`` text that rebuilds it."""
-        return ",".join([f"default={self.default:g}", *(f"{c}={f:g}" for c, f in self.classes)])
+        return ",".join([f"default={self.default:.3g}", *(f"{c}={f:.3g}" for c, f in self.classes)])
 
 
 def parse_fractions(text: str) -> DeltaFractions:
@@ -109,7 +109,7 @@ def measured_fractions(rows: pd.DataFrame | None) -> Measured:
     alls = [float(e["changed_fraction_all"]) for e in extras if "changed_fraction_all" in e]
     default = statistics.median(alls) if alls else statistics.median(v for vs in per.values() for v in vs)
     classes = tuple(sorted((c, statistics.median(v)) for c, v in per.items()))
-    return Measured(DeltaFractions(default, classes), commit, len(extras))
+    return Measured(parse_fractions(DeltaFractions(default, classes).text()), commit, len(extras))
 
 
 def _delta_rows(rows: pd.DataFrame | None) -> pd.DataFrame | None:

@@ -42,6 +42,11 @@ _VERL_BUCKET = (
     "(https://github.com/volcengine/verl/blob/main/verl/workers/config/rollout.py), one broadcast per bucket "
     "(https://github.com/volcengine/verl/blob/main/verl/checkpoint_engine/nccl_checkpoint_engine.py)"
 )
+_MILES_P2P = (
+    "; staged through a host-memory engine replica (modelled as a D2H copy) and written by RDMA; TP/EP shards are "
+    "all-gathered as on the broadcast path ('Both modes perform this identically via common.py', "
+    "https://github.com/radixark/miles/blob/main/docs/advanced/p2p-weight-transfer.md)"
+)
 CKPT_BUCKET = (
     "; every rank buckets the bytes it holds (the README's IPC bucket size per row) and the buckets are broadcast "
     "one at a time over all GPUs, a rank's worker reloading bucket g-1 while g is broadcast "
@@ -152,7 +157,7 @@ def _lmsys() -> list[Figure]:
         p2p = replace(spec, transport="push", via_host=True, constraints="kvmove", bucket_bytes=0, bucket_call="op",
                       ep_gather=True)  # fmt: skip
         out.append(_fig(f"lmsys-{key}-rdma", src, LMSYS, f"{what}, RDMA P2P", rdma, "v2", p2p,
-                        note + "; staged through a host-memory engine replica (modelled as a D2H copy)"))  # fmt: skip
+                        note + _MILES_P2P))  # fmt: skip
     return out
 
 

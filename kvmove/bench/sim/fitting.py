@@ -1,12 +1,13 @@
 """What no measurement of ours can set, fitted openly on a declared training set of published figures.
 
-Four physical parameters have no row of ours behind them (``kvmove.bench.sim.matching`` declares no setup that
+Five physical parameters have no row of ours behind them (``kvmove.bench.sim.matching`` declares no setup that
 measures them), and each is fitted on the published figures :data:`TRAINING` names for it:
 
 - ``nic_efficiency``: RDMA/NCCL traffic through a node's NICs over their line rate (our rows cross NVLink only);
 - ``reload_layer_s``: a GPU engine's layer-wise reload, per decoder layer (our vLLM rows run vLLM's CPU engine);
-- ``host_register_s_per_byte``: registering and staging host memory, per byte a host-memory source sends;
-- ``broadcast_nic_op_s``: one NCCL broadcast of one tensor across nodes (control latency at hundreds of ranks).
+- ``host_register_s_per_byte``: registering and staging host memory for RDMA (mooncake), per byte;
+- ``loader_tensor_s``: a serving engine's own weight loader (vLLM's, SGLang's ``load_weights``), per tensor;
+- ``packed_bucket_s``: vLLM's packed NCCL weight-transfer consumer, per buffer it takes.
 
 The training set holds at most one figure per source; every other figure is held out and only validates. Each
 parameter is found by a golden-section search of its log over its bounds, minimizing the squared log errors of

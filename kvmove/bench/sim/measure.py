@@ -7,8 +7,9 @@ cost (pulls, packed calls, yields, tensors) come from this simulator's traffic o
 layouts, so rows of any layout are used as soon as they exist.
 
 Rows used: the GPU suite's ceilings and syncs (``kvmove.bench.gpu``, hardware ``gpu:...``; efficiencies are
-taken over the vendor figures of the GPU named there), its micro-benchmarks (``kvmove.bench.micro``) and the CPU
-vLLM suite (per-layer reload of vLLM's post-processing, a host-side cost).
+taken over the vendor figures of the GPU named there), its FP8 syncs (the quantize programs), the delta suite on a
+GPU (detection and apply over the run's own copy rate), the all-gather micro-benchmark (``kvmove.bench.micro``)
+and the CPU vLLM suite (per-layer reload of vLLM's post-processing, a host-side cost).
 """
 
 from __future__ import annotations

@@ -128,10 +128,10 @@ DELTA_SWEEP = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 def delta_setups(rows: pd.DataFrame | None) -> Iterator[tuple[str, SimSetup]]:
     """Kimi K2 over 400 Gb/s NICs (the vLLM post's 48 nodes, kvmove's engine, packed v3): dense, a delta sync at
-    the changed fractions the delta suite measured (when there are delta rows), and a sweep of fractions."""
+    the changed fractions the delta suite measured (when there are delta rows), and a sweep of fractions (dense
+    with direct reads is the user setup "kimi-k2 kvmove")."""
     kimi = Spec("kimi-k2", "tp=8,pp=8,ep=32", "tp=32,ep=32", 4, 32, 16, "gpu=h100,nic=cx7-400,nics_per_node=8")
     yield "kimi-k2 400G dense", kimi.build()
-    yield "kimi-k2 400G dense direct", replace(kimi, direct=True).build()
     try:
         found = measured_fractions(rows)
         yield f"kimi-k2 400G delta measured {found.commit[:8]}", replace(kimi, delta=found.fractions.text()).build()

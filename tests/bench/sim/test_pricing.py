@@ -10,7 +10,8 @@ import pytest
 from kvmove.bench.sim.costs import default_book
 from kvmove.bench.sim.hardware import Cluster
 from kvmove.bench.sim.predict import simulate
-from kvmove.bench.sim.setup import PUBLISHED, SimSetup, TrainerSpec
+from kvmove.bench.sim.delta import parse_fractions
+from kvmove.bench.sim.setup import CONSTRAINTS, PUBLISHED, SimSetup, TrainerSpec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
 from kvmove.errors import KvmoveError
 from kvmove.layout import EngineLayout
@@ -47,6 +48,11 @@ def _grid() -> list[SimSetup]:
                      placement="colocated", transport="cuda-ipc"))  # fmt: skip
     out.append(_qwen(cluster=Cluster.parse("gpu=b200,nic=cx8-800"), cold=True))
     out.append(_qwen(cluster=Cluster.parse("gpu=h20,nic=cx7-200,nics_per_node=4"), via_host=True))
+    out.append(_qwen(transport="nccl", bucket_bytes=1 << 28, constraints=CONSTRAINTS["sglang"], ep_gather=True))
+    out.append(_qwen(trainer=TrainerSpec.parse("host:world=16"), engine=EngineLayout.parse("tp=8", 2),
+                     placement="colocated", bucket_bytes=1 << 30, remote_host=True))  # fmt: skip
+    out.append(_qwen(delta=parse_fractions("experts=0.02,attention=0.01"), fanout="tree",
+                     engine=EngineLayout.parse("tp=8,ep=8", 2)))  # fmt: skip
     return out
 
 
@@ -125,8 +131,6 @@ def test_bad_setups_are_one_clear_error() -> None:
 
 
 def test_bucketed_broadcasts_pay_per_bucket_and_an_engine_taking_one_update_serializes_stages() -> None:
-    from kvmove.bench.sim.setup import CONSTRAINTS
-
     st = [SIM_STRATEGIES["broadcast"]]
     per_tensor = simulate(_qwen(transport="nccl"), st, BOOK)[0]
     book = BOOK.with_values({"broadcast_op_s": 0.01}, "t")
