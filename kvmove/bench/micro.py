@@ -5,7 +5,9 @@ Run on the GPU machine (two GPUs), from the repository root:
     PYTHONPATH=. python3 -m kvmove.bench.micro --out results
 
 - ``fp8 block quantize``: BF16 -> FP8 e4m3 with one FP32 scale per 128x128 tile (DeepSeek-V3's checkpoint
-  format), bytes read plus written per second (the simulator's ``quantize_efficiency`` over HBM bandwidth);
+  format) by a pure-torch reference quantizer, bytes read plus written per second (not the sync's quantizer:
+  the simulator prices quantization from FP8 sync rows, ``kvmove bench run --suite gpu-fp8``, and takes nothing
+  from this row);
 - ``nccl all_gather 4 KiB``: median latency of one small all-gather between two ranks (``collective_s``).
 On a machine without CUDA the same code runs on CPU (gloo for the collective): rows then say ``cpu:...`` and
 the simulator does not take costs from them. Rows go to ``<out>/micro.parquet``, labelled measured.

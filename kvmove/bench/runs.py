@@ -84,8 +84,13 @@ def _engine_dtype(kind: str, extra: dict[str, Any]) -> str:
 
 
 def _variant(extra: dict[str, Any]) -> str:
-    """What else sets a simulated setup apart: simulator constraints, FP8, colocation, relays, host staging."""
+    """What else sets a simulated setup apart: simulator constraints, FP8, colocation, relays, host staging,
+    broadcast buckets, a delta sync's changed fractions."""
     parts = [str(extra.get("constraints", ""))]
+    if extra.get("delta"):
+        parts.append(f"delta {extra['delta']}")
+    if extra.get("bucket_bytes"):
+        parts.append(f"{int(extra['bucket_bytes']) / 2**30:g} GiB buckets")
     if extra.get("dtype", "bf16") != "bf16":
         parts.append(f"{extra['dtype']} on {extra.get('quantize_on', '?')}")
     if extra.get("placement", "disaggregated") != "disaggregated":

@@ -44,6 +44,16 @@ PublishedConstraintsOpt = Annotated[
 ]
 ColdOpt = Annotated[bool, typer.Option("--cold", help="The first sync (registration).")]
 GroupSizeOpt = Annotated[int, typer.Option("--group-size", min=1, help="v3: decoder blocks per group.")]
+BucketOpt = Annotated[
+    int, typer.Option("--bucket-bytes", min=0, help="Broadcast in buckets of this many bytes (0: per tensor).")
+]
+DeltaOpt = Annotated[
+    str,
+    typer.Option(
+        "--delta-fraction",
+        help="Delta sync at a changed fraction: 0.02, per class (attention=0.02,experts=0.03), or 'measured'.",
+    ),
+]
 CostOpt = Annotated[list[str] | None, typer.Option("--cost", help="NAME=VALUE, overrides a cost (repeatable).")]
 CostsOpt = Annotated[Path | None, typer.Option("--costs", help="JSON file of cost name -> value.")]
 RecordOpt = Annotated[bool, typer.Option("--record", help="Append the rows to RESULTS/simulated.parquet.")]
@@ -78,6 +88,8 @@ def simulate(
     published_constraints: PublishedConstraintsOpt = False,
     cold: ColdOpt = False,
     group_size: GroupSizeOpt = 1,
+    bucket_bytes: BucketOpt = 0,
+    delta_fraction: DeltaOpt = "",
     cost: CostOpt = None,
     costs: CostsOpt = None,
     results: ResultsOpt = Path("results"),
@@ -91,6 +103,9 @@ def simulate(
 
     Example: kvmove bench simulate --model kimi-k2 --trainer tp=8,pp=8,ep=32 --engine tp=32,ep=32 --replicas 16
     --trainer-nodes 32 --engine-nodes 64 --fanout tree --direct
+
+    Example: kvmove bench simulate --model kimi-k2 --trainer tp=8,pp=8,ep=32 --engine tp=32,ep=32 --replicas 4
+    --trainer-nodes 32 --engine-nodes 16 --strategy v3 --delta-fraction measured
 
     Example: kvmove bench simulate --regenerate    (every simulated row in results/, from the measured rows there)
     """
@@ -125,7 +140,8 @@ def simulate(
     spec = Spec(
         model, trainer, engine, replicas, trainer_nodes, engine_nodes, cluster, placement, transport, fanout, dtype,
         quantize_on, block, direct, via_host, "published" if published_constraints else "kvmove", group_size,
-        cold=cold, overrides=tuple(override or []),
+        cold=cold, overrides=tuple(override or []), bucket_bytes=bucket_bytes,
+        delta=_delta_text(delta_fraction, results),
     )  # fmt: skip
     spec.build()  # a bad setup is refused before any cost is fitted
     chosen = parse_sim_strategies(strategy)
@@ -140,6 +156,19 @@ def simulate(
         render.line(f"costs without a measurement of ours (named defaults): {_defaults(book)}")
     if record:
         render.line(f"rows appended to {write_rows(results, rows, replace=False)}")
+
+
+def _delta_text(text: str, results: Path) -> str:
+    """``--delta-fraction`` as the setup records it: ``measured`` resolved from the delta rows under ``results``."""
+    from kvmove.bench.sim.delta import measured_fractions, parse_fractions
+
+    if text.strip() != "measured":
+        return parse_fractions(text).text() if text.strip() else ""
+    from kvmove.bench.sim.rows import measured_rows
+
+    found = measured_fractions(measured_rows(results))
+    render.line(f"changed fractions measured at {found.commit[:8]} ({found.rows} rows): {found.fractions.text()}")
+    return found.fractions.text()
 
 
 def _book(results: Path, overrides: dict[str, float]) -> CostBook:

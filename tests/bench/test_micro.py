@@ -39,4 +39,6 @@ def test_gpu_micro_rows_set_costs(tmp_path) -> None:
 
     run(tmp_path, side=4096, repeats=3)
     book = costs_from_rows(load_results(tmp_path))
-    assert book.costs["quantize_efficiency"].kind == "measured" and book.costs["collective_s"].kind == "measured"
+    assert book.costs["collective_s"].kind == "measured"
+    # the micro-benchmark's pure-torch quantizer is not the sync's: FP8 sync rows price quantization
+    assert book.costs["quantize_efficiency"].kind == "default"

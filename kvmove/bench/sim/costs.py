@@ -62,7 +62,7 @@ SPECS: dict[str, CostSpec] = {
         CostSpec("pack_efficiency", "fraction", "trainer packing (op replay into a slot) / device copy rate", 0.5),
         CostSpec("load_efficiency", "fraction", "engine scatter from a slot into parameters / device copy rate", 0.5),
         CostSpec(
-            "quantize_efficiency", "fraction", "FP8 128x128 block quantization / HBM bandwidth", "copy_efficiency"
+            "quantize_efficiency", "fraction", "FP8 block quantization into the slot / HBM bandwidth", "copy_efficiency"
         ),
         CostSpec("request_s", "s", "one pull request round trip (engine -> trainer -> ready)", 20e-6),
         CostSpec("materialize_s", "s", "trainer: yield one tensor from the weight source (no collective)", 10e-6),
@@ -72,7 +72,7 @@ SPECS: dict[str, CostSpec] = {
         CostSpec("load_call_s", "s", "engine: copy one pull's regions into their parameters, bytes excluded", 10e-6),
         CostSpec("pull_op_s", "s", "one pull's transfer setup and completion, bytes excluded", 10e-6),
         CostSpec("collective_s", "s", "one NCCL all-gather launch and completion, bytes excluded", 20e-6),
-        CostSpec("broadcast_op_s", "s", "one NCCL broadcast of one tensor, bytes excluded", 20e-6),
+        CostSpec("broadcast_op_s", "s", "one NCCL broadcast call (a tensor, or a bucket), bytes excluded", 20e-6),
         CostSpec("reload_layer_s", "s", "engine: vLLM layer-wise reload of one decoder layer, bytes excluded", 1e-3),
         CostSpec("cold_s_per_byte", "s/B", "first (cold) sync: extra seconds per byte registered on a rank", 0.0),
         CostSpec(
@@ -85,7 +85,28 @@ SPECS: dict[str, CostSpec] = {
             "host_register_s_per_byte", "s/B", "host-memory sources: registering and staging each byte they send", 0.0
         ),
         CostSpec(
-            "broadcast_nic_op_s", "s", "one NCCL broadcast of one tensor across nodes, bytes excluded", "broadcast_op_s"
+            "loader_tensor_s",
+            "s",
+            "a serving engine's own weight loader (vLLM's or SGLang's load_weights), per tensor it loads",
+            "load_call_s",
+        ),
+        CostSpec(
+            "packed_bucket_s",
+            "s",
+            "vLLM's packed NCCL weight-transfer consumer, per buffer received, beyond its bytes and tensors",
+            "broadcast_op_s",
+        ),
+        CostSpec(
+            "delta_detect_efficiency",
+            "fraction",
+            "trainer: delta detection and encoding, payload bytes compared / device copy rate",
+            "pack_efficiency",
+        ),
+        CostSpec(
+            "delta_apply_efficiency",
+            "fraction",
+            "engine: a delta applied through the landing program (beyond the dense landing), bytes / copy rate",
+            "load_efficiency",
         ),
     )
 }

@@ -8,10 +8,11 @@ import json
 from functools import lru_cache
 from typing import Any, NamedTuple
 
+from kvmove.bench.sim.builder import build_traffic
 from kvmove.bench.sim.hardware import GPUS, Cluster
 from kvmove.bench.sim.setup import SimSetup, TrainerSpec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
-from kvmove.bench.sim.traffic import Traffic, build_traffic
+from kvmove.bench.sim.traffic import Traffic
 from kvmove.errors import KvmoveError
 from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import model_totals, resolve_model
@@ -26,6 +27,8 @@ class Counts(NamedTuple):
     yields: float
     tensors: float
     kept: float
+    quant: float = 0.0
+    """BF16 bytes the busiest trainer rank quantizes to FP8 (an FP8 engine, quantized on the trainer)."""
 
 
 def row_counts(r: Any) -> Counts | None:
@@ -41,13 +44,16 @@ def row_counts(r: Any) -> Counts | None:
             int(r["bytes"]),
             bool(e.get("direct", False)),
             overrides,
+            str(e.get("engine_dtype") or "bf16"),
         )
     except (KvmoveError, ValueError, KeyError):
         return None
 
 
 @lru_cache(maxsize=256)
-def _counts(model: str, trainer: str, engine: str, strategy: str, nbytes: int, direct: bool, overrides: str) -> Counts:
+def _counts(
+    model: str, trainer: str, engine: str, strategy: str, nbytes: int, direct: bool, overrides: str, dtype: str
+) -> Counts:
     layout, _, reps = engine.partition(" x")
     changes = json.loads(overrides)
     base = resolve_model(model, changes or None)
@@ -60,6 +66,8 @@ def _counts(model: str, trainer: str, engine: str, strategy: str, nbytes: int, d
         trainer_nodes=64,
         engine_nodes=64,
         direct=direct and strategy in ("v2", "v3"),
+        dtype=dtype,
+        quantize_on="trainer" if dtype == "fp8" else "engine",
     )
     chosen = SIM_STRATEGIES[strategy]
     t: Traffic = build_traffic(s, dataclasses.replace(chosen, grouping="layer", pipelined=False))
@@ -74,6 +82,7 @@ def _counts(model: str, trainer: str, engine: str, strategy: str, nbytes: int, d
         yields=float(t.total("trainer", "yield").max()),
         tensors=float(model_totals(cfg).num_tensors),
         kept=float(t.total("engine", "kept").max()),
+        quant=float(t.total("trainer", "quant").max()),
     )
 
 

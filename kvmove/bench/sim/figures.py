@@ -21,6 +21,37 @@ H100 = "gpu=h100,nic=cx7-400,nics_per_node=8"
 H800 = "gpu=h800,nic=cx7-400,nics_per_node=8"
 H20 = "gpu=h20,nic=cx7-400,nics_per_node=8"
 H200 = "gpu=h200,nic=cx7-400,nics_per_node=8"
+GIB = 1 << 30
+
+SKYRL_BUCKET = (
+    "https://github.com/NovaSky-AI/SkyRL/blob/main/skyrl/train/config/config.py "
+    "(weight_transfer_threshold_cuda_ipc_GB = 1.0, the Megatron worker's bucket); vLLM's packed NCCL transfer "
+    "broadcasts one 1 GB buffer at a time (DEFAULT_PACKED_BUFFER_SIZE_BYTES, "
+    "https://github.com/vllm-project/vllm/blob/main/vllm/distributed/weight_transfer/packed_tensor.py)"
+)
+_MILES = (
+    "; miles buckets its broadcasts (1 GB buckets in the profiled runs: "
+    "https://github.com/radixark/miles/blob/main/docs/advanced/p2p-weight-transfer.md), each pipeline stage's "
+    "root broadcasting to every engine GPU; SGLang runs one weight-update request at a time ('The communicator "
+    "now only run up to 1 in-flight request at any time', "
+    "https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/managers/tokenizer_communicator_mixin.py), "
+    "so the stages reach an engine one after another"
+)
+_VERL_BUCKET = (
+    "; buckets of update_weights_bucket_megabytes = 2048 "
+    "(https://github.com/volcengine/verl/blob/main/verl/workers/config/rollout.py), one broadcast per bucket "
+    "(https://github.com/volcengine/verl/blob/main/verl/checkpoint_engine/nccl_checkpoint_engine.py)"
+)
+_MILES_P2P = (
+    "; staged through a host-memory engine replica (modelled as a D2H copy) and written by RDMA; TP/EP shards are "
+    "all-gathered as on the broadcast path ('Both modes perform this identically via common.py', "
+    "https://github.com/radixark/miles/blob/main/docs/advanced/p2p-weight-transfer.md)"
+)
+CKPT_BUCKET = (
+    "; every rank buckets the bytes it holds (the README's IPC bucket size per row) and the buckets are broadcast "
+    "one at a time over all GPUs, a rank's worker reloading bucket g-1 while g is broadcast "
+    "(https://github.com/MoonshotAI/checkpoint-engine/blob/main/checkpoint_engine/ps.py, _update_per_bucket)"
+)
 
 
 @dataclass(frozen=True)
@@ -54,9 +85,10 @@ def _vllm() -> list[Figure]:
         _fig(f"vllm-qwen3-{v}", src, VLLM, f"Qwen3-235B-A22B {v.upper()}", t, v, _Q235, _Q235_NOTE)
         for v, t in (("v1", 25.02), ("v2", 5.61), ("v3", 3.49))
     ]
-    nccl = replace(_Q235, transport="nccl")
+    nccl = replace(_Q235, transport="nccl", bucket_bytes=GIB, bucket_call="vllm-packed", constraints="vllm-nccl")
     out.append(_fig("skyrl-qwen3-broadcast", "SkyRL NCCL broadcast (vLLM blog)", VLLM,
-                    "Qwen3-235B-A22B NCCL broadcast", 64.72, "broadcast", nccl, _Q235_NOTE))  # fmt: skip
+                    "Qwen3-235B-A22B NCCL broadcast", 64.72, "broadcast", nccl,
+                    f"{_Q235_NOTE}; 1 GiB buckets: {SKYRL_BUCKET}"))  # fmt: skip
     out.append(_fig("vllm-kimi-v3", src, VLLM, "Kimi K2 BF16 V3, 48 nodes", 7.53, "v3", _KIMI, _KIMI_NOTE))
     moved = Figure("vllm-kimi-bytes", src, VLLM, "Kimi K2 bytes moved per sync ('7.9 TB')", 7.9e12, "v3", _KIMI,
                    metric="bytes", assumptions=_KIMI_NOTE)  # fmt: skip
@@ -64,32 +96,43 @@ def _vllm() -> list[Figure]:
 
 
 _CKPT_ROWS = (
-    ("glm-air-8xh800", "GLM-4.5-Air BF16, 8xH800 TP8", "glm-4.5-air", "tp=8", 1, 8, H800, "bf16", 3.47, 4.12),
-    ("qwen3-235b-8xh800", "Qwen3-235B BF16, 8xH800 TP8", "qwen3-235b-a22b", "tp=8", 1, 8, H800, "bf16", 6.22, 7.10),
-    ("dsv31-16xh20", "DeepSeek-V3.1 FP8, 16xH20 TP16", "deepseek-v3.1", "tp=16", 1, 16, H20, "fp8", 10.19, 11.80),
-    ("kimi-16xh20", "Kimi-K2 FP8, 16xH20 TP16", "kimi-k2", "tp=16", 1, 16, H20, "fp8", 14.36, 17.49),
+    ("glm-air-8xh800", "GLM-4.5-Air BF16, 8xH800 TP8", "glm-4.5-air", "tp=8", 1, 8, H800, "bf16", 3.47, 4.12, 3.02),
+    ("qwen3-235b-8xh800", "Qwen3-235B BF16, 8xH800 TP8", "qwen3-235b-a22b", "tp=8", 1, 8, H800, "bf16", 6.22, 7.10,
+     2.67),
+    ("dsv31-16xh20", "DeepSeek-V3.1 FP8, 16xH20 TP16", "deepseek-v3.1", "tp=16", 1, 16, H20, "fp8", 10.19, 11.80,
+     5.39),
+    ("kimi-16xh20", "Kimi-K2 FP8, 16xH20 TP16", "kimi-k2", "tp=16", 1, 16, H20, "fp8", 14.36, 17.49, 5.89),
     ("dsv31-256xh20", "DeepSeek-V3.1 FP8, 256xH20 (16 x TP16)", "deepseek-v3.1", "tp=16", 16, 256, H20, "fp8",
-     11.33, 11.81),
-    ("kimi-256xh20", "Kimi-K2 FP8, 256xH20 (16 x TP16)", "kimi-k2", "tp=16", 16, 256, H20, "fp8", 16.04, 16.75),
+     11.33, 11.81, 8.00),
+    ("kimi-256xh20", "Kimi-K2 FP8, 256xH20 (16 x TP16)", "kimi-k2", "tp=16", 16, 256, H20, "fp8", 16.04, 16.75,
+     8.00),
 )  # fmt: skip
+"""key, what, model, engine, replicas, GPUs, cluster, dtype, broadcast s, P2P s, the published IPC bucket (GiB)."""
 
 
 def _checkpoint_engine() -> list[Figure]:
     src, note = "MoonshotAI checkpoint-engine README", "weights in host memory of the serving nodes, vLLM v0.10.2rc1"
     out = []
-    for key, what, model, engine, replicas, gpus, cluster, dtype, bcast, p2p in _CKPT_ROWS:
+    for key, what, model, engine, replicas, gpus, cluster, dtype, bcast, p2p, bucket in _CKPT_ROWS:
         nodes = max(1, gpus // 8)
         spec = Spec(model, f"host:world={gpus}", engine, replicas, nodes, nodes, cluster, placement="colocated",
-                    transport="nccl", dtype=dtype, quantize_on="none" if dtype == "fp8" else "engine")  # fmt: skip
+                    transport="nccl", dtype=dtype, quantize_on="none" if dtype == "fp8" else "engine",
+                    constraints="vllm-ipc", bucket_bytes=int(bucket * GIB))  # fmt: skip
         out.append(_fig(f"ckpt-{key}-broadcast", src, CKPT, f"{what}, broadcast", bcast, "broadcast-pipelined",
-                        spec, note))  # fmt: skip
+                        spec, note + CKPT_BUCKET))  # fmt: skip
         small = min(gpus, 16)
-        p2p_spec = replace(spec, trainer=f"host:world={small}", replicas=1, trainer_nodes=max(1, small // 8),
-                           engine_nodes=max(1, small // 8), transport="push")  # fmt: skip
-        out.append(_fig(f"ckpt-{key}-p2p", src, CKPT, f"{what}, P2P (timed on <= 16 GPUs)", p2p, "v3", p2p_spec,
-                        note + "; P2P modelled as RDMA WRITE from host memory of the same nodes"))  # fmt: skip
+        p2p_spec = replace(spec, replicas=1, engine_nodes=max(1, small // 8), remote_host=True,
+                           placement="colocated" if gpus == small else "disaggregated")  # fmt: skip
+        out.append(_fig(f"ckpt-{key}-p2p", src, CKPT, f"{what}, P2P (timed on <= 16 GPUs)", p2p,
+                        "broadcast-pipelined", p2p_spec, note + CKPT_P2P))  # fmt: skip
     return out
 
+
+CKPT_P2P = (
+    "; P2P: the same buckets over the updated GPUs only, each read first over RDMA (mooncake) from the host "
+    "memory of the rank that holds it, then broadcast ('ParameterServer.update(ranks=...)', _update_per_bucket "
+    "with ranks: https://github.com/MoonshotAI/checkpoint-engine/blob/main/checkpoint_engine/ps.py)"
+)
 
 _LMSYS_ROWS = (
     ("qwen3-30b", "Qwen3-30B-A3B", "qwen3-30b-a3b", "tp=4,pp=1,ep=8,dp=4", 2, "tp=8,ep=8", 2, 2, 2.6700, 2.1602),
@@ -107,27 +150,31 @@ def _lmsys() -> list[Figure]:
     out = []
     for key, what, model, trainer, tnodes, engine, replicas, enodes, nccl, rdma in _LMSYS_ROWS:
         spec = Spec(model, trainer, engine, replicas, tnodes, enodes, H100, transport="nccl",
-                    dtype="fp8" if key == "kimi-fp8" else "bf16", block=64)  # fmt: skip
-        out.append(_fig(f"lmsys-{key}-nccl", src, LMSYS, f"{what}, NCCL broadcast", nccl, "broadcast", spec, note))
-        p2p = replace(spec, transport="push", via_host=True, quantize_on="trainer")
+                    dtype="fp8" if key == "kimi-fp8" else "bf16", quantize_on="trainer", block=64,
+                    constraints="sglang", bucket_bytes=GIB, bucket_call="async")  # fmt: skip
+        out.append(_fig(f"lmsys-{key}-nccl", src, LMSYS, f"{what}, NCCL broadcast", nccl, "broadcast", spec,
+                        note + _MILES))  # fmt: skip
+        p2p = replace(spec, transport="push", via_host=True, constraints="kvmove", bucket_bytes=0, bucket_call="op",
+                      ep_gather=True)  # fmt: skip
         out.append(_fig(f"lmsys-{key}-rdma", src, LMSYS, f"{what}, RDMA P2P", rdma, "v2", p2p,
-                        note + "; staged through a host-memory engine replica (modelled as a D2H copy)"))  # fmt: skip
+                        note + _MILES_P2P))  # fmt: skip
     return out
 
 
 def _others() -> list[Figure]:
     pplx = Spec("kimi-k2", "fsdp:world=256,shard=8", "tp=16,ep=16", 8, 32, 16, H200, transport="push", dtype="fp8",
                 quantize_on="trainer")  # fmt: skip
-    verl = Spec("qwen3-30b-a3b", "fsdp:world=2,shard=2", "tp=1", 30, 1, 4, H100, transport="nccl")
+    verl = Spec("qwen3-30b-a3b", "fsdp:world=2,shard=2", "tp=1", 30, 1, 4, H100, transport="nccl",
+                bucket_bytes=2048 << 20)  # fmt: skip
     verl_note = "30 rollout ranks receiving only (no engine load), 4x8 H100 with CX-7 400 Gb/s"
     slime = Spec("qwen3-30b-a3b", "tp=4,ep=8", "tp=8", 1, 1, 1, H100, placement="colocated", transport="cuda-ipc")
     return [
         _fig("pplx-kimi", "Perplexity research blog", PPLX, "Kimi-K2 BF16 (256 GPUs) -> FP8 (128 GPUs)", 1.3, "v3",
              pplx, "H200 nodes with 8x400 Gb/s; FSDP shards of 8 GPUs, 32 mesh groups; 8 replicas of 16 GPUs"),
         _fig("verl-qwen3-30b-nccl", "verl checkpoint-engine README", VERL,
-             "Qwen3-30B-A3B, NCCL all-gather + broadcast", 7.0, "broadcast", verl, verl_note),
+             "Qwen3-30B-A3B, NCCL all-gather + broadcast", 7.0, "broadcast", verl, verl_note + _VERL_BUCKET),
         _fig("verl-qwen3-30b-nixl", "verl checkpoint-engine README", VERL, "Qwen3-30B-A3B, NIXL all-gather + ring",
-             7.0, "v3", replace(verl, transport="pull", fanout="chain"), verl_note),
+             7.0, "v3", replace(verl, transport="pull", fanout="chain", bucket_bytes=0), verl_note),
         _fig("slime-qwen3-30b-colocated", "slime weight-sync blog", SLIME, "Qwen3-30B-A3B colocated (CUDA IPC)",
              7.0, "v1", slime, "8xH100, Megatron TP4/EP8 as slime's example, one SGLang TP8 engine on the same GPUs"),
     ]  # fmt: skip

@@ -1,12 +1,13 @@
 """What no measurement of ours can set, fitted openly on a declared training set of published figures.
 
-Four physical parameters have no row of ours behind them (``kvmove.bench.sim.matching`` declares no setup that
+Five physical parameters have no row of ours behind them (``kvmove.bench.sim.matching`` declares no setup that
 measures them), and each is fitted on the published figures :data:`TRAINING` names for it:
 
 - ``nic_efficiency``: RDMA/NCCL traffic through a node's NICs over their line rate (our rows cross NVLink only);
 - ``reload_layer_s``: a GPU engine's layer-wise reload, per decoder layer (our vLLM rows run vLLM's CPU engine);
-- ``host_register_s_per_byte``: registering and staging host memory, per byte a host-memory source sends;
-- ``broadcast_nic_op_s``: one NCCL broadcast of one tensor across nodes (control latency at hundreds of ranks).
+- ``host_register_s_per_byte``: registering and staging host memory for RDMA (mooncake), per byte;
+- ``loader_tensor_s``: a serving engine's own weight loader (vLLM's, SGLang's ``load_weights``), per tensor;
+- ``packed_bucket_s``: vLLM's packed NCCL weight-transfer consumer, per buffer it takes.
 
 The training set holds at most one figure per source; every other figure is held out and only validates. Each
 parameter is found by a golden-section search of its log over its bounds, minimizing the squared log errors of
@@ -39,14 +40,16 @@ PARAMS = (
     Param("nic_efficiency", 0.05, 1.0),
     Param("reload_layer_s", 1e-5, 1.0),
     Param("host_register_s_per_byte", 1e-14, 1e-8),
-    Param("broadcast_nic_op_s", 1e-6, 0.1),
+    Param("loader_tensor_s", 1e-6, 1e-2),
+    Param("packed_bucket_s", 1e-5, 1.0),
 )
 
 TRAINING: dict[str, tuple[str, ...]] = {
     "nic_efficiency": ("pplx-kimi",),
     "reload_layer_s": ("vllm-qwen3-v2",),
-    "host_register_s_per_byte": ("ckpt-qwen3-235b-8xh800-p2p", "lmsys-qwen3-235b-rdma"),
-    "broadcast_nic_op_s": ("skyrl-qwen3-broadcast",),
+    "host_register_s_per_byte": ("lmsys-qwen3-235b-rdma",),
+    "loader_tensor_s": ("ckpt-qwen3-235b-8xh800-broadcast",),
+    "packed_bucket_s": ("skyrl-qwen3-broadcast",),
 }
 """Parameter -> the published figures it is fitted on (one per source over the whole set); all others held out."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kvmove.bench.sim.setup import SimSetup
+from kvmove.bench.sim.shards import wire_bytes
 from kvmove.bench.sim.strategies import SimStrategy
 from kvmove.models.config import ModelConfig
 from kvmove.models.tensors import hf_tensors, layer_tensors
@@ -39,8 +40,10 @@ class Unit(NamedTuple):
 
 
 def units(s: SimSetup, strategy: SimStrategy) -> list[Unit]:
-    """The groups of ``strategy`` on ``s``, in sync order."""
+    """The groups of ``strategy`` on ``s``, in sync order (a bucketing broadcast sender's: its buckets)."""
     cfg = s.model
+    if strategy.broadcast and s.bucket_bytes:
+        return buckets(s)
     if strategy.grouping == "tensor":
         return _representatives(cfg)
     pre, post = outer_items(cfg)
@@ -110,3 +113,104 @@ def _representatives(cfg: ModelConfig) -> list[Unit]:
         out += [Unit([i._replace(experts=1)], n * i.experts, 0, []) for i in expert]
         out.append(Unit([], n, 1, plain + expert))
     return out + [Unit([i], 1.0, 0, []) for i in post]
+
+
+def host_owner(item: Item | None, world: int) -> int:
+    """The rank of a host-memory trainer (a parameter server) that holds a non-expert tensor: spread over its
+    ranks deterministically, by name (expert tensors are spread evenly over all ranks)."""
+    if item is None:
+        return 0
+    return (sum(map(ord, item.name)) * 2654435761 + (item.layer or 0)) % world
+
+
+def buckets(s: SimSetup) -> list[Unit]:
+    """A bucketing broadcast sender's groups. Each source fills buckets of at most ``s.bucket_bytes`` wire bytes
+    with its tensors in sync order (an expert block is split by experts to fit) and broadcasts one bucket at a
+    time: a Megatron trainer's source is each pipeline stage's root; a host-memory trainer's are all of its ranks,
+    each bucketing the bytes it holds (MoonshotAI checkpoint-engine's ``_gen_h2d_buckets``), so there are as many
+    buckets as the ranks' bytes fill, spread here over the sync's tensors in order."""
+    cfg = s.model
+    pre, post = outer_items(cfg)
+    items = pre + layer_items(cfg, list(range(cfg.num_hidden_layers))) + post
+    if s.trainer.kind == "host":
+        return _even(items, s, sum(-(-n // s.bucket_bytes) for n in _owner_bytes(items, s)))
+    if s.trainer.kind != "megatron":
+        return _fill(items, s)
+    stages = s.trainer.layout.stage_layers(cfg)
+
+    def stage(i: Item) -> int:
+        if i.layer is None:
+            return 0 if "embed" in i.name else len(stages) - 1
+        return next(k for k, r in enumerate(stages) if i.layer in r)
+
+    return [u for k in range(len(stages)) for u in _fill([i for i in items if stage(i) == k], s)]
+
+
+def _wire(item: Item, s: SimSetup) -> int:
+    return wire_bytes(item.name, item.shape, s.wire_dtype, s.block)
+
+
+def _owner_bytes(items: list[Item], s: SimSetup) -> list[int]:
+    world = s.trainer.world
+    out = [0] * world
+    for item in items:
+        if not item.experts:
+            out[host_owner(item, world)] += _wire(item, s)
+            continue
+        for o in range(world):
+            out[o] += _wire(item, s) * ((o + 1) * item.experts // world - o * item.experts // world)
+    return out
+
+
+def _fill(items: list[Item], s: SimSetup) -> list[Unit]:
+    """Items in order, greedily into buckets of at most ``s.bucket_bytes`` (an item alone when larger)."""
+    groups: list[list[Item]] = [[]]
+    room = s.bucket_bytes
+    for item in _split(items, s, s.bucket_bytes):
+        size = _wire(item, s) * item.tensors
+        if groups[-1] and size > room:
+            groups.append([])
+            room = s.bucket_bytes
+        groups[-1].append(item)
+        room -= size
+    return _with_layers(groups, s)
+
+
+def _even(items: list[Item], s: SimSetup, n: int) -> list[Unit]:
+    """Items in order, into ``n`` buckets of about equal bytes."""
+    total = sum(_wire(i, s) * i.tensors for i in items)
+    size = total / max(n, 1)
+    groups: list[list[Item]] = [[]]
+    at = 0.0
+    for item in _split(items, s, int(size) + 1):
+        if groups[-1] and at >= size * len(groups) and len(groups) < n:
+            groups.append([])
+        groups[-1].append(item)
+        at += _wire(item, s) * item.tensors
+    return _with_layers(groups, s)
+
+
+def _split(items: list[Item], s: SimSetup, limit: int) -> list[Item]:
+    """Expert blocks larger than ``limit`` bytes cut into runs of experts that fit."""
+    out = []
+    for item in items:
+        each = _wire(item, s)
+        if item.experts <= 1 or each * item.experts <= limit:
+            out.append(item)
+            continue
+        step = max(1, limit // each)
+        first = item.expert0 or 0
+        for lo in range(0, item.experts, step):
+            out.append(item._replace(expert0=first + lo, experts=min(step, item.experts - lo)))
+    return out
+
+
+def _with_layers(groups: list[list[Item]], s: SimSetup) -> list[Unit]:
+    """Units; a decoder layer completes (for layer-wise reload) in the bucket holding its last item."""
+    last = {i.layer: g for g, group in enumerate(groups) for i in group if i.layer is not None}
+    done: dict[int, list[int]] = {}
+    for layer, g in last.items():
+        done.setdefault(g, []).append(layer)
+    return [
+        Unit(group, 1.0, len(done.get(g, [])), layer_items(s.model, done.get(g, []))) for g, group in enumerate(groups)
+    ]

@@ -23,9 +23,10 @@ from kvmove.errors import KvmoveError
 from kvmove.layout import TrainerLayout
 
 PLACEMENTS = ("colocated", "disaggregated")
-PATHS = ("ceiling", "micro", "gpu-copy", "nvlink-ipc", "nixl", "nccl", "host-gloo", "vllm-cpu", "cpu")
-"""Data paths: a ceiling or micro-benchmark row; CUDA-IPC on one device (a device copy) or across NVLink; NIXL;
-NCCL (send/recv or broadcast); host-memory gloo; vLLM's CPU engine; any other CPU row."""
+PATHS = ("ceiling", "micro", "delta", "gpu-copy", "nvlink-ipc", "nixl", "nccl", "host-gloo", "vllm-cpu", "cpu")
+"""Data paths: a ceiling or micro-benchmark row; the delta suite's device-memory passes; CUDA-IPC on one device (a
+device copy) or across NVLink; NIXL; NCCL (send/recv or broadcast); host-memory gloo; vLLM's CPU engine; any other
+CPU row."""
 
 
 class RowSetup(NamedTuple):
@@ -37,9 +38,11 @@ class RowSetup(NamedTuple):
     path: str
     gather: str
     """"none" (one trainer rank), "nccl" (GPU ranks on separate devices) or "host-gloo" (ranks sharing a GPU)."""
+    dtype: str = "bf16"
+    """The engine's weight format ("fp8": the trainer quantized what it packed)."""
 
     def label(self) -> str:
-        return f"{self.placement} {self.device} x{self.gpus} {self.path} (gather {self.gather})"
+        return f"{self.placement} {self.device} x{self.gpus} {self.path} (gather {self.gather}, {self.dtype})"
 
 
 class Match(NamedTuple):
@@ -49,6 +52,7 @@ class Match(NamedTuple):
     paths: tuple[str, ...]
     gathers: tuple[str, ...] = ("none", "nccl")
     device: str = "gpu"
+    dtypes: tuple[str, ...] = ("bf16",)
 
     def __call__(self, s: RowSetup) -> bool:
         return (
@@ -56,34 +60,40 @@ class Match(NamedTuple):
             and s.placement in self.placements
             and s.path in self.paths
             and s.gather in self.gathers
+            and s.dtype in self.dtypes
         )
 
     def label(self) -> str:
-        return f"{'/'.join(self.placements)} {self.device} via {'/'.join(self.paths)} (gather {'/'.join(self.gathers)})"
+        return (
+            f"{'/'.join(self.placements)} {self.device} {'/'.join(self.dtypes)} via {'/'.join(self.paths)} "
+            f"(gather {'/'.join(self.gathers)})"
+        )
 
 
 def row_setup(r: Any) -> RowSetup:
     """The setup of one decorated row (``extra_d`` parsed, ``hardware`` a string)."""
     e = r["extra_d"]
     hardware = str(r["hardware"])
-    device = "gpu" if hardware.startswith("gpu:") else "cpu"
+    on_cuda = str(e.get("device") or "").startswith("cuda")  # the delta suite labels the host, not its GPU
+    device = "gpu" if hardware.startswith("gpu:") or on_cuda else "cpu"
     found = re.search(r" x(\d+)", hardware)
-    gpus = int(found.group(1)) if found and device == "gpu" else 0
+    gpus = int(found.group(1)) if found and hardware.startswith("gpu:") else int(on_cuda)
     trainer_dev, engine_dev = set(e.get("trainer_devices") or ()), set(e.get("engine_devices") or ())
     if trainer_dev and engine_dev:
         placement = "colocated" if trainer_dev & engine_dev else "disaggregated"
         gpus = len(trainer_dev | engine_dev) if device == "gpu" else gpus
     else:
         placement = str(e.get("placement") or ("disaggregated" if gpus != 1 else "colocated"))
-    return RowSetup(placement, gpus, device, _path(r, device, placement), _gather(r, trainer_dev, device))
+    dtype = str(e.get("engine_dtype") or "bf16")
+    return RowSetup(placement, gpus, device, _path(r, device, placement), _gather(r, trainer_dev, device), dtype)
 
 
 def _path(r: Any, device: str, placement: str) -> str:
     name, suite, transport = str(r["name"]), str(r["suite"]), str(r.get("transport") or "")
     if name.startswith("ceiling ") and not str(r.get("strategy") or ""):
         return "ceiling"
-    if suite == "micro":
-        return "micro"
+    if suite in ("micro", "delta"):
+        return suite
     if suite == "vllm" and device == "cpu":
         return "vllm-cpu"
     if device == "cpu":
@@ -120,6 +130,11 @@ ANY = PLACEMENTS
 _DISAGG_SYNC = Match(("disaggregated",), ("nixl", "nvlink-ipc", "nccl"))
 _DISAGG_V1 = Match(("disaggregated",), ("nixl", "nvlink-ipc"))
 _ONE_GPU = Match(("colocated",), ("gpu-copy",), gathers=("none",))
+_FP8_SYNC = Match(ANY, ("gpu-copy", "nvlink-ipc", "nixl", "nccl"), dtypes=("fp8",))
+"""FP8 syncs: the trainer's pack is the sync's own batched quantize programs (``kvmove.quant``); a device-local
+pass, so its rate on one GPU is its rate on any GPU of a cluster."""
+_DELTA = Match(("colocated",), ("delta",))
+"""The delta suite on a GPU: detection and apply as device-memory passes of the sync's own code."""
 _NO_ROWS = Match((), ())
 """No row of ours can measure it (fitted on published figures, ``kvmove.bench.sim.fitting``)."""
 
@@ -133,7 +148,9 @@ CLUSTER: dict[str, Match] = {
     "ipc_efficiency": Match(("disaggregated",), ("nvlink-ipc",)),
     "pack_efficiency": _DISAGG_SYNC,
     "load_efficiency": _DISAGG_SYNC,
-    "quantize_efficiency": Match(ANY, ("micro",)),
+    "quantize_efficiency": _FP8_SYNC,
+    "delta_detect_efficiency": _DELTA,
+    "delta_apply_efficiency": _DELTA,
     "request_s": _DISAGG_V1,
     "materialize_s": _DISAGG_V1,
     "pack_call_s": _DISAGG_V1,
@@ -144,8 +161,10 @@ CLUSTER: dict[str, Match] = {
     "reload_layer_s": _NO_ROWS,
     "cold_s_per_byte": _DISAGG_SYNC,
 }
-"""Full-scale targets: rows of separate GPUs only. The per-layer reload of a GPU engine is measured by no row of
-ours (the vLLM suite runs vLLM's CPU engine): it is fitted."""
+"""Full-scale targets: rows of separate GPUs only, and device-local passes measured on any GPU (FP8 quantization,
+delta detection and apply). The per-layer reload of a GPU engine is measured by no row of ours (the vLLM suite
+runs vLLM's CPU engine): it is fitted. The micro-benchmark's quantizer (``kvmove.bench.micro.quantize_blocks``,
+pure torch) is not the sync's and sets nothing."""
 
 ONE_GPU: dict[str, Match] = {
     **CLUSTER,
@@ -159,6 +178,7 @@ ONE_GPU: dict[str, Match] = {
     "pull_op_s": _ONE_GPU,
     "broadcast_op_s": _NO_ROWS,
     "cold_s_per_byte": _ONE_GPU,
+    "quantize_efficiency": _ONE_GPU._replace(dtypes=("fp8",)),
 }
 """kvmove's colocated one-GPU syncs: CUDA-IPC on one device is a device copy; costs from one-GPU rows."""
 

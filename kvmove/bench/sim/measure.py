@@ -7,43 +7,31 @@ cost (pulls, packed calls, yields, tensors) come from this simulator's traffic o
 layouts, so rows of any layout are used as soon as they exist.
 
 Rows used: the GPU suite's ceilings and syncs (``kvmove.bench.gpu``, hardware ``gpu:...``; efficiencies are
-taken over the vendor figures of the GPU named there), its micro-benchmarks (``kvmove.bench.micro``) and the CPU
-vLLM suite (per-layer reload of vLLM's post-processing, a host-side cost).
+taken over the vendor figures of the GPU named there), its FP8 syncs (the quantize programs), the delta suite on a
+GPU (detection and apply over the run's own copy rate), the all-gather micro-benchmark (``kvmove.bench.micro``)
+and the CPU vLLM suite (per-layer reload of vLLM's post-processing, a host-side cost).
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import pandas as pd
 
-from kvmove.bench.sim.costs import Cost, CostBook, RowRef, default_book
+from kvmove.bench.sim.costs import SPECS, Cost, CostBook, default_book
 from kvmove.bench.sim.counts import Counts, row_counts
-from kvmove.bench.sim.hardware import Gpu, gpu_of_hardware
-from kvmove.bench.sim.matching import TARGETS, Match, row_setup
+from kvmove.bench.sim.hardware import Gpu
+from kvmove.bench.sim.matching import TARGETS
+from kvmove.bench.sim.samples import Extractor, RowFilter, Sample, decorate, row_ref, syncs, where
 from kvmove.errors import KvmoveError
 from kvmove.layout import TrainerLayout
 from kvmove.models import resolve_model
 
-
-class Sample(NamedTuple):
-    """One row's value of a cost."""
-
-    value: float
-    ref: RowRef
-
-
-Extractor = Callable[[pd.DataFrame], list[Sample]]
-
-
 _MEMO: dict[tuple[int, str, str], float] = {}
 _FULL: dict[str, pd.DataFrame] = {}
 """The whole decorated frame of the book being built (a run's device copy ceiling is read from it)."""
-
-RowFilter = Callable[[Any], bool]
 
 
 def costs_from_rows(rows: pd.DataFrame | None, target: str = "cluster", keep: RowFilter | None = None) -> CostBook:
@@ -55,7 +43,7 @@ def costs_from_rows(rows: pd.DataFrame | None, target: str = "cluster", keep: Ro
     if rows is None or rows.empty:
         return default_book()
     _MEMO.clear()
-    df = _decorate(rows, TARGETS[target], keep)
+    df = decorate(rows, TARGETS[target], keep)
     _FULL["df"] = df
     known: dict[str, Cost] = {}
     for name, (kind, extract, note) in EXTRACTORS.items():
@@ -76,8 +64,6 @@ def _rows_for(df: pd.DataFrame, name: str) -> pd.DataFrame:
 
 def _clip(name: str, value: float) -> float:
     """Derived per-op costs can come out slightly negative from noise; efficiencies stay in (0, 1]."""
-    from kvmove.bench.sim.costs import SPECS
-
     if SPECS[name].unit == "fraction":
         return min(max(value, 1e-3), 1.0)
     return max(value, 0.0)
@@ -91,86 +77,27 @@ def _newest(samples: list[Sample]) -> list[Sample]:
     return [s for s in samples if s.ref.commit == newest]
 
 
-def _decorate(rows: pd.DataFrame, matches: dict[str, Match], keep: RowFilter | None) -> pd.DataFrame:
-    df = rows[rows["kind"] == "measured"].copy()
-    if "timestamp" in df.columns:
-        df = df.sort_values("timestamp", kind="stable")
-    df["phases_d"] = df["phases"].map(_json)
-    df["extra_d"] = df["extra"].map(_json)
-    df["hardware"] = df["hardware"].fillna("").astype(str)
-    df["gpu"] = df["hardware"].map(gpu_of_hardware)
-    for c in ("bytes", "seconds", "gbps"):
-        df[c] = pd.to_numeric(df[c], errors="coerce").fillna(0.0)
-    df["setup"] = [row_setup(r) for _, r in df.iterrows()] if len(df) else []
-    kept = df.apply(keep, axis=1).astype(bool) if keep is not None and len(df) else True
-    for name, match in matches.items():
-        df[f"ok:{name}"] = df["setup"].map(match).astype(bool) & kept if len(df) else []
-    return df
-
-
-def _json(value: Any) -> dict[str, Any]:
-    if isinstance(value, dict):
-        return value
-    try:
-        out = json.loads(value) if isinstance(value, str) else {}
-    except ValueError:
-        return {}
-    return out if isinstance(out, dict) else {}
-
-
-def _ref(r: Any) -> RowRef:
-    e = r["extra_d"]
-    setup = " ".join(
-        str(x)
-        for x in (r.get("model", ""), r.get("trainer", ""), "->", r.get("engine", ""), r.get("strategy", ""))
-        if x
-    )
-    setup += f" {r.get('transport', '')}".rstrip()
-    if "setup" in r:
-        setup += f" {r['setup'].placement} x{r['setup'].gpus}"
-    if "direct" in e:
-        setup += " direct" if e["direct"] else " packed"
-    if "sync" in e:
-        setup += f" sync {e['sync']}"
-    return RowRef(str(r["git_commit"]), str(r["suite"]), str(r["name"]), setup.strip(), str(r["hardware"]))
-
-
 # --- ceilings: a measured rate over the vendor's line rate ------------------------------------------------------
 def _ceiling(prefix: str, line: Callable[[Gpu], float]) -> Extractor:
     def extract(df: pd.DataFrame) -> list[Sample]:
         rows = df[df["name"].astype(str).str.startswith(prefix) & df["gpu"].notna()]
-        return [Sample(r["gbps"] / line(r["gpu"]), _ref(r)) for _, r in rows.iterrows() if r["gbps"] > 0]
+        return [Sample(r["gbps"] / line(r["gpu"]), row_ref(r)) for _, r in rows.iterrows() if r["gbps"] > 0]
 
     return extract
 
 
-def _where(df: pd.DataFrame, keep: Callable[[dict[str, Any]], bool]) -> pd.DataFrame:
-    """Rows whose ``extra`` passes ``keep`` (an empty frame stays an empty frame)."""
-    return df[df["extra_d"].map(keep).astype(bool)] if len(df) else df
-
-
 # --- syncs ------------------------------------------------------------------------------------------------------
-def _syncs(df: pd.DataFrame, transport: str | None = None, strategies: tuple[str, ...] = ()) -> pd.DataFrame:
-    rows = df[df["gpu"].notna() & (df["strategy"].fillna("") != "")]
-    rows = _where(rows, lambda e: e.get("verified") is not False and int(e.get("sync", 2)) >= 2)
-    if transport:
-        rows = rows[rows["transport"] == transport]
-    if strategies:
-        rows = rows[rows["strategy"].isin(strategies)]
-    return rows
-
-
 def _transfer_efficiency(transport: str) -> Extractor:
     """Warm v2/v3 syncs: the transfer phase's rate over the line rate of the link used (NVLink between the
     two GPUs of one host, unless the row names another link in ``extra.link``)."""
 
     def extract(df: pd.DataFrame) -> list[Sample]:
         out = []
-        for _, r in _syncs(df, transport, ("v2", "v3")).iterrows():
+        for _, r in syncs(df, transport, ("v2", "v3")).iterrows():
             rate = float(r["extra_d"].get("transfer_gbps", 0.0))
             line = _line_gbps(r)
             if rate > 0 and line > 0:
-                out.append(Sample(rate / line, _ref(r)))
+                out.append(Sample(rate / line, row_ref(r)))
         return out
 
     return extract
@@ -199,12 +126,12 @@ def _phase_rate(phase: str) -> Extractor:
 
     def extract(df: pd.DataFrame) -> list[Sample]:
         out = []
-        rows = _syncs(df, None, ("v2", "v3"))
-        for _, r in _where(rows, lambda e: not e.get("direct")).iterrows():
+        rows = syncs(df, None, ("v2", "v3"))
+        for _, r in where(rows, lambda e: not e.get("direct")).iterrows():
             seconds = float(r["phases_d"].get(phase, 0.0))
             if seconds > 0:
                 rate = r["bytes"] / seconds
-                out.append(Sample(rate / _copy_rate(df, r["git_commit"], r["gpu"]), _ref(r)))
+                out.append(Sample(rate / _copy_rate(df, r["git_commit"], r["gpu"]), row_ref(r)))
         return out
 
     return extract
@@ -221,14 +148,14 @@ def _per_op(
 
     def extract(df: pd.DataFrame) -> list[Sample]:
         out = []
-        for _, r in _syncs(df, None, ("v1",)).iterrows():
+        for _, r in syncs(df, None, ("v1",)).iterrows():
             if not only(r):
                 continue
             counts = row_counts(r)
             seconds = float(r["phases_d"].get(phase, 0.0))
             if counts is None or seconds <= 0 or count(counts) <= 0:
                 continue
-            out.append(Sample((seconds - minus(r, df)) / count(counts), _ref(r)))
+            out.append(Sample((seconds - minus(r, df)) / count(counts), row_ref(r)))
         return out
 
     return extract
@@ -247,17 +174,26 @@ def _transfer_bytes(r: Any, df: pd.DataFrame) -> float:
 
 
 def _median(df: pd.DataFrame, name: str) -> float:
-    """The value ``name``'s extractor gives on the book's rows for it (1.0 without rows), computed once per book."""
+    """The value ``name``'s extractor gives on the book's rows for it (without rows: its named default, or 1.0 for
+    an efficiency that defaults to another cost), computed once per book."""
     df = _FULL.get("df", df)
     key = (id(df), "median", name)
     if key not in _MEMO:
         samples = _newest(EXTRACTORS[name][1](_rows_for(df, name)))
-        _MEMO[key] = statistics.median(s.value for s in samples) if samples else 1.0
+        default = SPECS[name].default
+        fallback = float(default) if not isinstance(default, str) else 1.0
+        _MEMO[key] = statistics.median(s.value for s in samples) if samples else fallback
     return _MEMO[key]
 
 
 def _no_bytes(r: Any, df: pd.DataFrame) -> float:
     return 0.0
+
+
+def _trainer_work(r: Any, df: pd.DataFrame) -> float:
+    """An engine rank's request phase is its wait for the reply, which spans the trainer gathering and packing the
+    pull on demand (``kvmove.sync.ranks.engine``: ``request`` times ``client.wait``): priced as gather and pack."""
+    return float(r["phases_d"].get("gather", 0.0)) + float(r["phases_d"].get("pack", 0.0))
 
 
 def _single_trainer_rank(r: Any) -> bool:
@@ -271,13 +207,13 @@ def _single_trainer_rank(r: Any) -> bool:
 def _broadcast_op(df: pd.DataFrame) -> list[Sample]:
     """NCCL broadcast syncs: (transfer phase - bytes at the measured NCCL rate) / tensors broadcast."""
     out = []
-    for _, r in _syncs(df, None, ("broadcast",)).iterrows():
+    for _, r in syncs(df, None, ("broadcast",)).iterrows():
         counts = row_counts(r)
         transfer = float(r["phases_d"].get("transfer", 0.0))
         if counts is None or transfer <= 0:
             continue
         rate = _line_gbps(r) * 1e9 * _median(df, "nccl_efficiency")
-        out.append(Sample((transfer - r["bytes"] / rate) / counts.tensors, _ref(r)))
+        out.append(Sample((transfer - r["bytes"] / rate) / counts.tensors, row_ref(r)))
     return out
 
 
@@ -287,19 +223,51 @@ def _cold(df: pd.DataFrame) -> list[Sample]:
     out = []
     keys = ["git_commit", "transport", "strategy", "model", "trainer", "engine"]
     for _, group in rows.groupby(keys, sort=False):
-        first = _where(group, lambda e: int(e.get("sync", 0)) == 1)
-        later = _where(group, lambda e: int(e.get("sync", 0)) >= 2)
+        first = where(group, lambda e: int(e.get("sync", 0)) == 1)
+        later = where(group, lambda e: int(e.get("sync", 0)) >= 2)
         counts = row_counts(first.iloc[0]) if len(first) else None
         if len(first) and len(later) and counts is not None and counts.kept > 0:
             extra = float(first.iloc[0]["seconds"]) - float(later["seconds"].median())
-            out.append(Sample(extra / counts.kept, _ref(first.iloc[0])))
+            out.append(Sample(extra / counts.kept, row_ref(first.iloc[0])))
     return out
 
 
 def _micro(name: str, value: Callable[[Any], float]) -> Extractor:
     def extract(df: pd.DataFrame) -> list[Sample]:
         rows = df[(df["name"] == name) & df["gpu"].notna()]
-        return [Sample(value(r), _ref(r)) for _, r in rows.iterrows() if r["seconds"] > 0]
+        return [Sample(value(r), row_ref(r)) for _, r in rows.iterrows() if r["seconds"] > 0]
+
+    return extract
+
+
+def _quantize(df: pd.DataFrame) -> list[Sample]:
+    """Warm FP8 v2/v3 syncs whose trainer quantizes: its pack phase is the batched quantize programs writing FP8
+    and scales into the slots (plus one call per pull served)."""
+    out = []
+    for _, r in syncs(df, None, ("v2", "v3")).iterrows():
+        counts = row_counts(r)
+        seconds = float(r["phases_d"].get("pack", 0.0))
+        if counts is None or counts.quant <= 0 or seconds <= 0:
+            continue
+        seconds -= counts.calls * _median(df, "pack_call_s")
+        if seconds > 0:
+            out.append(Sample(1.5 * counts.quant / seconds / (r["gpu"].hbm_gbps * 1e9), row_ref(r)))
+    return out
+
+
+def _delta_pass(phase: str, minus: str) -> Extractor:
+    """Delta suite rows on a GPU: model bytes over (phase - ``minus`` phase) over the run's device copy rate
+    (``device_copy_gbps`` counts reads and writes: a copy moves half of it)."""
+
+    def extract(df: pd.DataFrame) -> list[Sample]:
+        out = []
+        for _, r in df[df["suite"] == "delta"].iterrows() if len(df) else ():
+            e, p = r["extra_d"], r["phases_d"]
+            seconds = float(p.get(phase, 0.0)) - float(p.get(minus, 0.0) if minus else 0.0)
+            copy = float(e.get("device_copy_gbps") or 0.0) * 1e9 / 2
+            if seconds > 0 and copy > 0 and e.get("model_bytes"):
+                out.append(Sample(float(e["model_bytes"]) / seconds / copy, row_ref(r)))
+        return out
 
     return extract
 
@@ -317,7 +285,7 @@ def _reload(df: pd.DataFrame) -> list[Sample]:
             load = [float(p.get("load", 0.0)) for p in vllm["phases_d"]]
             base = [float(p.get("load", 0.0)) for p in ref["phases_d"]]
             value = (statistics.median(load) - statistics.median(base)) / layers
-            out += [Sample(value, _ref(r)) for _, r in vllm.iterrows()]
+            out += [Sample(value, row_ref(r)) for _, r in vllm.iterrows()]
     return out
 
 
@@ -341,7 +309,11 @@ EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
     "ipc_efficiency": ("measured", _transfer_efficiency("cuda-ipc"), "CUDA-IPC reads during warm v2/v3 syncs"),
     "pack_efficiency": ("measured", _phase_rate("pack"), "packed v2/v3 syncs: bytes / pack phase / device copy rate"),
     "load_efficiency": ("measured", _phase_rate("load"), "packed v2/v3 syncs: bytes / load phase / device copy rate"),
-    "request_s": ("derived", _per_op("request", lambda c: c.pulls, _no_bytes), "v1: request phase / pulls"),
+    "request_s": (
+        "derived",
+        _per_op("request", lambda c: c.pulls, _trainer_work),
+        "v1: (request phase - the gather and pack it waits for on the trainer) / pulls",
+    ),
     "materialize_s": (
         "derived",
         _per_op("gather", lambda c: c.yields, _no_bytes, _single_trainer_rank),
@@ -366,9 +338,20 @@ EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
     "cold_s_per_byte": ("derived", _cold, "first sync minus later ones, per byte an engine rank keeps"),
     "reload_layer_s": ("derived", _reload, "vLLM (CPU) load phase minus the reference engine's, per layer"),
     "quantize_efficiency": (
+        "derived",
+        _quantize,
+        "FP8 syncs: BF16 bytes the trainer quantized x 1.5 (read 2 B, write 1 B) / (pack phase - its per-pull "
+        "calls) / HBM bandwidth",
+    ),
+    "delta_detect_efficiency": (
         "measured",
-        _micro("fp8 block quantize", lambda r: r["gbps"] / r["gpu"].hbm_gbps),
-        "micro-benchmark: FP8 128x128 block quantization (read+write bytes) over HBM bandwidth",
+        _delta_pass("detect_encode", ""),
+        "delta suite: model bytes / detection + encoding phase / the same run's device copy rate",
+    ),
+    "delta_apply_efficiency": (
+        "measured",
+        _delta_pass("apply", "dense_land"),
+        "delta suite: model bytes / (apply phase - the dense landing) / the same run's device copy rate",
     ),
     "collective_s": (
         "measured",
@@ -376,8 +359,3 @@ EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
         "micro-benchmark: one small NCCL all-gather between the two GPUs",
     ),
 }
-
-
-def decorated(rows: pd.DataFrame) -> pd.DataFrame:
-    """Measured rows with their parsed ``phases_d``/``extra_d``, GPU preset and :class:`RowSetup` (``setup``)."""
-    return _decorate(rows, TARGETS["cluster"], None)

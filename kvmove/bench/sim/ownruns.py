@@ -15,8 +15,9 @@ import pandas as pd
 
 from kvmove.bench.sim.costs import CostBook, RowRef
 from kvmove.bench.sim.matching import model_layers
-from kvmove.bench.sim.measure import _ref, costs_from_rows, decorated
+from kvmove.bench.sim.measure import costs_from_rows
 from kvmove.bench.sim.predict import simulate
+from kvmove.bench.sim.samples import decorated, row_ref
 from kvmove.bench.sim.setup import Spec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
 
@@ -46,23 +47,39 @@ class OwnCheck(NamedTuple):
 
 
 def one_gpu_book(rows: pd.DataFrame | None) -> CostBook:
-    """Costs for kvmove's colocated one-GPU syncs: sync rows of the :data:`TRAIN_LAYERS`-layer slice only (and
-    rows of no slice: ceilings, micro-benchmarks)."""
-    return costs_from_rows(rows, "one-gpu", keep=lambda r: model_layers(r) in (None, TRAIN_LAYERS))
+    """Costs for kvmove's colocated one-GPU syncs: sync rows of the :data:`TRAIN_LAYERS`-layer slice (and rows of
+    no slice: ceilings, micro-benchmarks), plus, for the FP8 quantization rate (no FP8 row of that slice exists),
+    FP8 rows of any commit but the held-out one."""
+    held = _held_out_commit(rows)
+
+    def keep(r: pd.Series) -> bool:
+        fp8_elsewhere = r["setup"].dtype == "fp8" and r["git_commit"] != held
+        return model_layers(r) in (None, TRAIN_LAYERS) or fp8_elsewhere
+
+    return costs_from_rows(rows, "one-gpu", keep=keep)
+
+
+def _candidates(rows: pd.DataFrame | None) -> pd.DataFrame | None:
+    """Warm, verified colocated one-GPU sync rows of slices other than the training slice, oldest first."""
+    if rows is None or rows.empty:
+        return None
+    df = decorated(rows)
+    df = df[df["gpu"].notna() & (df["strategy"].fillna("") != "")]
+    df = df[df["setup"].map(lambda s: s.placement == "colocated" and s.gpus == 1 and s.gather == "none")]
+    df = df[[model_layers(r) not in (None, TRAIN_LAYERS) for _, r in df.iterrows()]]
+    df = df[df["extra_d"].map(lambda e: e.get("verified") is not False and int(e.get("sync", 2)) >= 2)]
+    return None if df.empty else df
+
+
+def _held_out_commit(rows: pd.DataFrame | None) -> str | None:
+    df = _candidates(rows)
+    return None if df is None else str(df["git_commit"].iloc[-1])
 
 
 def held_out_runs(rows: pd.DataFrame | None) -> list[OwnRun]:
     """Warm colocated one-GPU sync rows of any other slice, newest commit that has them, one run per setup."""
-    if rows is None or rows.empty:
-        return []
-    df = decorated(rows)
-    df = df[df["gpu"].notna() & (df["strategy"].fillna("") != "")]
-    if df.empty:
-        return []
-    df = df[df["setup"].map(lambda s: s.placement == "colocated" and s.gpus == 1 and s.gather == "none")]
-    df = df[[model_layers(r) not in (None, TRAIN_LAYERS) for _, r in df.iterrows()]]
-    df = df[df["extra_d"].map(lambda e: e.get("verified") is not False and int(e.get("sync", 2)) >= 2)]
-    if df.empty:
+    df = _candidates(rows)
+    if df is None:
         return []
     newest = df["git_commit"].iloc[-1]
     df = df[df["git_commit"] == newest]
@@ -79,7 +96,7 @@ def held_out_runs(rows: pd.DataFrame | None) -> list[OwnRun]:
         )  # fmt: skip
         what = f"{r['model']} {layers} layers {dt.upper()} {strategy} {trainer} -> {engine}, one H200 colocated"
         key = f"own-{layers}l-{dt}-{strategy}"
-        out.append(OwnRun(key, what, statistics.median(g["seconds"]), tuple(_ref(x) for _, x in g.iterrows()),
+        out.append(OwnRun(key, what, statistics.median(g["seconds"]), tuple(row_ref(x) for _, x in g.iterrows()),
                           spec, str(strategy)))  # fmt: skip
     return out
 

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
+from kvmove.bench.sim.builder import build_traffic
 from kvmove.bench.sim.costs import CostBook
+from kvmove.bench.sim.delta import apply_delta
 from kvmove.bench.sim.pricing import Prediction, price
 from kvmove.bench.sim.setup import SimSetup
 from kvmove.bench.sim.strategies import SimStrategy
-from kvmove.bench.sim.traffic import Traffic, build_traffic
+from kvmove.bench.sim.traffic import Traffic
 
 _TRAFFIC: dict[tuple[object, ...], Traffic] = {}
-_CACHE_LIMIT = 64
+_CACHE_LIMIT = 96
 
 
 def traffic_for(s: SimSetup, strategy: SimStrategy) -> Traffic:
-    """The traffic of ``strategy`` on ``s``, built once per process (it does not depend on costs or topology)."""
+    """The traffic of ``strategy`` on ``s``, built once per process (it does not depend on costs or topology); a
+    delta sync's is the dense traffic with its changed fractions applied."""
     key = (
         s.model,
         s.trainer,
@@ -27,12 +30,19 @@ def traffic_for(s: SimSetup, strategy: SimStrategy) -> Traffic:
         s.direct,
         s.via_host,
         s.group_size,
+        s.bucket_bytes,
+        s.ep_gather,
         strategy,
     )
+    dense = _cached(key, lambda: build_traffic(s, strategy))
+    return dense if s.delta is None else _cached((*key, s.delta), lambda: apply_delta(dense, s))
+
+
+def _cached(key: tuple[object, ...], make: Callable[[], Traffic]) -> Traffic:
     if key not in _TRAFFIC:
         if len(_TRAFFIC) >= _CACHE_LIMIT:
             _TRAFFIC.pop(next(iter(_TRAFFIC)))
-        _TRAFFIC[key] = build_traffic(s, strategy)
+        _TRAFFIC[key] = make()
     return _TRAFFIC[key]
 
 

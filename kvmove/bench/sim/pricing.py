@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvmove.bench.sim.costs import CostBook
-from kvmove.bench.sim.setup import SimSetup
+from kvmove.bench.sim.setup import BUCKET_CALLS, SimSetup
 from kvmove.bench.sim.traffic import Traffic
 
 EFFICIENCY = {
@@ -84,10 +84,15 @@ def price(traffic: Traffic, s: SimSetup, book: CostBook, totals: Traffic | None 
     whole = totals or traffic
     steps = _steps(traffic, s)
     table = _phase_table(steps, traffic, s, book)
-    pipelined = traffic.strategy.pipelined
-    seconds = _flow_shop(table, s) if pipelined else float((table.sum(axis=0) * steps.times).sum())
+    if s.constraints.one_update and len(np.unique(steps.stage)) > 1:
+        seconds = _one_update(table, steps.stage)
+    elif traffic.strategy.pipelined:
+        seconds = _flow_shop(table, s)
+    else:
+        seconds = float((table.sum(axis=0) * steps.times).sum())
     if s.cold:
         seconds += book["cold_s_per_byte"] * float(whole.total("engine", "kept").max())
+    seconds += _host_rounds(whole, s, book)
     phases = _phase_sums(table, steps.times)
     whole_steps = _steps(whole, s)
     sol, link = _speed_of_light(whole, s, whole_steps, by_stage=False)
@@ -111,7 +116,8 @@ def _steps(traffic: Traffic, s: SimSetup) -> Steps:
     """Group -> step: serial (one group per step) for per-tensor groups, serial PP or one-stage trainers;
     otherwise the k-th groups of all stages form step k."""
     stage = traffic.stage
-    if traffic.strategy.grouping == "tensor" or s.constraints.serial_pp or len(np.unique(stage)) == 1:
+    serial = s.constraints.serial_pp or s.constraints.one_update
+    if traffic.strategy.grouping == "tensor" or serial or len(np.unique(stage)) == 1:
         step = np.arange(traffic.groups)
     else:
         step = np.zeros(traffic.groups, dtype=np.int64)
@@ -152,13 +158,15 @@ def _phase_table(st: Steps, traffic: Traffic, s: SimSetup, book: CostBook) -> np
     quant = c.hbm_rate * book["quantize_efficiency"]
     pack_times = 1.0 if (s.constraints.synchronized_replicas or traffic.strategy.broadcast) else _served(s)
     t = st.t
-    gather = _gather(st, s, book)
-    host = t["send"] if s.trainer.kind == "host" else t["h2d"]
+    gather = _gather(st, s, book, traffic.strategy.grouping == "tensor")
+    # bytes sent by RDMA from host memory (a broadcast copies pinned memory to the device: priced in gather)
+    host = 0.0 if traffic.strategy.broadcast else t["send"] if s.trainer.kind == "host" else t["h2d"]
     pack = _rank_max(
         t["calls"] * book["pack_call_s"]
         + t["pack"] / (copy * book["pack_efficiency"])
         + 1.5 * t["quant"] / quant
         + host * book["host_register_s_per_byte"]
+        + t.get("detect", 0.0) / (copy * book["delta_detect_efficiency"])
     )
     if not traffic.strategy.broadcast:
         pack *= pack_times
@@ -166,13 +174,30 @@ def _phase_table(st: Steps, traffic: Traffic, s: SimSetup, book: CostBook) -> np
     relay = _relay(st, s, book)
     hops = 0 if traffic.strategy.broadcast else s.relay_depth
     e = st.e
-    calls = e["regions"] if traffic.strategy.broadcast else np.maximum(e["pulls"] - e["direct_pulls"], 0.0)
+    own_loader = s.constraints.engine_loader  # the engine's loader runs once per tensor
+    calls = e["regions"] if traffic.strategy.broadcast or own_loader else np.maximum(e["pulls"] - e["direct_pulls"], 0)
     load = _rank_max(
-        calls * book["load_call_s"] + e["scatter"] / (copy * book["load_efficiency"]) + 1.5 * e["quant"] / quant
+        calls * book["loader_tensor_s" if own_loader else "load_call_s"]
+        + e["scatter"] / (copy * book["load_efficiency"])
+        + 1.5 * e["quant"] / quant
+        + e.get("apply", 0.0) / (copy * book["delta_apply_efficiency"])
     )
     if s.constraints.layerwise_reload:
         load += st.layers * book["reload_layer_s"] + _rank_max(e["layer_bytes"] / copy)
     return np.vstack([gather, pack, transfer, load, *([relay] * hops)])
+
+
+def _host_rounds(traffic: Traffic, s: SimSetup, book: CostBook) -> float:
+    """A host-memory trainer's broadcast copies each round's buckets to the devices before broadcasting them, and
+    nothing else runs meanwhile (checkpoint-engine's ``_update_per_bucket``): from each rank's own pinned memory,
+    or, with ``remote_host``, read over RDMA by the updated GPUs from the ranks' host memory."""
+    if s.trainer.kind != "host" or not traffic.strategy.broadcast:
+        return 0.0
+    staged = traffic.total("trainer", "h2d")
+    if not s.remote_host:
+        return float(staged.max()) / (s.cluster.pcie_rate * book["h2d_efficiency"])
+    each = float(staged.sum()) / s.engine.ranks_per_replica
+    return each / (s.cluster.gpu_nic_rate * book["nic_efficiency"]) + each * book["host_register_s_per_byte"]
 
 
 def _served(s: SimSetup) -> float:
@@ -180,12 +205,22 @@ def _served(s: SimSetup) -> float:
     return float(s.engine.replicas if s.fanout == "none" else 1)
 
 
-def _gather(st: Steps, s: SimSetup, book: CostBook) -> np.ndarray:
+def _gather(st: Steps, s: SimSetup, book: CostBook, per_tensor: bool) -> np.ndarray:
+    """A rank asks its source for a group's tensors in one call (per tensor when groups are tensors:
+    ``kvmove.sync.ranks.trainer``), runs its collectives, copies host memory to the device."""
     c = s.cluster
-    per_rank = st.t["yield"] * book["materialize_s"] + st.t["h2d"] / (c.pcie_rate * book["h2d_efficiency"])
+    calls = st.t["yield"] if per_tensor else np.minimum(st.t["yield"], 1.0)
+    staged = 0.0 if s.trainer.kind == "host" else st.t["h2d"] / (c.pcie_rate * book["h2d_efficiency"])
+    per_rank = calls * book["materialize_s"] + staged
+    nvlink = c.nvlink_rate * book["nccl_efficiency"]
     for n, (ops, nbytes) in st.gather.items():
-        inside = n <= c.gpus_per_node or (s.trainer.kind == "fsdp" and s.trainer.shard <= c.gpus_per_node)
-        rate = c.nvlink_rate * book["nccl_efficiency"] if inside else c.gpu_nic_rate * book["nic_efficiency"]
+        inside = abs(n) <= c.gpus_per_node or (s.trainer.kind == "fsdp" and s.trainer.shard <= c.gpus_per_node)
+        if inside:
+            rate = nvlink
+        elif n < 0:  # a broadcast across nodes enters each node once, then fans out over NVLink
+            rate = min(nvlink, c.node_nic_rate * book["nic_efficiency"])
+        else:  # an all-gather across nodes: each rank's share crosses its NICs
+            rate = c.gpu_nic_rate * book["nic_efficiency"]
         per_rank = per_rank + ops * book["collective_s"] + nbytes / rate
     return _rank_max(per_rank)
 
@@ -204,8 +239,12 @@ def _transfer(st: Steps, traffic: Traffic, s: SimSetup, book: CostBook) -> np.nd
         "nccl": (packed + direct) * book["broadcast_op_s"],
         "cuda-ipc": packed * book["request_s"] + direct * book["pull_op_s"],
     }[s.transport]
-    per_tensor = book["broadcast_op_s"] if _local_link(s, True) else book["broadcast_nic_op_s"]
-    overhead = _rank_max(st.t["regions"]) * per_tensor if broadcast else _rank_max(ops)
+    if s.bucket_bytes:  # one call per bucket, priced by what the sender waits for
+        name = BUCKET_CALLS[s.bucket_call]
+        calls = np.full(len(st.times), book[name] if name else 0.0)
+    else:  # one NCCL broadcast per tensor
+        calls = _rank_max(st.t["regions"]) * book["broadcast_op_s"]
+    overhead = calls if broadcast else _rank_max(ops)
     if s.constraints.synchronized_replicas and s.engine.replicas > 1:
         overhead = overhead + book["request_s"]
     return link + overhead
@@ -313,6 +352,24 @@ def _phase_sums(table: np.ndarray, count: np.ndarray) -> dict[str, float]:
     for name, row in zip(rows, table, strict=True):
         out[name] = out.get(name, 0.0) + float((row * count).sum())
     return out
+
+
+def _one_update(table: np.ndarray, stage: np.ndarray) -> float:
+    """Each pipeline stage prepares (gathers, packs) its next group once its previous one has landed; the engines
+    take one group at a time (transfer, load, relays), in the order the stages offer them."""
+    prepare, deliver = table[:2].sum(axis=0), table[2:].sum(axis=0)
+    ready: dict[int, float] = {}
+    engine = 0.0
+    seen: dict[int, int] = {}
+    turn = []
+    for k in stage:  # the stages offer their groups in turn
+        seen[int(k)] = seen.get(int(k), -1) + 1
+        turn.append(seen[int(k)])
+    for g in sorted(range(len(stage)), key=lambda g: (turn[g], int(stage[g]))):
+        k = int(stage[g])
+        start = max(ready.get(k, 0.0) + prepare[g], engine)
+        ready[k], engine = start + table[2, g], start + deliver[g]  # the stage goes on once its bytes have landed
+    return engine
 
 
 def _flow_shop(table: np.ndarray, s: SimSetup) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import pandas as pd
 
 from kvmove.bench.results import COLUMNS, Labels, Row, git_commit, read_file, to_record, versions
 from kvmove.bench.sim.costs import CostBook
+from kvmove.bench.sim.delta import measured_fractions
 from kvmove.bench.sim.hardware import Cluster
 from kvmove.bench.sim.measure import costs_from_rows
 from kvmove.bench.sim.models import sim_model
@@ -25,6 +27,7 @@ from kvmove.bench.sim.pricing import Prediction
 from kvmove.bench.sim.setup import SimSetup, Spec, TrainerSpec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES, SimStrategy, parse_sim_strategies
 from kvmove.bench.sim.validation import Check, Validation, figure_setup, validate, validate_all
+from kvmove.errors import KvmoveError
 from kvmove.layout import EngineLayout
 
 SUITE = "simulated"
@@ -49,6 +52,8 @@ def prediction_row(p: Prediction, s: SimSetup, book: CostBook, label: str, check
         "binding_link": p.binding_link,
         "sol_ratio": p.sol_ratio,
         "bytes_kept": p.bytes_kept,
+        "delta": s.delta.text() if s.delta is not None else None,
+        "bucket_bytes": s.bucket_bytes,
         "costs": {n: {"value": c.value, "kind": c.kind, "commits": c.commits()} for n, c in book.costs.items()},
     }
     if check is not None:
@@ -117,6 +122,25 @@ def user_setups() -> Iterator[tuple[str, SimSetup]]:
         yield f"kimi-k2 on {gpu}", dataclasses.replace(base_k, cluster=cluster, direct=True)
 
 
+DELTA_SWEEP = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+"""Changed fractions the Kimi K2 delta rows sweep, beside the measured ones."""
+
+
+def delta_setups(rows: pd.DataFrame | None) -> Iterator[tuple[str, SimSetup]]:
+    """Kimi K2 over 400 Gb/s NICs (the vLLM post's 48 nodes, kvmove's engine, packed v3): dense, a delta sync at
+    the changed fractions the delta suite measured (when there are delta rows), and a sweep of fractions (dense
+    with direct reads is the user setup "kimi-k2 kvmove")."""
+    kimi = Spec("kimi-k2", "tp=8,pp=8,ep=32", "tp=32,ep=32", 4, 32, 16, "gpu=h100,nic=cx7-400,nics_per_node=8")
+    yield "kimi-k2 400G dense", kimi.build()
+    try:
+        found = measured_fractions(rows)
+        yield f"kimi-k2 400G delta measured {found.commit[:8]}", replace(kimi, delta=found.fractions.text()).build()
+    except KvmoveError:
+        pass
+    for f in DELTA_SWEEP:
+        yield f"kimi-k2 400G delta {f:g}", replace(kimi, delta=f"{f:g}").build()
+
+
 def own_row(o: OwnCheck, book: CostBook) -> Row:
     """A held-out measured run of ours and its prediction, as a simulated row carrying ``extra.published``."""
     s = o.run.spec.build()
@@ -141,8 +165,9 @@ def own_row(o: OwnCheck, book: CostBook) -> Row:
     return row
 
 
-def simulated_rows(book: CostBook, judged: Validation | None = None) -> list[Row]:
-    """Every figure's setup (with its figure), our own held-out runs, and every user setup, every strategy."""
+def simulated_rows(book: CostBook, judged: Validation | None = None, measured: pd.DataFrame | None = None) -> list[Row]:
+    """Every figure's setup (with its figure), our own held-out runs, every user setup with every strategy, and
+    the Kimi K2 delta rows (v3)."""
     checks = judged.checks if judged else validate(book)
     rows = [prediction_row(c.prediction, figure_setup(c.figure), book, c.figure.key, c) for c in checks]
     if judged and judged.own:
@@ -150,6 +175,9 @@ def simulated_rows(book: CostBook, judged: Validation | None = None) -> list[Row
     for label, s in user_setups():
         for p in simulate(s, SIM_STRATEGIES.values(), book):
             rows.append(prediction_row(p, s, book, label))
+    for label, s in delta_setups(measured):
+        (p,) = simulate(s, [SIM_STRATEGIES["v3"]], book)
+        rows.append(prediction_row(p, s, book, label))
     return rows
 
 
@@ -206,7 +234,7 @@ def regenerate(
         base = base.with_values(overrides, "set by --cost/--costs")
     judged = validate_all(base, measured)
     book = judged.fit.book if judged.fit else base
-    rows = simulated_rows(book, judged)
+    rows = simulated_rows(book, judged, measured)
     for spec, names in _recorded_adhoc(results_dir / f"{SUITE}.parquet"):
         rows += adhoc_rows(spec, parse_sim_strategies(",".join(names)), book)[1]
     return write_rows(results_dir, rows, replace=True), rows, book, judged

@@ -3,9 +3,11 @@ fan-out, cluster and the published engine's constraints. Frozen, validated once,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from kvmove.bench.sim.delta import DeltaFractions
 from kvmove.bench.sim.hardware import Cluster
 from kvmove.errors import KvmoveError
 from kvmove.layout import EngineLayout, TrainerLayout
@@ -69,14 +71,38 @@ class Constraints:
     """vLLM's layer-wise reload: per decoder layer, a fixed cost plus a copy of its bytes."""
     synchronized_replicas: bool = False
     """Replicas pull a group in lockstep: one release barrier per group."""
+    one_update: bool = False
+    """The engine takes one weight-update request at a time: the trainer's pipeline stages prepare their groups
+    concurrently, each waiting for its previous group to land, and reach the engines one after another."""
+    engine_loader: bool = False
+    """The engine lands weights through its own loader, called per tensor (``loader_tensor_s``), not kvmove's
+    landing programs."""
 
     @property
     def label(self) -> str:
-        return "published" if self == PUBLISHED else "kvmove" if self == KVMOVE else "custom"
+        return next((name for name, c in CONSTRAINTS.items() if c == self), "custom")
 
 
 PUBLISHED = Constraints(serial_pp=True, layerwise_reload=True, synchronized_replicas=True)
 KVMOVE = Constraints()
+CONSTRAINTS: dict[str, Constraints] = {
+    "kvmove": KVMOVE,
+    "published": PUBLISHED,
+    "vllm-nccl": dataclasses.replace(PUBLISHED, engine_loader=True),
+    "vllm-ipc": Constraints(engine_loader=True),
+    "sglang": Constraints(one_update=True, engine_loader=True),
+}
+"""Named engines and their limits: kvmove's own; the published vLLM engine of the RDT blog (sharded bytes, layer-wise
+reload); the same vLLM fed full tensors by its NCCL weight-transfer engine (its loader per tensor); vLLM fed by
+MoonshotAI checkpoint-engine's worker extension over CUDA IPC (its loader per tensor); SGLang, which takes one
+weight-update request at a time ("The communicator now only run up to 1 in-flight request at any time",
+https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/managers/tokenizer_communicator_mixin.py), so a
+trainer's pipeline stages reach it one after another, and loads through its own loader."""
+
+BUCKET_CALLS: dict[str, str | None] = {"async": None, "op": "broadcast_op_s", "vllm-packed": "packed_bucket_s"}
+"""What a bucketing sender waits for per bucket, as the cost that prices it: nothing on the path (calls dispatched
+and awaited once, as miles does), one NCCL broadcast call (verl, checkpoint-engine), or vLLM's packed NCCL
+weight-transfer consumer taking one buffer (SkyRL)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +132,19 @@ class SimSetup:
     lookahead: int = 1
     num_buffers: int = 2
     cold: bool = False
+    bucket_bytes: int = 0
+    """A broadcast sender's bucket: tensors go out in buckets of this many bytes, one broadcast call per bucket
+    (0: one call per tensor, as kvmove's broadcast makes them)."""
+    bucket_call: str = "op"
+    """What the sender waits for per bucket (:data:`BUCKET_CALLS`)."""
+    ep_gather: bool = False
+    """The trainer all-gathers expert shards over its EP group before sending, as a broadcast does, so any rank
+    of the stage serves any expert (miles' P2P path gathers "identically" to its broadcast path)."""
+    remote_host: bool = False
+    """A host-memory trainer's broadcast reads each bucket over RDMA from the host memory holding it before
+    broadcasting it, instead of copying it from its own pinned memory (checkpoint-engine's P2P update)."""
+    delta: DeltaFractions | None = None
+    """A delta sync at these changed fractions per region class (``kvmove.bench.sim.delta``); None: dense."""
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -114,14 +153,16 @@ class SimSetup:
             ("fanout", self.fanout, FANOUTS),
             ("dtype", self.dtype, DTYPES),
             ("quantize_on", self.quantize_on, QUANTIZE_ON),
+            ("bucket_call", self.bucket_call, tuple(BUCKET_CALLS)),
         ):
             if value not in allowed:
                 raise KvmoveError(f"{name} {value!r} is not one of {', '.join(allowed)}")
         for name in ("trainer_nodes", "engine_nodes", "block", "group_size", "num_buffers"):
             if getattr(self, name) < 1:
                 raise KvmoveError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.lookahead < 0:
-            raise KvmoveError(f"lookahead must be >= 0, got {self.lookahead}")
+        for name in ("lookahead", "bucket_bytes"):
+            if getattr(self, name) < 0:
+                raise KvmoveError(f"{name} must be >= 0, got {getattr(self, name)}")
         self._check_layouts()
         self._check_placement()
 
@@ -150,6 +191,8 @@ class SimSetup:
             raise KvmoveError(f"fan-out {self.fanout!r} relays between replicas: it needs --replicas >= 2")
         if self.direct and self.trainer.kind != "megatron":
             raise KvmoveError("direct pulls read Megatron shards in place: they need a megatron trainer")
+        if self.remote_host and self.trainer.kind != "host":
+            raise KvmoveError("remote host reads fetch buckets from host memory: they need a host:world=N trainer")
 
     @property
     def wire_dtype(self) -> str:
@@ -181,6 +224,10 @@ class SimSetup:
         ]
         if self.fanout != "none":
             parts.append(f"{self.fanout} fan-out")
+        if self.bucket_bytes:
+            parts.append(f"{self.bucket_bytes / 2**30:g} GiB buckets")
+        if self.delta is not None:
+            parts.append(f"delta ({self.delta.text()})")
         return ", ".join(parts)
 
 
@@ -224,14 +271,21 @@ class Spec:
     num_buffers: int = 2
     cold: bool = False
     overrides: tuple[str, ...] = ()
+    bucket_bytes: int = 0
+    bucket_call: str = "op"
+    ep_gather: bool = False
+    remote_host: bool = False
+    delta: str = ""
+    """Changed fractions of a delta sync as ``--delta-fraction`` spells them once resolved ("" : dense)."""
 
     def build(self) -> SimSetup:
         """The validated setup (a KvmoveError names the first bad value)."""
+        from kvmove.bench.sim.delta import parse_fractions
         from kvmove.bench.sim.models import sim_model
         from kvmove.models import parse_overrides, resolve_model
 
-        if self.constraints not in ("kvmove", "published"):
-            raise KvmoveError(f"constraints {self.constraints!r} is not kvmove or published")
+        if self.constraints not in CONSTRAINTS:
+            raise KvmoveError(f"constraints {self.constraints!r} is not one of {', '.join(CONSTRAINTS)}")
         model = (
             resolve_model(self.model, parse_overrides(list(self.overrides)))
             if self.overrides
@@ -252,9 +306,14 @@ class Spec:
             block=self.block,
             direct=self.direct,
             via_host=self.via_host,
-            constraints=PUBLISHED if self.constraints == "published" else KVMOVE,
+            constraints=CONSTRAINTS[self.constraints],
             group_size=self.group_size,
             lookahead=self.lookahead,
             num_buffers=self.num_buffers,
             cold=self.cold,
+            bucket_bytes=self.bucket_bytes,
+            bucket_call=self.bucket_call,
+            ep_gather=self.ep_gather,
+            remote_host=self.remote_host,
+            delta=parse_fractions(self.delta) if self.delta else None,
         )

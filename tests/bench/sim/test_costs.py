@@ -114,7 +114,7 @@ def test_new_gpu_rows_of_another_layout_are_picked_up(tmp_path) -> None:
         transport="nixl",
         bytes=0,
         seconds=1.0,
-        phases={"request": 0.2, "gather": 0.1, "pack": 0.1, "load": 0.1, "transfer": 0.1},
+        phases={"request": 0.5, "gather": 0.1, "pack": 0.1, "load": 0.1, "transfer": 0.1},
         extra={"sync": 2, "verified": True, "direct": False},
     )
     from kvmove.bench.sim.models import sim_model
@@ -126,6 +126,11 @@ def test_new_gpu_rows_of_another_layout_are_picked_up(tmp_path) -> None:
     request = book.costs["request_s"]
     assert request.kind == "derived" and request.rows[0].commit == "ddd" and request.value > 0
     assert "tp=2,pp=1" in request.rows[0].setup
+    # the request phase spans the trainer's gather and pack (priced as such): only the rest is per request
+    pulls = book.costs["request_s"].value
+    append_rows(tmp_path, "gpu", [Row(**{**row.__dict__, "phases": {**row.phases, "request": 0.2}})],
+                Labels("gpu:H100 x2", {}, "eee"))  # fmt: skip
+    assert costs_from_rows(load_results(tmp_path)).costs["request_s"].value == 0.0 < pulls
 
 
 def test_cluster_presets_and_flags() -> None:

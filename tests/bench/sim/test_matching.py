@@ -100,3 +100,22 @@ def test_validate_json_is_json_lines(monkeypatch, tmp_path) -> None:
     assert [(x["figure"], x["role"]) for x in figures] == [("vllm-qwen3-v2", "training"), ("vllm-qwen3-v3", "held-out")]
     assert {x["kind"] for x in lines} == {"figure", "fitted", "order", "summary"}
     assert lines[-1]["kind"] == "summary" and "held_out_median_abs_error_pct" in lines[-1]
+
+
+def test_quantization_is_priced_from_the_syncs_own_fp8_rows_not_the_micro_benchmark(tmp_path) -> None:
+    """The micro-benchmark's pure-torch quantizer sets no cost; an FP8 sync's pack phase (the batched quantize
+    programs) does, for any placement; a BF16 row never does."""
+    micro = Row(kind="measured", suite="micro", name="fp8 block quantize", bytes=3, seconds=1.0, gbps=100.0)
+    append_rows(tmp_path, "micro", [micro], Labels("gpu:H200 x2", {}, "m"))
+    assert costs_from_rows(load_results(tmp_path)).costs["quantize_efficiency"].kind == "default"
+    fp8 = _v1(0.0, "tp=1,pp=1,ep=1,etp=1,dp=1", (["cuda:0"], ["cuda:0"]), "colocated")
+    fp8 = Row(**{**fp8.__dict__, "name": "fp8 sync v3", "strategy": "v3",
+                 "phases": {"pack": 0.01, "gather": 0.0, "load": 0.01, "transfer": 0.01, "request": 0.0},
+                 "extra": {**fp8.extra, "engine_dtype": "fp8"}})  # fmt: skip
+    append_rows(tmp_path, "gpu", [fp8], Labels("gpu:H200 x1", {}, "q"))
+    rows = load_results(tmp_path)
+    for target in ("cluster", "one-gpu"):
+        cost = costs_from_rows(rows, target).costs["quantize_efficiency"]
+        assert cost.kind == "derived" and [r.commit for r in cost.rows] == ["q"], target
+        assert 0 < cost.value <= 1
+    assert costs_from_rows(rows).costs["ipc_efficiency"].kind == "default"  # an FP8 row sets no BF16 cost

@@ -10,7 +10,8 @@ import pytest
 from kvmove.bench.sim.costs import default_book
 from kvmove.bench.sim.hardware import Cluster
 from kvmove.bench.sim.predict import simulate
-from kvmove.bench.sim.setup import PUBLISHED, SimSetup, TrainerSpec
+from kvmove.bench.sim.delta import parse_fractions
+from kvmove.bench.sim.setup import CONSTRAINTS, PUBLISHED, SimSetup, TrainerSpec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
 from kvmove.errors import KvmoveError
 from kvmove.layout import EngineLayout
@@ -47,6 +48,11 @@ def _grid() -> list[SimSetup]:
                      placement="colocated", transport="cuda-ipc"))  # fmt: skip
     out.append(_qwen(cluster=Cluster.parse("gpu=b200,nic=cx8-800"), cold=True))
     out.append(_qwen(cluster=Cluster.parse("gpu=h20,nic=cx7-200,nics_per_node=4"), via_host=True))
+    out.append(_qwen(transport="nccl", bucket_bytes=1 << 28, constraints=CONSTRAINTS["sglang"], ep_gather=True))
+    out.append(_qwen(trainer=TrainerSpec.parse("host:world=16"), engine=EngineLayout.parse("tp=8", 2),
+                     placement="colocated", bucket_bytes=1 << 30, remote_host=True))  # fmt: skip
+    out.append(_qwen(delta=parse_fractions("experts=0.02,attention=0.01"), fanout="tree",
+                     engine=EngineLayout.parse("tp=8,ep=8", 2)))  # fmt: skip
     return out
 
 
@@ -122,3 +128,20 @@ def test_bad_setups_are_one_clear_error() -> None:
         _qwen(trainer=TrainerSpec.parse("fsdp:world=16,shard=8"), direct=True)
     with pytest.raises(KvmoveError, match=r"shard \(8\) must divide world \(12\)"):
         TrainerSpec.parse("fsdp:world=12,shard=8")
+
+
+def test_bucketed_broadcasts_pay_per_bucket_and_an_engine_taking_one_update_serializes_stages() -> None:
+    st = [SIM_STRATEGIES["broadcast"]]
+    per_tensor = simulate(_qwen(transport="nccl"), st, BOOK)[0]
+    book = BOOK.with_values({"broadcast_op_s": 0.01}, "t")
+    small, large = (simulate(_qwen(transport="nccl", bucket_bytes=b), st, book)[0] for b in (1 << 28, 1 << 31))
+    assert small.seconds > large.seconds  # one call per bucket
+    assert per_tensor.bytes_moved == small.bytes_moved == large.bytes_moved
+    waits = simulate(_qwen(transport="nccl", bucket_bytes=1 << 28, bucket_call="async"), st, book)[0]
+    assert waits.seconds < small.seconds  # calls dispatched and awaited once: none on the path
+    v3 = [SIM_STRATEGIES["v3"]]
+    free = simulate(_qwen(), v3, BOOK)[0]
+    one = simulate(_qwen(constraints=CONSTRAINTS["sglang"]), v3, BOOK)[0]
+    assert one.seconds > free.seconds and one.seconds >= one.phases["transfer"] + one.phases["load"] - 1e-9
+    with pytest.raises(KvmoveError, match="bucket_call 'rpc' is not one of"):
+        _qwen(bucket_call="rpc")

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
 from typer.testing import CliRunner
 
+from kvmove.bench.sim.builder import build_traffic
 from kvmove.bench.sim.groups import units
 from kvmove.bench.sim.hardware import Cluster
 from kvmove.bench.sim.models import sim_model
 from kvmove.bench.sim.setup import SimSetup, TrainerSpec
 from kvmove.bench.sim.shards import wire_bytes
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
-from kvmove.bench.sim.traffic import build_traffic
 from kvmove.cli.main import app
 from kvmove.layout import EngineLayout
 from kvmove.models import model_totals, resolve_model
+from kvmove.models.tensors import hf_tensors
 
 
 def _setup(model: str, trainer: str, engine: str, replicas: int = 1, **kw: object) -> SimSetup:
@@ -109,3 +111,23 @@ def test_groups_follow_the_strategy() -> None:
     assert sum(u.times for u in reps if u.items) == model_totals(cfg).num_tensors
     assert sum(u.times * u.layers for u in reps) == cfg.num_hidden_layers
     assert math.isclose(sum(u.times for u in reps if u.items and u.items[0].experts), 60 * 384 * 3)
+
+
+def test_a_bucketing_sender_fills_buckets_with_every_byte_once() -> None:
+    """Megatron stages bucket their own tensors (an expert block split to fit); host ranks bucket what each holds,
+    as many buckets as their bytes fill (checkpoint-engine), spread over the sync's tensors."""
+    cfg = resolve_model("qwen3-235b-a22b", {"num_hidden_layers": 4})
+    total = model_totals(cfg).total_bytes
+    gib = 1 << 30
+    mega = SimSetup(cfg, TrainerSpec.parse("tp=4,pp=2,ep=8"), EngineLayout.parse("tp=8,ep=8"), Cluster(), 2, 1,
+                    bucket_bytes=gib)  # fmt: skip
+    groups = units(mega, SIM_STRATEGIES["broadcast"])
+    sizes = [sum(wire_bytes(i.name, i.shape, "bf16") * i.tensors for i in u.items) for u in groups]
+    largest = max(wire_bytes(t.name, t.shape, "bf16") for t in hf_tensors(cfg))  # a tensor goes whole
+    assert sum(sizes) == total and max(sizes) <= max(gib, largest) and len(groups) >= total / gib
+    assert sum(u.layers for u in groups) == cfg.num_hidden_layers
+    host = SimSetup(cfg, TrainerSpec.parse("host:world=8"), EngineLayout.parse("tp=8"), Cluster(), 1, 1,
+                    placement="colocated", bucket_bytes=gib)  # fmt: skip
+    per_rank = math.ceil(total / 8 / gib)
+    assert per_rank * 8 <= len(units(host, SIM_STRATEGIES["broadcast-pipelined"])) <= (per_rank + 1) * 8
+    assert units(host, SIM_STRATEGIES["v3"]) == units(dataclasses.replace(host, bucket_bytes=0), SIM_STRATEGIES["v3"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -54,12 +55,15 @@ def test_regenerate_rewrites_every_simulated_row_and_keeps_recorded_adhoc_setups
     monkeypatch.setattr(sim_rows, "validate_all", lambda book, rows: validate_all(book, rows, few))
     tiny = Spec("qwen3-moe-tiny", "tp=2,pp=2,ep=2", "tp=2,ep=2", 2, 1, 1)
     monkeypatch.setattr(sim_rows, "user_setups", lambda: iter([("tiny", tiny.build())]))
+    delta = dataclasses.replace(tiny, delta="0.02")
+    monkeypatch.setattr(sim_rows, "delta_setups", lambda rows: iter([("tiny delta", delta.build())]))
     _, adhoc = sim_rows.adhoc_rows(tiny, [SIM_STRATEGIES["v3"]], BOOK)
     sim_rows.write_rows(tmp_path, adhoc, replace=False)
     path, written, _, _ = sim_rows.regenerate(tmp_path)
     df = pd.read_parquet(path)
-    assert len(df) == len(written) == 2 + len(SIM_STRATEGIES) + 1 and (df["kind"] == "simulated").all()
+    assert len(df) == len(written) == 2 + len(SIM_STRATEGIES) + 1 + 1 and (df["kind"] == "simulated").all()
     extras = [json.loads(e) for e in df["extra"]]
+    assert [e["delta"] for e in extras].count("default=0.02") == 1
     assert sum("adhoc" in e for e in extras) == 1 and sum("published" in e for e in extras) == 2
     assert all(set(e["costs"]) == set(BOOK.costs) for e in extras)
     path2, _, _, _ = sim_rows.regenerate(tmp_path)  # idempotent: nothing accumulates

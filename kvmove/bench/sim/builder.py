@@ -1,0 +1,358 @@
+"""Building a strategy's :class:`~kvmove.bench.sim.traffic.Traffic` on a setup, item by item: who keeps, who
+serves, what is gathered and how, per group (pure; milliseconds for a hundred groups)."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from kvmove.bench.sim.groups import Item, host_owner, units
+from kvmove.bench.sim.setup import SimSetup
+from kvmove.bench.sim.shards import (
+    Split,
+    engine_split,
+    megatron_split,
+    nested,
+    quantizable,
+    slice_index,
+    trainer_shard_of,
+    wire_bytes,
+)
+from kvmove.bench.sim.strategies import SimStrategy
+from kvmove.bench.sim.traffic import ENGINE_KEYS, TRAINER_KEYS, Traffic
+from kvmove.sync.delta.detect import region_class
+
+
+def build_traffic(setup: SimSetup, strategy: SimStrategy) -> Traffic:
+    """The traffic of ``strategy`` on ``setup`` (pure; milliseconds for a hundred groups)."""
+    groups = units(setup, strategy)
+    b = _Builder(setup, strategy, len(groups))
+    for g, unit in enumerate(groups):
+        for item in unit.items:
+            b.add(g, item)
+        b.reload(g, unit.reload, unit.layers)
+    return b.finish(np.array([u.times for u in groups]))
+
+
+class Contribution(NamedTuple):
+    """One item's rows (trainer, engine, collectives), sources, largest request and trainer stage."""
+
+    t: dict[str, np.ndarray]
+    e: dict[str, np.ndarray]
+    gather: dict[int, tuple[np.ndarray, np.ndarray]]
+    sources: frozenset[tuple[int, tuple[object, ...]]]
+    max_request: float
+    stage: int
+
+
+Demand = tuple[np.ndarray, np.ndarray, np.ndarray, int | None]
+"""(keeper local ranks, tensors each keeps, slice index each reads, trainer EP owner it reads from)."""
+
+
+class _Builder:
+    """Accumulates one strategy's per-group arrays, item by item (one occurrence of each group)."""
+
+    def __init__(self, s: SimSetup, strategy: SimStrategy, groups: int, scratch: bool = False) -> None:
+        self.s, self.strategy, self.groups = s, strategy, groups
+        world, local = s.trainer.world, s.engine.ranks_per_replica
+        self.t = {k: np.zeros((groups, world)) for k in TRAINER_KEYS}
+        self.e = {k: np.zeros((groups, local)) for k in ENGINE_KEYS}
+        self.gather: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.layers, self.max_request = np.zeros(groups), np.zeros(groups)
+        self.stage = np.zeros(groups, dtype=np.int64)
+        self.sources: list[set[tuple[int, tuple[object, ...]]]] = [set() for _ in range(groups)]
+        ec = [s.engine.coord(r) for r in range(local)]
+        self.e_pp, self.e_tp, self.e_ep = (np.array([getattr(c, k) for c in ec]) for k in ("pp", "tp", "ep"))
+        tc = [s.trainer.layout.coord(r) for r in range(world)]
+        self.t_pp, self.t_tp, self.t_ep, self.t_etp = (
+            np.array([getattr(c, k) for c in tc]) for k in ("pp", "tp", "ep", "etp")
+        )
+        self._cache: dict[tuple[object, ...], Contribution] = {}
+        self._reloads: dict[tuple[object, ...], np.ndarray] = {}
+        self._scratch: _Builder | None = _Builder(s, strategy, 1, scratch=True) if groups and not scratch else None
+
+    def add(self, g: int, item: Item) -> None:
+        """Add ``item`` to group ``g``; items differing only by layer index (same stages) cost the same, so each
+        kind is computed once and its rows reused."""
+        scratch = self._scratch
+        if scratch is None:
+            self._add(g, item)
+            return
+        key = self._key(item)
+        if key not in self._cache:
+            scratch.clear()
+            scratch._add(0, item)
+            self._cache[key] = scratch.snapshot()
+        self._apply(g, self._cache[key])
+
+    def _key(self, item: Item) -> tuple[object, ...]:
+        s = self.s
+        es = engine_split(s.model, s.engine, item.name, item.layer, item.expert0)
+        ts = megatron_split(s.model, s.trainer.layout, item.name, item.layer, item.expert0) if self._megatron else None
+        groups = s.trainer.world // s.trainer.shard
+        where = item.layer % groups if s.trainer.kind == "fsdp" and item.layer is not None else None
+        owner = host_owner(item, s.trainer.world) if s.trainer.kind == "host" else None
+        generic = item.name if item.layer is None else item.name.replace(f".{item.layer}.", ".L.", 1)
+        return (generic, item.shape, item.expert0, item.experts, es.stage, ts.stage if ts else 0, where, owner)
+
+    def clear(self) -> None:
+        for arrays in (self.t, self.e):
+            for a in arrays.values():
+                a.fill(0.0)
+        for ops, nbytes in self.gather.values():
+            ops.fill(0.0)
+            nbytes.fill(0.0)
+        self.sources[0].clear()
+        self.max_request[0] = 0.0
+
+    def snapshot(self) -> Contribution:
+        return Contribution(
+            {k: a[0].copy() for k, a in self.t.items() if a[0].any()},
+            {k: a[0].copy() for k, a in self.e.items() if a[0].any()},
+            {n: (ops[0].copy(), nbytes[0].copy()) for n, (ops, nbytes) in self.gather.items() if ops[0].any()},
+            frozenset(self.sources[0]),
+            float(self.max_request[0]),
+            int(self.stage[0]),
+        )
+
+    def _apply(self, g: int, c: Contribution) -> None:
+        for k, row in c.t.items():
+            self.t[k][g] += row
+        for k, row in c.e.items():
+            self.e[k][g] += row
+        for n, (ops, nbytes) in c.gather.items():
+            if n not in self.gather:
+                shape = (self.groups, self.s.trainer.world)
+                self.gather[n] = (np.zeros(shape), np.zeros(shape))
+            self.gather[n][0][g] += ops
+            self.gather[n][1][g] += nbytes
+        self.sources[g] |= c.sources
+        self.max_request[g] = max(self.max_request[g], c.max_request)
+        self.stage[g] = c.stage
+
+    def _add(self, g: int, item: Item) -> None:
+        s = self.s
+        w = float(wire_bytes(item.name, item.shape, s.wire_dtype, s.block))
+        quantized = s.dtype == "fp8" and s.quantize_on in ("trainer", "engine") and quantizable(item.name, item.shape)
+        bf = 2.0 * math.prod(item.shape) if quantized else 0.0
+        es = engine_split(s.model, s.engine, item.name, item.layer, item.expert0)
+        ts = megatron_split(s.model, s.trainer.layout, item.name, item.layer, item.expert0) if self._megatron else None
+        self.stage[g] = ts.stage if ts else self._mesh_group(item)
+        self.max_request[g] = max(self.max_request[g], es.keep * w)
+        demands = self._demands(item, es)
+        for keepers, tensors, _, _ in demands:
+            self._keep(g, keepers, tensors, es.keep * w, es.keep * bf, region_class(item.name))
+        if self.strategy.broadcast:
+            self._broadcast(g, item, es, ts, w, bf)
+        elif self._direct(es, ts, bf):
+            assert ts is not None
+            for demand in demands:
+                self._serve_direct(g, demand, es, ts, w)
+        else:
+            for demand in demands:
+                self._serve_packed(g, item, demand, es, ts, w, bf)
+            self._materialize(g, item, ts, demands)
+
+    @property
+    def _megatron(self) -> bool:
+        return self.s.trainer.kind == "megatron"
+
+    def _direct(self, es: Split, ts: Split | None, bf: float) -> bool:
+        s = self.s
+        quantized_on_trainer = bf > 0 and s.quantize_on == "trainer"
+        return (
+            s.direct
+            and s.delta is None  # a delta sync plans direct reads packed (kvmove.sync.driver.checks.delta_checked)
+            and self.strategy.scope == "stage"
+            and ts is not None
+            and nested(es, ts)
+            and not quantized_on_trainer
+        )
+
+    # --- the engine side --------------------------------------------------------------------------------------
+    def _demands(self, item: Item, es: Split) -> list[Demand]:
+        stage = self.e_pp == es.stage
+        if not item.experts:
+            keepers = np.flatnonzero(stage)
+            return [(keepers, np.ones(len(keepers)), self._index(es, keepers), None)]
+        cfg, first = self.s.model, item.expert0 or 0
+        experts = np.arange(first, first + item.experts)
+        ep_owned = self._megatron and not self.s.ep_gather
+        owner_t = experts // (cfg.num_experts // self.s.trainer.layout.ep) if ep_owned else None
+        out: list[Demand] = []
+        if self.s.engine.ep > 1:
+            owner_e = experts // (cfg.num_experts // self.s.engine.ep)
+            for j in np.unique(owner_e):
+                keeper = np.flatnonzero(stage & (self.e_ep == j))
+                mine = owner_e == j
+                out += _by_owner(
+                    keeper, int(mine.sum()), None if owner_t is None else owner_t[mine], self._index(es, keeper)
+                )
+            return out
+        keepers = np.flatnonzero(stage)
+        return _by_owner(keepers, item.experts, owner_t, self._index(es, keepers))
+
+    def _index(self, es: Split, keepers: np.ndarray) -> np.ndarray:
+        return np.array([slice_index(es, self.s.engine, int(t)) for t in self.e_tp[keepers]], dtype=np.int64)
+
+    def _keep(self, g: int, keepers: np.ndarray, tensors: np.ndarray, kept: float, kept_bf: float, cls: str) -> None:
+        e = self.e
+        e["regions"][g, keepers] += tensors
+        e["kept"][g, keepers] += tensors * kept
+        if not self.strategy.broadcast:
+            e["recv"][g, keepers] += tensors * kept
+            e[f"recv.{cls}"][g, keepers] += tensors * kept
+        if self.s.quantize_on == "engine":
+            e["quant"][g, keepers] += tensors * kept_bf
+
+    def reload(self, g: int, items: list[Item], layers: int) -> None:
+        """Layer-wise reload: the layers completed in group ``g`` and each engine rank's bytes of them."""
+        self.layers[g] = layers
+        for item in items:
+            key = ("reload", *self._key(item))
+            if key not in self._reloads:
+                row = np.zeros(self.s.engine.ranks_per_replica)
+                w = float(wire_bytes(item.name, item.shape, self.s.wire_dtype, self.s.block))
+                es = engine_split(self.s.model, self.s.engine, item.name, item.layer, item.expert0)
+                for keepers, tensors, _, _ in self._demands(item, es):
+                    row[keepers] += tensors * es.keep * w
+                self._reloads[key] = row
+            self.e["layer_bytes"][g] += self._reloads[key]
+
+    # --- the trainer side -------------------------------------------------------------------------------------
+    def _serve_direct(self, g: int, demand: Demand, es: Split, ts: Split, w: float) -> None:
+        keepers, tensors, index, owner = demand
+        for k, n, idx in zip(keepers, tensors, index, strict=True):
+            shard = trainer_shard_of(es, ts, int(idx))
+            holders = self._holders(ts, owner, shard, None)
+            self.t["send"][g, holders] += n * es.keep * w / len(holders)
+            self.e["direct"][g, k] += n
+            self.sources[g].add((int(k), ("shard", ts.stage, owner, shard, tuple(holders))))
+
+    def _serve_packed(
+        self, g: int, item: Item, demand: Demand, es: Split, ts: Split | None, w: float, bf: float
+    ) -> None:
+        keepers, tensors, _, owner = demand
+        holders = self._holders(ts, owner, None, item)
+        total, share = float(tensors.sum()), 1.0 / len(holders)
+        t = self.t
+        t["send"][g, holders] += total * es.keep * w * share
+        t["regions"][g, holders] += total * share
+        if bf and self.s.quantize_on == "trainer":  # the quantize programs write FP8 and scales into the slot
+            t["quant"][g, holders] += total * es.keep * bf * share
+        else:
+            t["pack"][g, holders] += total * es.keep * w * share
+        if self.s.via_host:
+            t["h2d"][g, holders] += total * es.keep * w * share
+        self.e["scatter"][g, keepers] += tensors * es.keep * w
+        key = ("from", owner, tuple(holders), self.s.trainer.kind == "host" and item.name)
+        for k in keepers:
+            self.sources[g].add((int(k), key))
+
+    def _broadcast(self, g: int, item: Item, es: Split, ts: Split | None, w: float, bf: float) -> None:
+        """Every engine rank of the stage receives the full tensors; a root rank sends each once."""
+        receivers = np.flatnonzero(self.e_pp == es.stage)
+        full = item.tensors * w
+        self.e["recv"][g, receivers] += full
+        self.e["scatter"][g, receivers] += full * es.keep if not item.experts else 0.0
+        if item.experts:
+            for keepers, tensors, _, _ in self._demands(item, es):
+                self.e["scatter"][g, keepers] += tensors * es.keep * w
+        roots = self._holders(ts, None, None, item)
+        if not (self.s.trainer.kind == "host" and item.experts):
+            roots = roots[:1]  # one root per tensor; a host trainer's expert tensors are spread over its ranks
+        self.t["send"][g, roots] += full / len(roots)
+        self.t["regions"][g, roots] += item.tensors / len(roots)
+        if bf and self.s.quantize_on == "trainer":
+            self.t["quant"][g, roots] += item.tensors * bf / len(roots)
+        if self.s.trainer.kind == "host":
+            self.t["h2d"][g, roots] += full / len(roots)
+        self._materialize(g, item, ts, [])
+
+    def _mesh_group(self, item: Item) -> int:
+        """FSDP: the mesh group that materializes the item's layer (groups work on disjoint layers at once)."""
+        if self.s.trainer.kind != "fsdp" or item.layer is None:
+            return 0
+        return item.layer % (self.s.trainer.world // self.s.trainer.shard)
+
+    def _holders(self, ts: Split | None, owner: int | None, shard: int | None, item: Item | None) -> np.ndarray:
+        s, world = self.s, self.s.trainer.world
+        if s.trainer.kind == "fsdp":
+            q = 0 if item is None else self._mesh_group(item)
+            return np.arange(q * s.trainer.shard, (q + 1) * s.trainer.shard)
+        if s.trainer.kind == "host":
+            return np.arange(world) if item is not None and item.experts else np.array([host_owner(item, world)])
+        assert ts is not None
+        if self.strategy.scope == "global":
+            return np.arange(world)
+        mask = self.t_pp == ts.stage
+        if self.strategy.broadcast:
+            return np.flatnonzero(mask)[:1]
+        if owner is not None:
+            mask &= self.t_ep == owner
+        if shard is not None and ts.dim is not None:
+            mask &= (self.t_etp if owner is not None else self.t_tp) == shard
+        return np.flatnonzero(mask)
+
+    def _materialize(self, g: int, item: Item, ts: Split | None, demands: list[Demand]) -> None:
+        """Ranks yield the item from the weight source and all-gather it where it is split."""
+        s, n = self.s, float(item.tensors)
+        if s.trainer.kind == "host":
+            return
+        bf = 2.0 * math.prod(item.shape)
+        if s.trainer.kind == "fsdp":
+            ranks = self._holders(None, None, None, item)
+            self._collective(g, s.trainer.shard, ranks, bf, n)
+            self.t["yield"][g, ranks] += n
+            return
+        assert ts is not None
+        layout = s.trainer.layout
+        if self.strategy.scope == "global":  # gathered in its group, then broadcast to every rank (ranks.source)
+            if ts.dim is not None:
+                self._collective(g, ts.parts, np.flatnonzero(self.t_pp == ts.stage), bf, n)
+            self._collective(g, -layout.world, np.arange(layout.world), bf, n)
+            self.t["yield"][g, :] += n
+            return
+        stage = self.t_pp == ts.stage
+        if (self.strategy.broadcast or s.ep_gather) and item.experts:
+            self._collective(g, layout.ep * layout.etp, np.flatnonzero(stage), bf, n)
+        owners = {d[3] for d in demands} or {None}
+        for owner in owners:
+            ranks = np.flatnonzero(stage & (self.t_ep == owner)) if owner is not None else np.flatnonzero(stage)
+            per = n if owner is None else float(sum(d[1][0] for d in demands if d[3] == owner))
+            self.t["yield"][g, ranks] += per
+            if ts.dim is not None and not ((self.strategy.broadcast or s.ep_gather) and item.experts):
+                self._collective(g, ts.parts, ranks, bf, per)
+
+    def _collective(self, g: int, n: int, ranks: np.ndarray, bf: float, tensors: float) -> None:
+        """An all-gather over ``n`` ranks (a broadcast to ``-n`` ranks: each receives the whole tensor)."""
+        if abs(n) <= 1 or not len(ranks):
+            return
+        if n not in self.gather:
+            shape = (self.groups, self.s.trainer.world)
+            self.gather[n] = (np.zeros(shape), np.zeros(shape))
+        ops, nbytes = self.gather[n]
+        ops[g, ranks] += tensors
+        nbytes[g, ranks] += tensors * bf * ((n - 1) / n if n > 0 else 1.0)
+
+    def finish(self, count: np.ndarray) -> Traffic:
+        """Pulls per engine rank: one per (source, group); trainer calls: the pulls each holder serves."""
+        pulls, direct, calls = self.e["pulls"], self.e["direct_pulls"], self.t["calls"]
+        for g, pairs in enumerate(self.sources):
+            for k, key in pairs:
+                pulls[g, k] += 1
+                if key[0] == "shard":
+                    direct[g, k] += 1
+                else:
+                    holders = np.asarray(key[2])
+                    calls[g, holders] += 1.0 / len(holders)
+        return Traffic(self.strategy, count, self.stage, self.layers, self.t, self.e, self.gather, self.max_request)
+
+
+def _by_owner(keepers: np.ndarray, experts: int, owner_t: np.ndarray | None, index: np.ndarray) -> list[Demand]:
+    """Split one keeper group's expert tensors by the trainer EP rank that owns them."""
+    if owner_t is None:
+        return [(keepers, np.full(len(keepers), float(experts)), index, None)]
+    return [(keepers, np.full(len(keepers), float((owner_t == i).sum())), index, int(i)) for i in np.unique(owner_t)]

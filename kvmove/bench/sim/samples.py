@@ -1,0 +1,91 @@
+"""Measured rows as cost samples: each row decorated with its parsed phases and extras, its GPU preset and its
+setup (``kvmove.bench.sim.matching``), and a reference naming it (commit, suite, name, setup, hardware)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import pandas as pd
+
+from kvmove.bench.sim.costs import RowRef
+from kvmove.bench.sim.hardware import gpu_of_hardware
+from kvmove.bench.sim.matching import TARGETS, Match, row_setup
+
+RowFilter = Callable[[Any], bool]
+
+
+class Sample(NamedTuple):
+    """One row's value of a cost."""
+
+    value: float
+    ref: RowRef
+
+
+Extractor = Callable[[pd.DataFrame], list[Sample]]
+
+
+def decorate(rows: pd.DataFrame, matches: dict[str, Match], keep: RowFilter | None) -> pd.DataFrame:
+    df = rows[rows["kind"] == "measured"].copy()
+    if "timestamp" in df.columns:
+        df = df.sort_values("timestamp", kind="stable")
+    df["phases_d"] = df["phases"].map(_json)
+    df["extra_d"] = df["extra"].map(_json)
+    df["hardware"] = df["hardware"].fillna("").astype(str)
+    df["gpu"] = df["hardware"].map(gpu_of_hardware)
+    for c in ("bytes", "seconds", "gbps"):
+        df[c] = pd.to_numeric(df[c], errors="coerce").fillna(0.0)
+    df["setup"] = [row_setup(r) for _, r in df.iterrows()] if len(df) else []
+    kept = df.apply(keep, axis=1).astype(bool) if keep is not None and len(df) else True
+    for name, match in matches.items():
+        df[f"ok:{name}"] = df["setup"].map(match).astype(bool) & kept if len(df) else []
+    return df
+
+
+def _json(value: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    try:
+        out = json.loads(value) if isinstance(value, str) else {}
+    except ValueError:
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+def row_ref(r: Any) -> RowRef:
+    """The reference a cost keeps to one decorated row."""
+    e = r["extra_d"]
+    setup = " ".join(
+        str(x)
+        for x in (r.get("model", ""), r.get("trainer", ""), "->", r.get("engine", ""), r.get("strategy", ""))
+        if x
+    )
+    setup += f" {r.get('transport', '')}".rstrip()
+    if "setup" in r:
+        setup += f" {r['setup'].placement} x{r['setup'].gpus}"
+    if "direct" in e:
+        setup += " direct" if e["direct"] else " packed"
+    if "sync" in e:
+        setup += f" sync {e['sync']}"
+    return RowRef(str(r["git_commit"]), str(r["suite"]), str(r["name"]), setup.strip(), str(r["hardware"]))
+
+
+def where(df: pd.DataFrame, keep: Callable[[dict[str, Any]], bool]) -> pd.DataFrame:
+    """Rows whose ``extra`` passes ``keep`` (an empty frame stays an empty frame)."""
+    return df[df["extra_d"].map(keep).astype(bool)] if len(df) else df
+
+
+def syncs(df: pd.DataFrame, transport: str | None = None, strategies: tuple[str, ...] = ()) -> pd.DataFrame:
+    rows = df[df["gpu"].notna() & (df["strategy"].fillna("") != "")]
+    rows = where(rows, lambda e: e.get("verified") is not False and int(e.get("sync", 2)) >= 2)
+    if transport:
+        rows = rows[rows["transport"] == transport]
+    if strategies:
+        rows = rows[rows["strategy"].isin(strategies)]
+    return rows
+
+
+def decorated(rows: pd.DataFrame) -> pd.DataFrame:
+    """Measured rows with their parsed ``phases_d``/``extra_d``, GPU preset and :class:`RowSetup` (``setup``)."""
+    return decorate(rows, TARGETS["cluster"], None)
