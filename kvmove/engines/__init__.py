@@ -87,7 +87,7 @@ def _vllm_build(*_args: object, **_kwargs: object) -> nn.Module:
 
 
 def _vllm_check(layout: EngineLayout) -> None:
-    from kvmove.engines.vllm import check_engine
+    from kvmove.vllm import check_engine
 
     check_engine(layout)
 
@@ -105,7 +105,7 @@ ENGINES: dict[str, EngineAdapter] = {
         "vllm",
         _vllm_build,
         lambda model, weights: model.load_weights(weights),  # type: ignore[operator]
-        host="kvmove.engines.vllm.actor:VllmEngineHost",
+        host="kvmove.vllm.actor:VllmEngineHost",
         check=_vllm_check,
         broadcast=False,
         builds_outside=False,

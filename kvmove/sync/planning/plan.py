@@ -173,7 +173,7 @@ class ShardingPlan:
     regions: tuple[Region, ...]
     params: tuple[ParamMeta, ...]
     staged: frozenset[str] = frozenset()
-    """Parameters the engine stages and processes before they serve (kvmove.engines.vllm.staging): they receive
+    """Parameters the engine stages and processes before they serve (kvmove.vllm.staging): they receive
     packed pulls only, never direct reads into their memory."""
 
     @property

@@ -3,7 +3,7 @@
 ``init_weight_transfer_engine`` hands each worker the trainer's :class:`~kvmove.sync.embedded.member.JoinInfo`
 (registry address, the run's key, transport, deadline: plain JSON). The worker derives kvmove's model config
 from the config vLLM serves, dry-runs vLLM's own loader on its meta-device model (the plan) and builds its staging
-window (kvmove.engines.vllm.stage), opens its own transport endpoint and registers plan and endpoint with the
+window (kvmove.vllm.stage), opens its own transport endpoint and registers plan and endpoint with the
 trainer's registry; its puller is built from the ``PullerInit`` it fetches at the first ``update_weights``.
 Nothing here needs kvmove's launchers or Ray, so it works in vLLM's default multi-process engine, the ``uni``
 executor and ``AsyncLLM`` alike; the tensor-parallel ranks of one engine share a replica key (tensor-parallel
@@ -18,12 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvmove.engines.vllm.session import Received, Session
 from kvmove.layout import EngineLayout
 from kvmove.models.config import ModelConfig, config_from_dict
 from kvmove.sync.embedded.member import FleetMember, JoinInfo, Seat
 from kvmove.sync.ranks.host import die_after
 from kvmove.sync.strategies import parse_strategies
+from kvmove.vllm.session import Received, Session
 
 
 def served_model(vllm_config: Any) -> ModelConfig:
@@ -52,9 +52,9 @@ def seat(vllm_config: Any) -> Seat:
 def join(
     s: Session, info: JoinInfo, vllm_config: Any, device: Any, staging: Callable[[EngineLayout, int], Any]
 ) -> None:
-    """Plan this rank and build its staging (``staging(layout, rank)``: a kvmove.engines.vllm.stage.Staging), register
+    """Plan this rank and build its staging (``staging(layout, rank)``: a kvmove.vllm.stage.Staging), register
     with the trainer, and make ``s``'s puller and release hook pull/close."""
-    from kvmove.engines.vllm.receiver import ReceiveTarget, StagedRank
+    from kvmove.vllm.receiver import ReceiveTarget, StagedRank
 
     model = served_model(vllm_config)
     place = seat(vllm_config)

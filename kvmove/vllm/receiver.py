@@ -2,7 +2,7 @@
 
 The puller's target (:class:`ReceiveTarget`) names every parameter of the plan: a parameter whose post-load
 processing is the identity is the live parameter itself (bytes land in place); a staged one is a view into the
-:class:`Window` (kvmove.engines.vllm.staging). :class:`StagedLander` lands a pull's entries chunk by chunk, one
+:class:`Window` (kvmove.vllm.staging). :class:`StagedLander` lands a pull's entries chunk by chunk, one
 commit unit at a time: before a unit's first bytes it asks the :class:`Stager` to open it (its slot must be free;
 an update that carries only part of the unit first fills the slot from the live model), and after each chunk it
 counts what landed; the chunk that completes a unit commits it (vLLM's processing, then the live model) before the
@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvmove.engines.vllm.staging import Budget, WindowLayout, param_bytes, slots_needed, window_layout
 from kvmove.errors import KvmoveError
 from kvmove.sync.planning.entries import Entry, EntryPlan
 from kvmove.sync.planning.packing import part_views
@@ -30,6 +29,7 @@ from kvmove.sync.ranks.control import EngineStats
 from kvmove.sync.ranks.engine import EngineRank, interleaved
 from kvmove.sync.strategies import Strategy
 from kvmove.sync.transforms import TRANSFORMS, Lander
+from kvmove.vllm.staging import Budget, WindowLayout, param_bytes, slots_needed, window_layout
 
 Commit = Callable[[str, Mapping[str, torch.Tensor]], None]
 """Process the unit's modules from its staged tensors and commit them into the live model."""
@@ -227,7 +227,7 @@ class StagedRank(EngineRank):
         return super().run_sync(sync_id, strategy, pulls, client, **kw)
 
     def slots_for(self, strategy: Strategy, pulls: PullPlan) -> int:
-        """Window slots the landing order of ``strategy``'s packed pulls needs (kvmove.engines.vllm.staging)."""
+        """Window slots the landing order of ``strategy``'s packed pulls needs (kvmove.vllm.staging)."""
         lander = self.lander(strategy.name, pulls)
         assert isinstance(lander, StagedLander) and pulls.plan is not None
         order = sorted((i for i, p in enumerate(pulls.pulls) if not p.direct), key=lambda i: pulls.pulls[i].group)

@@ -44,14 +44,14 @@ def import_vllm() -> Any:
 
 def register() -> None:
     """``vllm.general_plugins`` entry point: make the ``kvmove`` weight-transfer backend known to vLLM, and have
-    the engine core reset its prefix cache after a kvmove update (kvmove.engines.vllm.prefix_cache) and refuse
-    requests while an update is torn (kvmove.engines.vllm.guard)."""
+    the engine core reset its prefix cache after a kvmove update (kvmove.vllm.prefix_cache) and refuse
+    requests while an update is torn (kvmove.vllm.guard)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from kvmove.engines.vllm import guard, prefix_cache
+    from kvmove.vllm import guard, prefix_cache
 
     if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, "kvmove.engines.vllm.transfer", "KvmoveTransferEngine")
+        WeightTransferEngineFactory.register_engine(BACKEND, "kvmove.vllm.transfer", "KvmoveTransferEngine")
     register_trainer()
     prefix_cache.install()
     guard.install()
@@ -62,7 +62,7 @@ def register_trainer() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     if BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(BACKEND, "kvmove.engines.vllm.trainer", "KvmoveTrainerEngine")
+        WeightTransferTrainerFactory.register_engine(BACKEND, "kvmove.vllm.trainer", "KvmoveTrainerEngine")
 
 
 def check_layout(layout: EngineLayout) -> None:

@@ -52,9 +52,9 @@ class Trainer:
     def __init__(self) -> None:
         import transformers
 
-        from kvmove.engines.vllm.checkpoint import hf_config
         from kvmove.models import resolve_model
         from kvmove.sync.verify import seeded_checkpoint
+        from kvmove.vllm.checkpoint import hf_config
 
         self.cfg = resolve_model(MODEL)
         config = transformers.AutoConfig.for_model(**hf_config(self.cfg))
@@ -73,7 +73,7 @@ class Trainer:
 @pytest.fixture
 def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Trainer, Path]]:
     _vllm_or_skip()
-    from kvmove.engines.vllm.checkpoint import write_model_dir
+    from kvmove.vllm.checkpoint import write_model_dir
 
     for key, value in ENV.items():
         monkeypatch.setenv(key, value)
@@ -86,7 +86,7 @@ def _trainer_engine(trainer: Trainer, client: Any) -> Any:
     """vLLM's trainer side, as its docs write it (backend selected by the init info's class)."""
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-    from kvmove.engines.vllm.trainer import KvmoveTrainerInitInfo
+    from kvmove.vllm.trainer import KvmoveTrainerInitInfo
 
     return WeightTransferTrainerFactory.trainer_init(
         init_info=KvmoveTrainerInitInfo(rank=0, strategy="v3", transport="nixl"),
@@ -104,8 +104,8 @@ def _greedy() -> Any:
 def test_llm_in_the_default_multiprocess_engine_three_verified_updates(setup: tuple[Trainer, Path]) -> None:
     import vllm
 
-    from kvmove.engines.vllm.clients import LLMClient
-    from kvmove.engines.vllm.rpc import verify_worker
+    from kvmove.vllm.clients import LLMClient
+    from kvmove.vllm.rpc import verify_worker
 
     trainer, model_dir = setup
     llm = vllm.LLM(
@@ -166,8 +166,8 @@ def test_async_llm_keeps_generation_across_three_verified_updates(setup: tuple[T
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from kvmove.engines.vllm.clients import AsyncLLMClient
-    from kvmove.engines.vllm.rpc import verify_worker
+    from kvmove.vllm.clients import AsyncLLMClient
+    from kvmove.vllm.rpc import verify_worker
 
     trainer, model_dir = setup
     loop = LoopThread()
@@ -209,8 +209,8 @@ def test_llm_with_two_tensor_parallel_workers_on_cpu(
     # is bound to one core by hand; the two workers share a replica key and each pulls its own shards
     import vllm
 
-    from kvmove.engines.vllm.clients import LLMClient
-    from kvmove.engines.vllm.rpc import verify_worker
+    from kvmove.vllm.clients import LLMClient
+    from kvmove.vllm.rpc import verify_worker
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("two tensor-parallel CPU workers need two cores")

@@ -1,14 +1,14 @@
 """The host of one vLLM engine replica: kvmove's engine host (``kvmove.sync.ranks.engine_host``) running a live
 vLLM, started by either launcher (``ENGINES["vllm"].host`` names it).
 
-The host is one user of the path any RL framework takes (``kvmove.engines.vllm.join``): it starts a plain
+The host is one user of the path any RL framework takes (``kvmove.vllm.join``): it starts a plain
 ``vllm.LLM`` in vLLM's default multi-process mode with ``weight_transfer_config={"backend": "kvmove"}``, opens
 an engine registry of its own and hands the worker the join info through ``init_weight_transfer_engine``. The
 worker, in the engine core's process, dry-runs vLLM's loader on its meta-device model, registers that plan here and
 builds its own puller from the ``PullerInit`` the host publishes for it (what kvmove's driver sends at init step
 5). A sync is vLLM's update (``start_weight_update``, ``update_weights``, ``finish_weight_update``); the worker's
 stats, the bit-exact check and the live parameters come back through ``collective_rpc``
-(``kvmove.engines.vllm.rpc``).
+(``kvmove.vllm.rpc``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvmove.engines.vllm import BACKEND, check_layout, import_vllm
-from kvmove.engines.vllm.checkpoint import write_model_dir
-from kvmove.engines.vllm.rpc import (
+from kvmove.errors import KvmoveError
+from kvmove.models.config import ModelConfig
+from kvmove.sync.embedded.member import JoinInfo
+from kvmove.sync.embedded.registry import EngineRegistry
+from kvmove.sync.planning.plan import ShardingPlan
+from kvmove.sync.ranks.control import EngineStats, OpenPuller, RunPulls, VerifyResult
+from kvmove.sync.ranks.engine_host import EngineHost
+from kvmove.sync.ranks.host import RankSpec, handles
+from kvmove.transport import EndpointInfo, Transport
+from kvmove.vllm import BACKEND, check_layout, import_vllm
+from kvmove.vllm.checkpoint import write_model_dir
+from kvmove.vllm.rpc import (
     TransferState,
     WorkerMemory,
     check_weights,
@@ -38,16 +47,7 @@ from kvmove.engines.vllm.rpc import (
     watched_memory,
     worker_memory,
 )
-from kvmove.engines.vllm.session import Memory
-from kvmove.errors import KvmoveError
-from kvmove.models.config import ModelConfig
-from kvmove.sync.embedded.member import JoinInfo
-from kvmove.sync.embedded.registry import EngineRegistry
-from kvmove.sync.planning.plan import ShardingPlan
-from kvmove.sync.ranks.control import EngineStats, OpenPuller, RunPulls, VerifyResult
-from kvmove.sync.ranks.engine_host import EngineHost
-from kvmove.sync.ranks.host import RankSpec, handles
-from kvmove.transport import EndpointInfo, Transport
+from kvmove.vllm.session import Memory
 
 __all__ = ["VllmEngineHost", "check_layout", "start_llm"]
 
@@ -55,7 +55,7 @@ ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc of kvmove.engines.vllm.rpc's functions
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc of kvmove.vllm.rpc's functions
 }
 MAX_MODEL_LEN = 256
 
@@ -144,7 +144,7 @@ class VllmEngineHost(EngineHost):
 
     def pull(self, command: RunPulls) -> EngineStats:
         """vLLM's update: start, update_weights (the worker pulls and commits unit by unit), finish; the engine's
-        ``peak_extra_bytes`` is the worker's (window, receive slots, processing: kvmove.engines.vllm.session.Memory)."""
+        ``peak_extra_bytes`` is the worker's (window, receive slots, processing: kvmove.vllm.session.Memory)."""
         start = time.perf_counter()
         overlap = command.strategy.overlap
         info = {"sync_id": command.sync_id, "strategy": command.strategy.name, "pipelined": overlap.background_load}
@@ -161,7 +161,7 @@ class VllmEngineHost(EngineHost):
 
     def verify(self, version: int, seed: int) -> VerifyResult:
         """Bit-exact check, in the worker, of what the live model computes with (parameters and the read-back
-        weights of its linear kernels, kvmove.engines.vllm.verify) against vLLM's own loader and post-processing
+        weights of its linear kernels, kvmove.vllm.verify) against vLLM's own loader and post-processing
         fed the full checkpoint of ``version`` on a fresh model."""
         weights = pack(self.reference(version, seed, "cpu"))
         ((bad, compared),) = self.llm.collective_rpc(check_weights, args=(weights,))
@@ -169,7 +169,7 @@ class VllmEngineHost(EngineHost):
 
     # -- for tests and reports (RankActor.invoke) -----------------------------------------------------------
     def live_params(self) -> dict[str, torch.Tensor]:
-        """What the live model computes with (kvmove.engines.vllm.verify.computed_state)."""
+        """What the live model computes with (kvmove.vllm.verify.computed_state)."""
         from safetensors.torch import load
 
         (state,) = self.llm.collective_rpc(live_state)
@@ -206,7 +206,7 @@ class VllmEngineHost(EngineHost):
 
     def host_sessions(self) -> list[str]:
         """The kvmove sessions open in this host's own process (none: the worker holds its session)."""
-        from kvmove.engines.vllm.session import SESSIONS
+        from kvmove.vllm.session import SESSIONS
 
         return sorted(SESSIONS)
 

@@ -3,7 +3,7 @@
 A vLLM worker's weights, KV cache, receive slots and any staging all live in tensor storages; summing the distinct
 storages (a storage shared by many views or parameters counts once) before and after an update says what the
 update added, independently of what kvmove's backend reports about itself. Run it inside the worker
-(``collective_rpc``): ``kvmove.engines.vllm.rpc.worker_memory``.
+(``collective_rpc``): ``kvmove.vllm.rpc.worker_memory``.
 """
 
 from __future__ import annotations

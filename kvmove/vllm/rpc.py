@@ -20,8 +20,8 @@ def verify_worker(worker: Any, seed: int, version: int) -> list[str]:
 
 def verify_report(worker: Any, seed: int, version: int) -> tuple[list[str], int]:
     """:func:`verify_worker`'s keys and how many keys were compared."""
-    from kvmove.engines.vllm.join import served_model
     from kvmove.sync.verify import seeded_checkpoint
+    from kvmove.vllm.join import served_model
 
     weights = seeded_checkpoint(served_model(worker.vllm_config), seed, version)
     return worker.weight_transfer_engine.check(weights)
@@ -30,8 +30,8 @@ def verify_report(worker: Any, seed: int, version: int) -> tuple[list[str], int]
 def verify_saved(worker: Any, directory: str) -> tuple[list[str], int]:
     """The keys where what the live model computes with differs from vLLM's own loader and processing fed the
     checkpoint a trainer saved in ``directory`` (``save_pretrained``'s safetensors), and how many were compared."""
-    from kvmove.engines.vllm.join import served_model
     from kvmove.sync.verify import saved_checkpoint
+    from kvmove.vllm.join import served_model
 
     weights = saved_checkpoint(served_model(worker.vllm_config), directory)
     return worker.weight_transfer_engine.check(weights)
@@ -53,16 +53,16 @@ def pack(weights: dict[str, Any]) -> bytes:
 
 
 def live_state(worker: Any) -> bytes:
-    """What the live model computes with (``kvmove.engines.vllm.verify.computed_state``), as :func:`pack`'s
+    """What the live model computes with (``kvmove.vllm.verify.computed_state``), as :func:`pack`'s
     bytes (``safetensors.torch.load`` reads them)."""
-    from kvmove.engines.vllm.verify import computed_state
+    from kvmove.vllm.verify import computed_state
 
     return pack(computed_state(worker.weight_transfer_engine.current().require()))
 
 
 class SyncReport(NamedTuple):
     """The worker's side of the last update: its puller's stats, the seconds ``finish`` took, and its extra memory
-    (``kvmove.engines.vllm.session.Memory``, as a plain list)."""
+    (``kvmove.vllm.session.Memory``, as a plain list)."""
 
     stats: Any
     finish_seconds: float
@@ -75,8 +75,8 @@ def sync_report(worker: Any) -> SyncReport:
 
 
 def worker_memory(worker: Any) -> int:
-    """Bytes of every distinct tensor storage the worker's process holds now (kvmove.engines.vllm.memory)."""
-    from kvmove.engines.vllm.memory import tensor_memory
+    """Bytes of every distinct tensor storage the worker's process holds now (kvmove.vllm.memory)."""
+    from kvmove.vllm.memory import tensor_memory
 
     return tensor_memory().total
 
@@ -84,7 +84,7 @@ def worker_memory(worker: Any) -> int:
 def watch_memory(worker: Any) -> None:
     """From now on, measure the worker's tensor memory after every module's processing, before its commit (where
     an update's extra memory peaks); :func:`watched_memory` returns the highest."""
-    from kvmove.engines.vllm.memory import tensor_memory
+    from kvmove.vllm.memory import tensor_memory
 
     staging = worker.weight_transfer_engine.current().stager
     seen: list[int] = []
@@ -113,7 +113,7 @@ def staging_bounds(worker: Any) -> dict[str, int]:
     """The worker's staging facts the memory bound is stated in: the window, its slots, the largest unit and the
     largest staged module (unprocessed bytes), the model's parameter bytes, and the last update's receive slots
     and reported peak."""
-    from kvmove.engines.vllm.staging import param_bytes
+    from kvmove.vllm.staging import param_bytes
 
     s = worker.weight_transfer_engine.current()
     layout = s.stager.stager.window.layout

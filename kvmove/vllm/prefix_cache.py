@@ -21,7 +21,7 @@ _MARK = "_kvmove_resets_prefix_cache"
 
 
 def uses_kvmove(vllm_config: Any) -> bool:
-    from kvmove.engines.vllm import BACKEND
+    from kvmove.vllm import BACKEND
 
     config = getattr(vllm_config, "weight_transfer_config", None)
     return config is not None and getattr(config, "backend", None) == BACKEND

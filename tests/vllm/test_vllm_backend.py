@@ -42,7 +42,7 @@ class RegionPuller:
     pending: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __call__(self, info: dict[str, Any]) -> Any:
-        from kvmove.engines.vllm.session import Received
+        from kvmove.vllm.session import Received
 
         payload, self.pending = self.pending, {}
         return Received(stats=None, tensors=frozenset(payload), payload=payload)
@@ -58,13 +58,13 @@ class Engine:
     """The checkpoint the live model should hold now."""
 
     def state(self) -> dict[str, torch.Tensor]:
-        from kvmove.engines.vllm.verify import computed_state
+        from kvmove.vllm.verify import computed_state
 
         return computed_state(self.session.live)
 
     def expected(self) -> dict[str, torch.Tensor]:
         """What vLLM's own loader and processing make of ``weights`` on a fresh model."""
-        from kvmove.engines.vllm.verify import computed_state
+        from kvmove.vllm.verify import computed_state
 
         return computed_state(self.session.reference(self.weights.items()))
 
@@ -84,7 +84,7 @@ class Engine:
         self.weights |= tensors
 
     def attach(self) -> None:
-        from kvmove.engines.vllm.session import open_session
+        from kvmove.vllm.session import open_session
 
         self.session = open_session()
         self.llm.init_weight_transfer_engine({"init_info": {"session": self.session.key}})
@@ -100,9 +100,9 @@ def _checkpoint(cfg: Any, version: int) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
     _vllm_or_skip()
-    from kvmove.engines.vllm.actor import start_llm
-    from kvmove.engines.vllm.checkpoint import write_model_dir
     from kvmove.models import resolve_model
+    from kvmove.vllm.actor import start_llm
+    from kvmove.vllm.checkpoint import write_model_dir
 
     cfg = resolve_model(MODEL)
     with tempfile.TemporaryDirectory(prefix="kvmove-vllm-test-") as tmp:
@@ -116,7 +116,7 @@ def engine() -> Iterator[Engine]:
 
 
 def _changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> set[str]:
-    from kvmove.engines.vllm.verify import mismatches
+    from kvmove.vllm.verify import mismatches
 
     return set(mismatches(after, before))
 
@@ -208,7 +208,7 @@ def test_no_stale_prefix_cache_after_an_update(engine: Engine) -> None:
 def test_verify_reads_back_what_linear_kernels_compute_with(engine: Engine) -> None:
     import torch.nn.functional as F
 
-    from kvmove.engines.vllm.verify import computed_state, mismatches
+    from kvmove.vllm.verify import computed_state, mismatches
 
     name, module = "model.layers.0.mlp.down_proj", engine.session.live.model.layers[0].mlp.down_proj
     wrong = _checkpoint(engine.cfg, 9)[name + ".weight"]
@@ -231,7 +231,7 @@ def test_shutdown_releases_the_session_and_misuse_is_a_runtime_error(engine: Eng
     import gc
     import weakref
 
-    from kvmove.engines.vllm.session import SESSIONS
+    from kvmove.vllm.session import SESSIONS
 
     key, window = engine.session.key, weakref.ref(engine.session.stager.stager.window.buffer)
     engine.llm.shutdown_weight_transfer_engine()

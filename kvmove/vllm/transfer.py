@@ -3,24 +3,24 @@
 vLLM's four-step update, as kvmove implements it:
 - ``init_weight_transfer_engine``: build the served model on the meta device (no memory), dry-run vLLM's own
   ``load_weights`` on it over recording tensors (the plan), decide which parameters must be *staged* (those whose
-  post-load processing is not the identity here: kvmove.engines.vllm.stage) and allocate the staging window: slots
-  of one commit unit (a decoder layer's staged parameters), not a copy of the model (kvmove.engines.vllm.staging).
-  Given the trainer's join info (what kvmove's trainer engine, :mod:`kvmove.engines.vllm.trainer`, sends), the
-  worker registers with the trainer by address (:mod:`kvmove.engines.vllm.join`): any engine mode, any process.
+  post-load processing is not the identity here: kvmove.vllm.stage) and allocate the staging window: slots
+  of one commit unit (a decoder layer's staged parameters), not a copy of the model (kvmove.vllm.staging).
+  Given the trainer's join info (what kvmove's trainer engine, :mod:`kvmove.vllm.trainer`, sends), the
+  worker registers with the trainer by address (:mod:`kvmove.vllm.join`): any engine mode, any process.
 - ``start_weight_update``: check the session.
 - ``update_weights``: the worker's puller lands each pull: bytes of parameters processing keeps as they are go
   straight into the live parameters, staged ones into the window, and each unit, once complete, is processed and
-  committed into the live model before the window slot takes the next (kvmove.engines.vllm.receiver); on a
+  committed into the live model before the window slot takes the next (kvmove.vllm.receiver); on a
   pipelined strategy (v3) that commit runs on the loader thread while the next pull is read. An in-process puller's
   tensors are validated whole (names, shapes, dtypes, what the untouched part of a fused parameter needs) before
   the first one lands.
 - ``finish_weight_update``: checks every unit the update announced was committed. Between the first byte landing
   in the live model and that check the update is *torn*: if it fails half way, the engine core refuses requests
-  (kvmove.engines.vllm.guard) until the same update is retried to completion.
+  (kvmove.vllm.guard) until the same update is retried to completion.
 - ``shutdown_weight_transfer_engine``: the session is closed (window, puller and transport endpoint released)
   and leaves the process's session table.
 
-After a finish, the engine core resets vLLM's prefix cache (:mod:`kvmove.engines.vllm.prefix_cache`).
+After a finish, the engine core resets vLLM's prefix cache (:mod:`kvmove.vllm.prefix_cache`).
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from kvmove.engines.vllm.guard import TORN
-from kvmove.engines.vllm.join import join, served_model
-from kvmove.engines.vllm.session import BackendError, Session, close_session, open_session, session, staging_plan
-from kvmove.engines.vllm.stage import Staging, staged_params
-from kvmove.engines.vllm.staging import Budget
-from kvmove.engines.vllm.verify import computed_state, mismatches
 from kvmove.layout import EngineLayout
 from kvmove.sync.embedded.member import JoinInfo
+from kvmove.vllm.guard import TORN
+from kvmove.vllm.join import join, served_model
+from kvmove.vllm.session import BackendError, Session, close_session, open_session, session, staging_plan
+from kvmove.vllm.stage import Staging, staged_params
+from kvmove.vllm.staging import Budget
+from kvmove.vllm.verify import computed_state, mismatches
 
 
 @dataclass
@@ -225,7 +225,7 @@ class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo
 
     def check(self, weights: dict[str, torch.Tensor]) -> tuple[list[str], int]:
         """Keys where the live model computes with other bits than vLLM's loader and processing make of
-        ``weights`` on a fresh model (kvmove.engines.vllm.verify), and how many keys were compared."""
+        ``weights`` on a fresh model (kvmove.vllm.verify), and how many keys were compared."""
         s = self._session()
         live = s.require()
         assert s.reference is not None

@@ -12,7 +12,7 @@ import pytest
 @pytest.fixture(scope="module")
 def engine():  # type: ignore[no-untyped-def]
     try:
-        from kvmove.engines.vllm.transfer import KvmoveTransferEngine
+        from kvmove.vllm.transfer import KvmoveTransferEngine
     except ImportError:
         if os.environ.get("KVMOVE_REQUIRE_VLLM") == "1":
             pytest.fail("KVMOVE_REQUIRE_VLLM=1 but vLLM is not installed (make test-vllm installs it)")

@@ -2,9 +2,9 @@
 
 ``init_weight_transfer_engine`` opens a :class:`Session` and attaches the live model, a *meta-device* vLLM model of
 the served config (no memory: the plan is recorded on it, and it keeps the attributes vLLM's loader gives the
-unprocessed parameters), the staging window and its :class:`~kvmove.engines.vllm.receiver.Stager`, and vLLM's own
+unprocessed parameters), the staging window and its :class:`~kvmove.vllm.receiver.Stager`, and vLLM's own
 loader (for ``--verify``). With the trainer's join info (what kvmove's trainer engine and kvmove's own engine host
-send) the worker then builds its own puller (``kvmove.engines.vllm.join``) and records the join info in ``joined``.
+send) the worker then builds its own puller (``kvmove.vllm.join``) and records the join info in ``joined``.
 Every ``update_weights`` calls the puller, which lands checkpoint tensors in the live model or the window (each
 complete unit is committed as it lands) and says which it delivered (:class:`Received`).
 ``shutdown_weight_transfer_engine`` closes the session: its transfer resources and window are released and it
@@ -70,7 +70,7 @@ class Session:
     meta: nn.Module | None = None
     """The served model, unprocessed, on the meta device (no memory): planning and parameter attributes."""
     stager: Any = None
-    """The staging window and its commits (kvmove.engines.vllm.receiver.Stager)."""
+    """The staging window and its commits (kvmove.vllm.receiver.Stager)."""
     reference: Callable[[Iterable[tuple[str, torch.Tensor]]], nn.Module] | None = None
     """Build a fresh vLLM model, run vLLM's loader over the given weights and its post-load processing."""
     plan: ShardingPlan | None = None

@@ -10,7 +10,7 @@ parameter) gets a copy of it instead, since the window slot is reused by the nex
 
 :func:`fill_unit` rebuilds a unit's unprocessed values from the live model, for an update carrying only part of
 a fused parameter: a parameter processing keeps as it was is copied; a linear's weight that processing packed is
-read back from its kernel (kvmove.engines.vllm.verify.read_back, bit-exact).
+read back from its kernel (kvmove.vllm.verify.read_back, bit-exact).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from kvmove.engines.vllm.verify import linear_modules, read_back
+from kvmove.vllm.verify import linear_modules, read_back
 
 _MODULE_SLOTS = frozenset({"_parameters", "_buffers", "_modules", "training"})
 _DONE_FLAG = "_already_called_process_weights_after_loading"

@@ -7,8 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmove.engines.vllm.memory import tensor_memory
-from kvmove.engines.vllm.staging import (
+from kvmove.errors import KvmoveError
+from kvmove.sync.planning.plan import Box, ParamMeta, Region
+from kvmove.sync.planning.recording import StridedView
+from kvmove.vllm.memory import tensor_memory
+from kvmove.vllm.staging import (
     ALIGN,
     Budget,
     check_received,
@@ -18,9 +21,6 @@ from kvmove.engines.vllm.staging import (
     unit_key,
     window_layout,
 )
-from kvmove.errors import KvmoveError
-from kvmove.sync.planning.plan import Box, ParamMeta, Region
-from kvmove.sync.planning.recording import StridedView
 
 BF16 = torch.bfloat16
 PARAMS = [

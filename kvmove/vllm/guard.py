@@ -1,6 +1,6 @@
 """No request sees mixed weights unannounced: while a kvmove update is torn, the engine core refuses requests.
 
-kvmove's backend commits an update unit by unit (kvmove.engines.vllm.receiver), so an update that fails half way
+kvmove's backend commits an update unit by unit (kvmove.vllm.receiver), so an update that fails half way
 leaves the live model with some units new and some old. The backend then raises an error carrying :data:`TORN`;
 the engine core (where requests are admitted, which the worker cannot reach) sees it come back from
 ``collective_rpc`` and refuses every request until a ``finish_weight_update`` succeeds, i.e. until the same update

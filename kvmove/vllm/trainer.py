@@ -4,7 +4,7 @@ An RL framework uses kvmove through vLLM's documented calls alone::
 
     engine = WeightTransferTrainerFactory.trainer_init(
         init_info=KvmoveTrainerInitInfo(rank=rank, strategy="v3", transport="nixl"),
-        client=client,                 # any VLLMWeightSyncClient: HTTP, Ray, or kvmove.engines.vllm.clients
+        client=client,                 # any VLLMWeightSyncClient: HTTP, Ray, or kvmove.vllm.clients
         source=ModuleSource(model),    # vLLM's WeightSource (or a kvmove WeightSource with ``layout``)
     )
     engine.send_weights()              # once per sync, on every trainer rank
@@ -12,7 +12,7 @@ An RL framework uses kvmove through vLLM's documented calls alone::
 Every trainer rank hosts its kvmove trainer rank in its own process (:class:`~kvmove.sync.embedded.trainer.
 EmbeddedTrainer`): rank 0 opens the engine registry and sends the workers its join info through
 ``client.init_weight_transfer_engine``; each vLLM worker plans, registers and later pulls by address
-(:mod:`kvmove.engines.vllm.join`). ``send_weights`` runs one sync: rank 0 drives ``start_weight_update``,
+(:mod:`kvmove.vllm.join`). ``send_weights`` runs one sync: rank 0 drives ``start_weight_update``,
 ``update_weights`` (concurrently with the trainer's serving) and ``finish_weight_update``.
 Importing this module registers the engine under ``"kvmove"`` (vLLM processes also do it through the plugin).
 """
@@ -24,10 +24,10 @@ from typing import Any, ClassVar, Self
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
-from kvmove.engines.vllm import BACKEND, register_trainer
 from kvmove.layout import TrainerLayout
 from kvmove.sync.embedded.trainer import EmbeddedTrainer, TrainerSettings
 from kvmove.sync.ranks.control import TrainerStats
+from kvmove.vllm import BACKEND, register_trainer
 
 
 @dataclass

@@ -27,9 +27,9 @@ class Checkpoints:
     def __init__(self, model: str, root: Path) -> None:
         import transformers
 
-        from kvmove.engines.vllm.checkpoint import write_model_dir
         from kvmove.models import resolve_model
         from kvmove.sync.verify import seeded_checkpoint
+        from kvmove.vllm.checkpoint import write_model_dir
 
         self.cfg = resolve_model(model, VLLM_SIZES)
         self.before = write_model_dir(self.cfg, root / "v1", seeded_checkpoint(self.cfg, 5, 1))
@@ -54,7 +54,7 @@ def test_send_weights_matches_a_plain_vllm_of_the_updated_checkpoint(
     model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _vllm_or_skip()
-    from kvmove.engines.vllm.clients import LLMClient
+    from kvmove.vllm.clients import LLMClient
 
     for key, value in ENV.items():
         monkeypatch.setenv(key, value)

@@ -54,11 +54,11 @@ def vllm_ray(ray_session: Any) -> Iterator[Any]:
 
 def _disk_engine(ray: Any, config: SyncConfig, version: int) -> Any:
     """A second vLLM, started from the checkpoint of ``version`` written to disk (vLLM's normal load)."""
-    from kvmove.engines.vllm.actor import VllmEngineHost
     from kvmove.sync.config import Side
     from kvmove.sync.launchers.ray import actor_class
     from kvmove.sync.ranks.host import RankSpec
     from kvmove.sync.verify import seeded_checkpoint
+    from kvmove.vllm.actor import VllmEngineHost
 
     weights = seeded_checkpoint(config.model, config.seed, version)
     spec = RankSpec(Side.ENGINE, 0, config, "cpu", b"disk" * 8)
@@ -129,7 +129,7 @@ def test_kvmoves_engine_host_goes_through_the_join_path(vllm_ray: Any) -> None:
 
 
 def test_layouts_that_do_not_match_the_running_engine_are_refused() -> None:
-    from kvmove.engines.vllm import check_layout
+    from kvmove.vllm import check_layout
 
     with pytest.raises(KvmoveError, match="tensor_parallel_size=1"):
         check_layout(EngineLayout.parse("tp=2"))
@@ -156,8 +156,8 @@ def test_fp8_engines_are_refused_without_importing_vllm(monkeypatch: pytest.Monk
 
 
 def test_an_fp8_model_served_in_bf16_gives_vllm_no_quantization_config() -> None:
-    from kvmove.engines.vllm.checkpoint import hf_config
     from kvmove.models.checkpoint import with_engine_dtype
+    from kvmove.vllm.checkpoint import hf_config
 
     cfg = resolve_model("qwen3-moe-fp8-tiny")
     assert "quantization_config" in dict(cfg.extra)

@@ -4,8 +4,8 @@ Which parameters are staged is decided per module, from what vLLM's post-load pr
 (:data:`IDENTITY`, model knowledge as data): a module without a quant method (norms) keeps what the loader wrote,
 and so do unquantized linears and embeddings on CUDA; everything else (CPU-packed linears and embeddings, MoE
 experts everywhere, quantized layers) is staged, and so is any parameter whose live shape or dtype is not the
-unprocessed one. :class:`Staging` wires the window (kvmove.engines.vllm.receiver) to vLLM: a unit's commit
-processes each module owning its parameters from the staged tensors and commits it (kvmove.engines.vllm.update),
+unprocessed one. :class:`Staging` wires the window (kvmove.vllm.receiver) to vLLM: a unit's commit
+processes each module owning its parameters from the staged tensors and commits it (kvmove.vllm.update),
 a partial unit is first filled from the live model, and every commit is measured (:class:`Ledger`).
 """
 
@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvmove.engines.vllm.receiver import Stager, Window
-from kvmove.engines.vllm.session import BackendError, Memory
-from kvmove.engines.vllm.staging import Budget, check_received, describe, staging_units, unit_key, window_layout
-from kvmove.engines.vllm.update import commit, fill_unit, live_value, owners, process_module
 from kvmove.sync.planning.plan import ShardingPlan
 from kvmove.sync.planning.recording import replay
+from kvmove.vllm.receiver import Stager, Window
+from kvmove.vllm.session import BackendError, Memory
+from kvmove.vllm.staging import Budget, check_received, describe, staging_units, unit_key, window_layout
+from kvmove.vllm.update import commit, fill_unit, live_value, owners, process_module
 
 IDENTITY: dict[str, frozenset[str]] = {
     "cuda": frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"}),
@@ -118,7 +118,7 @@ class Staging:
         return False
 
     def validate(self, tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]) -> None:
-        """Refuse an in-process update's ``tensors`` before anything changes (kvmove.engines.vllm.staging)."""
+        """Refuse an in-process update's ``tensors`` before anything changes (kvmove.vllm.staging)."""
         got = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
         problems = check_received(self.plan.regions, got, shapes, self.plan.staged, self.fillable)
         if problems:

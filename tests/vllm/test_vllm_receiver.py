@@ -1,4 +1,4 @@
-"""Pulls landing through a bounded staging window (kvmove.engines.vllm.receiver), without vLLM: kvmove's own pull
+"""Pulls landing through a bounded staging window (kvmove.vllm.receiver), without vLLM: kvmove's own pull
 loop and landers over the reference engine's plan of a tiny model, a stand-in trainer packing real bytes, and a
 commit that records what each unit held. Every unit must commit exactly once, whole and bit-exact, in a window of
 one slot for v1 and v3 (pipelined: landing and commits on the loader thread), more where the landing order opens
@@ -12,8 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-from kvmove.engines.vllm.receiver import ReceiveTarget, StagedRank, Stager, Window
-from kvmove.engines.vllm.staging import Budget, staging_units, window_layout
 from kvmove.errors import KvmoveError
 from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
@@ -25,6 +23,8 @@ from kvmove.sync.ranks.control import Packed
 from kvmove.sync.strategies import parse_strategies
 from kvmove.sync.transforms import Held, pack
 from kvmove.sync.verify import seeded_checkpoint
+from kvmove.vllm.receiver import ReceiveTarget, StagedRank, Stager, Window
+from kvmove.vllm.staging import Budget, staging_units, window_layout
 
 MODEL = "qwen2-tiny"
 
