@@ -37,7 +37,12 @@ from typing import NamedTuple
 import torch
 
 from kvmove.bench.results import Labels, Row, append_rows, git_commit, hardware_label, versions
-from kvmove.engines.reference import (
+from kvmove.errors import KvmoveError
+from kvmove.kvcache import HostKVPool
+from kvmove.kvcache.host_link import HostLink
+from kvmove.models import resolve_model
+from kvmove.models.config import ModelConfig
+from kvmove.reference import (
     ReferenceModel,
     Request,
     RolloutWorker,
@@ -45,12 +50,7 @@ from kvmove.engines.reference import (
     StepOutput,
     WorkerConfig,
 )
-from kvmove.engines.reference.worker import build_models
-from kvmove.errors import KvmoveError
-from kvmove.kvcache import HostKVPool
-from kvmove.kvcache.host_link import HostLink
-from kvmove.models import resolve_model
-from kvmove.models.config import ModelConfig
+from kvmove.reference.worker import build_models
 from kvmove.transport.local import LocalTransport
 
 Say = Callable[[str], None]

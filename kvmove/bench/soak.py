@@ -29,7 +29,6 @@ import torch
 
 from kvmove.bench.misbehaving import MisbehavingClients
 from kvmove.bench.results import Row
-from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.errors import KvmoveError
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
@@ -37,6 +36,7 @@ from kvmove.migration.controller import Migration, migrate_request, move_kv
 from kvmove.migration.endpoint import SERVER_TRANSPORTS
 from kvmove.migration.errors import UnknownMigrationError
 from kvmove.models import resolve_model
+from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.sync.verify import seeded_checkpoint
 from kvmove.transport import TRANSPORTS
 

@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvmove.engines.reference import ExportedKV, RolloutWorker
 from kvmove.kvcache import pages_digest, slots_to_pages
 from kvmove.migration.endpoint import HostEndpoint
 from kvmove.migration.errors import MigrationError, OutOfPagesError
@@ -39,6 +38,7 @@ from kvmove.migration.messages import (
 from kvmove.migration.peers import PeerPolicy
 from kvmove.migration.session import check_target
 from kvmove.migration.share import PoolShare
+from kvmove.reference import ExportedKV, RolloutWorker
 
 SendPull = Callable[[str, PullKVReq], PullKVResp]
 """Asks the target rank at ``session_id`` to pull (the server's HTTP client; tests may call the target directly)."""

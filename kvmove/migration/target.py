@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmove.engines.reference import ExportedKV, RolloutWorker
 from kvmove.errors import KVCacheError
 from kvmove.kvcache import head_slices, pages_digest, pages_to_slots, slots_to_pages
 from kvmove.migration.endpoint import HostEndpoint
@@ -59,6 +58,7 @@ from kvmove.migration.messages import (
 from kvmove.migration.peers import PeerPolicy
 from kvmove.migration.session import check_compatible, parse_geometry
 from kvmove.migration.share import PoolShare
+from kvmove.reference import ExportedKV, RolloutWorker
 from kvmove.transport import TransferStats
 
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.errors import KvmoveError
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
@@ -30,6 +29,7 @@ from kvmove.migration.controller import Migration, migrate_request, migrate_requ
 from kvmove.migration.errors import UnknownMigrationError
 from kvmove.migration.policy import WorkerView, get_policy
 from kvmove.models import resolve_model
+from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.sync.verify import seeded_checkpoint
 
 HIGH, LOW = 10, 0

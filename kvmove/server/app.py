@@ -26,10 +26,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvmove.engines.reference import RequestFailedError, UnknownRequestError
 from kvmove.errors import KvmoveError
 from kvmove.migration import messages as m
 from kvmove.migration.errors import MigrationError
+from kvmove.reference import RequestFailedError, UnknownRequestError
 from kvmove.server.asgi import disconnected
 from kvmove.server.auth import ADMIN_STATE, Access, AuthMiddleware, route_access
 from kvmove.server.limits import BodyLimitMiddleware

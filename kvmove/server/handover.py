@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvmove.engines.reference import ExportedKV, Request, RequestError, RolloutWorker, UnknownRequestError
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import resume_body
 from kvmove.migration.errors import MigrationConflictError, MigrationError
@@ -32,6 +31,7 @@ from kvmove.migration.messages import (
     ResumeState,
 )
 from kvmove.migration.peers import PeerAddress, PeerPolicy
+from kvmove.reference import ExportedKV, Request, RequestError, RolloutWorker, UnknownRequestError
 from kvmove.server.config import ServerConfig
 from kvmove.server.requests import InFlight, resume_state
 

@@ -19,14 +19,6 @@ from concurrent.futures import Future
 
 import torch
 
-from kvmove.engines.reference import (
-    Request,
-    RequestError,
-    RequestFailedError,
-    RolloutWorker,
-    SamplingParams,
-    WorkerConfig,
-)
 from kvmove.migration.endpoint import HostEndpoint
 from kvmove.migration.errors import MigrationConflictError, MigrationDisabledError
 from kvmove.migration.fields import SAMPLING_EPS
@@ -45,6 +37,14 @@ from kvmove.migration.source import MigrationSource
 from kvmove.migration.target import MigrationTarget
 from kvmove.migration.watchdog import Watchdog
 from kvmove.models import resolve_model
+from kvmove.reference import (
+    Request,
+    RequestError,
+    RequestFailedError,
+    RolloutWorker,
+    SamplingParams,
+    WorkerConfig,
+)
 from kvmove.server.config import ServerConfig
 from kvmove.server.handover import HeldRequests
 from kvmove.server.plane import MigrationPlane

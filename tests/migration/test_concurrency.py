@@ -27,12 +27,12 @@ pytest.importorskip("httpx")
 
 import torch
 
-from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import transfer_body
 from kvmove.migration.errors import MigrationError
 from kvmove.models import resolve_model
+from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.sync.verify import seeded_checkpoint
 
 EXPIRE_S = 0.05  # the watchdog's timeout while a pull is blocked: it would expire anything else at once

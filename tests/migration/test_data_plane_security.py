@@ -23,7 +23,6 @@ pytest.importorskip("httpx")
 
 import torch
 
-from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.migration import messages as m
 from kvmove.migration import source as source_module
 from kvmove.migration.client import WorkerClient
@@ -31,6 +30,7 @@ from kvmove.migration.controller import transfer_body
 from kvmove.migration.endpoint import HANDLE_STRIDE
 from kvmove.migration.errors import MigrationConflictError
 from kvmove.models import resolve_model
+from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.sync.verify import seeded_checkpoint
 from kvmove.transport import BufferDesc, EndpointInfo, NixlTransport, TransportError
 

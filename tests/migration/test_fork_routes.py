@@ -17,11 +17,11 @@ import httpx
 import torch
 from server_fixtures import pause_after_decoding
 
-from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import migrate_request_sglang
 from kvmove.models import resolve_model
+from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.sync.verify import seeded_checkpoint
 
 

@@ -17,13 +17,13 @@ import httpx
 import torch
 from server_fixtures import pause_after_decoding
 
-from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import migrate_request, transfer_body
 from kvmove.migration.errors import MigrationError, PeerMismatchError, PeerUnreachableError, UnknownMigrationError
 from kvmove.migration.session import check_peer
 from kvmove.models import resolve_model
+from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.sync.verify import seeded_checkpoint
 
 PAGE_BYTES = 4 * 2 * 16 * 4  # page_size * kv heads * head_dim * float32, qwen3-tiny

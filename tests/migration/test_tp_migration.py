@@ -19,11 +19,11 @@ pytest.importorskip("httpx")
 import torch
 from server_fixtures import pause_after_decoding
 
-from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import migrate_request, resume_body, transfer_body
 from kvmove.models import resolve_model
+from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.sync.verify import seeded_checkpoint
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 4, 2, 16, 4  # qwen3-tiny, float32

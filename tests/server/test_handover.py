@@ -18,11 +18,11 @@ pytest.importorskip("httpx")
 import torch
 from server_fixtures import pause_after_decoding
 
-from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import transfer_body
 from kvmove.models import resolve_model
+from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.sync.verify import seeded_checkpoint
 
 SAMPLINGS = {"greedy": (0.0, 0), "seeded": (0.8, 1234)}

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvmove.engines.reference.kv_manager import KVAllocation, KVManager
-from kvmove.engines.reference.request import FinishReason, Request, RequestState, UnknownRequestError
+from kvmove.reference.kv_manager import KVAllocation, KVManager
+from kvmove.reference.request import FinishReason, Request, RequestState, UnknownRequestError
 
 
 @dataclass(frozen=True)

@@ -68,13 +68,13 @@ def _reference_build(
     layers: Sequence[int] | None = None,
     device: str = "cpu",
 ) -> nn.Module:
-    from kvmove.engines.reference import ReferenceModel, rank_context
+    from kvmove.reference import ReferenceModel, rank_context
 
     return ReferenceModel(cfg, rank_context(cfg, layout, coord, layers=layers, device=device))
 
 
 def _reference_load(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
-    from kvmove.engines.reference import load_weights
+    from kvmove.reference import load_weights
 
     return load_weights(model, weights)  # type: ignore[arg-type]
 

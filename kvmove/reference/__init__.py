@@ -4,11 +4,11 @@ Pipeline: ``request`` -> ``scheduler`` (priorities, KV budget) -> ``kv_manager``
 -> ``runner`` (batch -> ``forward``) -> ``worker`` (submit / step / abort, migration hooks, stats).
 """
 
-from kvmove.engines.reference.kv_manager import ExportedKV, ImportResult
-from kvmove.engines.reference.layers import RankContext
-from kvmove.engines.reference.loader import load_weights
-from kvmove.engines.reference.model import ReferenceModel, rank_context
-from kvmove.engines.reference.request import (
+from kvmove.reference.kv_manager import ExportedKV, ImportResult
+from kvmove.reference.layers import RankContext
+from kvmove.reference.loader import load_weights
+from kvmove.reference.model import ReferenceModel, rank_context
+from kvmove.reference.request import (
     FinishReason,
     Request,
     RequestError,
@@ -17,7 +17,7 @@ from kvmove.engines.reference.request import (
     SamplingParams,
     UnknownRequestError,
 )
-from kvmove.engines.reference.worker import (
+from kvmove.reference.worker import (
     RolloutWorker,
     StepOutput,
     WorkerConfig,

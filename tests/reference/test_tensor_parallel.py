@@ -7,9 +7,9 @@ import pytest
 import torch
 from engine_helpers import dense_greedy, prompt, weights
 
-from kvmove.engines.reference import Request, SamplingParams
 from kvmove.errors import KvmoveError, ModelError
 from kvmove.models import resolve_model
+from kvmove.reference import Request, SamplingParams
 
 
 @pytest.mark.parametrize(

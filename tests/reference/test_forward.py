@@ -6,11 +6,11 @@ import pytest
 import torch
 from engine_helpers import dense_greedy, dense_logits, prompt, weights
 
-from kvmove.engines.reference import Request, SamplingParams, build_model
-from kvmove.engines.reference.forward import ForwardBatch, SeqSpan, forward
 from kvmove.errors import ModelError
 from kvmove.kvcache import KVGeometry, KVPool
 from kvmove.models import resolve_model
+from kvmove.reference import Request, SamplingParams, build_model
+from kvmove.reference.forward import ForwardBatch, SeqSpan, forward
 
 MODELS = ["qwen3-tiny", "qwen3-moe-tiny", "qwen2-tiny"]
 

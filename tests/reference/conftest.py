@@ -8,8 +8,8 @@ import pytest
 import torch
 from engine_helpers import weights
 
-from kvmove.engines.reference import RolloutWorker, WorkerConfig
 from kvmove.models import resolve_model
+from kvmove.reference import RolloutWorker, WorkerConfig
 
 
 @pytest.fixture(autouse=True)

@@ -16,18 +16,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmove.engines.reference.forward import check_supported
-from kvmove.engines.reference.kv_manager import ExportedKV, ImportResult, KVManager
-from kvmove.engines.reference.layers import RankContext
-from kvmove.engines.reference.loader import load_weights
-from kvmove.engines.reference.model import ReferenceModel
-from kvmove.engines.reference.request import Request, RequestError, UnknownRequestError
-from kvmove.engines.reference.runner import ModelRunner, RunResult
-from kvmove.engines.reference.scheduler import ScheduledBatch, Scheduler
 from kvmove.errors import KvmoveError
 from kvmove.kvcache import KVGeometry, KVPool, rank_heads
 from kvmove.kvcache.allocator import PageIds
 from kvmove.models.config import ModelConfig
+from kvmove.reference.forward import check_supported
+from kvmove.reference.kv_manager import ExportedKV, ImportResult, KVManager
+from kvmove.reference.layers import RankContext
+from kvmove.reference.loader import load_weights
+from kvmove.reference.model import ReferenceModel
+from kvmove.reference.request import Request, RequestError, UnknownRequestError
+from kvmove.reference.runner import ModelRunner, RunResult
+from kvmove.reference.scheduler import ScheduledBatch, Scheduler
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 over tensor-parallel ranks and how, declared as tables the way serving engines declare theirs (vLLM's
 ``stacked_params_mapping`` and ``expert_params_mapping``).
 
-The model builder (kvmove.engines.reference.model) reads these tables against the checkpoint's tensor table to
-choose each module's layer class; the loader (kvmove.engines.reference.loader) reads them to route each HF tensor
+The model builder (kvmove.reference.model) reads these tables against the checkpoint's tensor table to
+choose each module's layer class; the loader (kvmove.reference.loader) reads them to route each HF tensor
 into its parameter. Nothing here names an architecture: a model whose tensors follow these conventions loads.
 """
 

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmove.engines.reference import Request, SamplingParams
-from kvmove.engines.reference.kv_manager import KVManager
-from kvmove.engines.reference.scheduler import Scheduler
 from kvmove.kvcache import KVGeometry, KVPool
+from kvmove.reference import Request, SamplingParams
+from kvmove.reference.kv_manager import KVManager
+from kvmove.reference.scheduler import Scheduler
 
 PAGE = 4
 

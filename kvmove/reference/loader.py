@@ -1,5 +1,5 @@
 """``load_weights``: HF-named tensors into the reference model's fused parameters, routed by the declarative
-mapping (kvmove.engines.reference.mapping) as engine loaders route them."""
+mapping (kvmove.reference.mapping) as engine loaders route them."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from kvmove.engines.reference.layers import default_weight_loader
-from kvmove.engines.reference.mapping import EXPERT_NAME, EXPERT_PARAMS, TIED, stacked_of
 from kvmove.models.config import ModelConfig
+from kvmove.reference.layers import default_weight_loader
+from kvmove.reference.mapping import EXPERT_NAME, EXPERT_PARAMS, TIED, stacked_of
 
 
 class LoadableModel(Protocol):

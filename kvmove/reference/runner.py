@@ -11,12 +11,12 @@ from typing import NamedTuple
 
 import torch
 
-from kvmove.engines.reference.forward import ForwardBatch, SeqSpan, forward_ranks
-from kvmove.engines.reference.kv_manager import KVAllocation
-from kvmove.engines.reference.model import ReferenceModel
-from kvmove.engines.reference.request import Request
-from kvmove.engines.reference.scheduler import ScheduledBatch
 from kvmove.kvcache import KVPool
+from kvmove.reference.forward import ForwardBatch, SeqSpan, forward_ranks
+from kvmove.reference.kv_manager import KVAllocation
+from kvmove.reference.model import ReferenceModel
+from kvmove.reference.request import Request
+from kvmove.reference.scheduler import ScheduledBatch
 
 
 class RunResult(NamedTuple):

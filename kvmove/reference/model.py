@@ -9,7 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvmove.engines.reference.layers import (
+from kvmove.errors import ModelError
+from kvmove.layout import EngineCoord, EngineLayout
+from kvmove.models.checkpoint import engine_format, is_block_quantized
+from kvmove.models.config import ModelConfig
+from kvmove.models.table import table_of
+from kvmove.models.tensors import TensorMeta
+from kvmove.reference.layers import (
     ColumnParallelLinear,
     FusedMoE,
     MergedColumnParallelLinear,
@@ -23,7 +29,7 @@ from kvmove.engines.reference.layers import (
     default_weight_loader,
     head_parallel_param,
 )
-from kvmove.engines.reference.mapping import (
+from kvmove.reference.mapping import (
     COLUMN_PARALLEL,
     EXPERT_NAME,
     EXPERT_PARAMS,
@@ -34,17 +40,11 @@ from kvmove.engines.reference.mapping import (
     pieces_of,
     stacked_of,
 )
-from kvmove.errors import ModelError
-from kvmove.layout import EngineCoord, EngineLayout
-from kvmove.models.checkpoint import engine_format, is_block_quantized
-from kvmove.models.config import ModelConfig
-from kvmove.models.table import table_of
-from kvmove.models.tensors import TensorMeta
 
 
 class ReferenceModel(nn.Module):
     """Parameters of one engine rank, built from the checkpoint's tensor table through the declarative mapping
-    (kvmove.engines.reference.mapping); ``load_weights`` (kvmove.engines.reference.loader) fills them.
+    (kvmove.reference.mapping); ``load_weights`` (kvmove.reference.loader) fills them.
 
     The module tree follows the checkpoint's names (``model.layers.N.self_attn.qkv_proj``...): a stage holds the
     tensors before the decoder layers if it is the first, its layers, and the tensors after them if it is the last.
@@ -72,7 +72,7 @@ class ReferenceModel(nn.Module):
             _attach(self, path, module)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        from kvmove.engines.reference.loader import load_weights
+        from kvmove.reference.loader import load_weights
 
         return load_weights(self, weights)
 

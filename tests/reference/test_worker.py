@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from engine_helpers import prompt, weights
 
-from kvmove.engines.reference import (
+from kvmove.errors import KVCacheError, KvmoveError
+from kvmove.reference import (
     FinishReason,
     Request,
     RequestError,
@@ -15,7 +16,6 @@ from kvmove.engines.reference import (
     SamplingParams,
     UnknownRequestError,
 )
-from kvmove.errors import KVCacheError, KvmoveError
 
 
 def _alone(make_worker, req: Request, model: str = "qwen3-tiny") -> list[int]:

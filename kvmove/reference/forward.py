@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvmove.engines.reference.model import ReferenceModel
 from kvmove.errors import ModelError
 from kvmove.kvcache import KVPool
 from kvmove.models.config import ModelConfig
+from kvmove.reference.model import ReferenceModel
 
 
 @dataclass(frozen=True)
