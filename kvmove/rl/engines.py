@@ -20,12 +20,12 @@ from typing import Any, NamedTuple
 
 from kvmove.errors import KvmoveError
 from kvmove.models.config import ModelConfig
+from kvmove.models.directory import write_model_dir
 from kvmove.rl.trainer_rank import answer_engine_call
 from kvmove.sync.ranks.control import Address, Completion, EngineStats, Sampling
 from kvmove.sync.ranks.wire import ControlServer
 from kvmove.vllm import BACKEND, import_vllm
 from kvmove.vllm.actor import ENV, MAX_MODEL_LEN
-from kvmove.vllm.checkpoint import write_model_dir
 
 ENGINE_SHUTDOWN_S = 30.0
 """How long an engine core may take to stop. vLLM's default (5 s) is no longer than the core's own grace for its

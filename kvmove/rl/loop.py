@@ -257,10 +257,10 @@ def token_texts(tokenizer: Any, vocab_size: int) -> list[str]:
 
 
 def load_tokenizer(directory: Path, vocab_size: int) -> Any:
-    """The tokenizer the engines are started with (kvmove.vllm.checkpoint: deterministic, local)."""
+    """The tokenizer the engines are started with (kvmove.models.directory: deterministic, local)."""
     from tokenizers import Tokenizer
 
-    from kvmove.vllm.checkpoint import write_tokenizer
+    from kvmove.models.directory import write_tokenizer
 
     directory.mkdir(parents=True, exist_ok=True)
     write_tokenizer(directory, vocab_size)

@@ -1,7 +1,7 @@
 """vLLM as a kvmove engine: a weight-transfer backend that pulls from kvmove trainer ranks into a live vLLM.
 
-Pipeline: ``checkpoint`` (a model directory vLLM can start from: config.json, a locally trained tokenizer,
-optionally weights) -> ``actor`` (the host of one vLLM engine replica: kvmove's engine host running a
+Pipeline: a model directory vLLM can start from (``kvmove.models.directory``: config.json, a locally trained
+tokenizer, optionally weights) -> ``actor`` (the host of one vLLM engine replica: kvmove's engine host running a
 live vLLM, started by either launcher) -> ``transfer`` (the ``kvmove`` backend of vLLM's weight-transfer API,
 registered through the ``vllm.general_plugins`` entry point by :func:`register`; each worker's state is a
 ``session``), whose puller each worker builds by address from init info alone (``join``: any engine mode, what

@@ -25,6 +25,7 @@ from torch import nn
 
 from kvmove.errors import KvmoveError
 from kvmove.models.config import ModelConfig
+from kvmove.models.directory import write_model_dir
 from kvmove.sync.embedded.member import JoinInfo
 from kvmove.sync.embedded.registry import EngineRegistry
 from kvmove.sync.planning.plan import ShardingPlan
@@ -33,7 +34,6 @@ from kvmove.sync.ranks.engine_host import EngineHost
 from kvmove.sync.ranks.host import RankSpec, handles
 from kvmove.transport import EndpointInfo, Transport
 from kvmove.vllm import BACKEND, check_layout, import_vllm
-from kvmove.vllm.checkpoint import write_model_dir
 from kvmove.vllm.rpc import (
     TransferState,
     WorkerMemory,

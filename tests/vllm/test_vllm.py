@@ -157,7 +157,7 @@ def test_fp8_engines_are_refused_without_importing_vllm(monkeypatch: pytest.Monk
 
 def test_an_fp8_model_served_in_bf16_gives_vllm_no_quantization_config() -> None:
     from kvmove.models.checkpoint import with_engine_dtype
-    from kvmove.vllm.checkpoint import hf_config
+    from kvmove.models.directory import hf_config
 
     cfg = resolve_model("qwen3-moe-fp8-tiny")
     assert "quantization_config" in dict(cfg.extra)

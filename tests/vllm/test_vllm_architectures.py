@@ -28,8 +28,8 @@ class Checkpoints:
         import transformers
 
         from kvmove.models import resolve_model
+        from kvmove.models.directory import write_model_dir
         from kvmove.sync.verify import seeded_checkpoint
-        from kvmove.vllm.checkpoint import write_model_dir
 
         self.cfg = resolve_model(model, VLLM_SIZES)
         self.before = write_model_dir(self.cfg, root / "v1", seeded_checkpoint(self.cfg, 5, 1))

@@ -101,8 +101,8 @@ def _checkpoint(cfg: Any, version: int) -> dict[str, torch.Tensor]:
 def engine() -> Iterator[Engine]:
     _vllm_or_skip()
     from kvmove.models import resolve_model
+    from kvmove.models.directory import write_model_dir
     from kvmove.vllm.actor import start_llm
-    from kvmove.vllm.checkpoint import write_model_dir
 
     cfg = resolve_model(MODEL)
     with tempfile.TemporaryDirectory(prefix="kvmove-vllm-test-") as tmp:

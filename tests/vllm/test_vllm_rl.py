@@ -53,8 +53,8 @@ class Trainer:
         import transformers
 
         from kvmove.models import resolve_model
+        from kvmove.models.directory import hf_config
         from kvmove.sync.verify import seeded_checkpoint
-        from kvmove.vllm.checkpoint import hf_config
 
         self.cfg = resolve_model(MODEL)
         config = transformers.AutoConfig.for_model(**hf_config(self.cfg))
@@ -73,7 +73,7 @@ class Trainer:
 @pytest.fixture
 def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Trainer, Path]]:
     _vllm_or_skip()
-    from kvmove.vllm.checkpoint import write_model_dir
+    from kvmove.models.directory import write_model_dir
 
     for key, value in ENV.items():
         monkeypatch.setenv(key, value)

@@ -35,7 +35,7 @@ def import_transformers() -> Any:
 
 def hf_model(cfg: ModelConfig, seed: int, device: str = "cpu") -> torch.nn.Module:
     """A randomly initialized transformers model of ``cfg`` in bf16 (the same on every rank for one seed)."""
-    from kvmove.vllm.checkpoint import hf_config
+    from kvmove.models.directory import hf_config
 
     transformers = import_transformers()
     config = transformers.AutoConfig.for_model(**hf_config(cfg))

@@ -1,4 +1,4 @@
-"""Model directories a vLLM engine starts from: HF config.json, a tokenizer trained here, optional weights.
+"""Model directories transformers and vLLM start from: HF config.json, a tokenizer trained here, optional weights.
 
 No hub access exists on these machines, so the tokenizer is a small byte-level BPE trained with ``tokenizers``
 on a fixed text (deterministic, at most ``vocab_size`` tokens). Weights, when written, are exactly the tensors
