@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineCoord, EngineLayout
 from kvmove.models.checkpoint import engine_checkpoint
 from kvmove.models.config import ModelConfig
+from kvmove.models.layout import EngineCoord, EngineLayout
 
 
 @dataclass(frozen=True)

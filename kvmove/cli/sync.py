@@ -323,9 +323,9 @@ def _config(
     engine_kind: str,
 ) -> SyncConfig:
     """What every mode shares: the model, both layouts, the strategies (a dry run needs nothing else)."""
-    from kvmove.layout import EngineLayout, TrainerLayout
     from kvmove.models import parse_overrides, resolve_model
     from kvmove.models.checkpoint import with_engine_dtype
+    from kvmove.models.layout import EngineLayout, TrainerLayout
     from kvmove.sync.config import SyncConfig, SyncOptions
     from kvmove.sync.strategies import parse_strategies
 

@@ -30,8 +30,8 @@ from fnmatch import fnmatchcase
 import torch
 
 from kvmove.errors import ModelError
-from kvmove.layout import TrainerLayout
 from kvmove.models.config import ModelConfig
+from kvmove.models.layout import TrainerLayout
 from kvmove.models.tensors import TensorMeta, expert_of, layer_of
 
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from kvmove.errors import ModelError
-from kvmove.layout import EngineCoord, EngineLayout
 from kvmove.models.checkpoint import engine_format, is_block_quantized
 from kvmove.models.config import ModelConfig
+from kvmove.models.layout import EngineCoord, EngineLayout
 from kvmove.models.table import table_of
 from kvmove.models.tensors import TensorMeta
 from kvmove.reference.layers import (

@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 
 from kvmove.engines import get_engine
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.rl.engines import VllmEngines
 from kvmove.rl.learner import RlTrainer, TrainReport
 from kvmove.rl.rollouts import Rollouts, TokenPatternReward, score

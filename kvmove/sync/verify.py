@@ -11,9 +11,9 @@ from torch import nn
 
 from kvmove.engines import EngineAdapter, get_engine
 from kvmove.errors import KvmoveError, PlanError
-from kvmove.layout import EngineLayout
 from kvmove.models.checkpoint import engine_checkpoint, scale_name
 from kvmove.models.config import ModelConfig
+from kvmove.models.layout import EngineLayout
 from kvmove.models.tensors import TensorMeta, hf_tensors, model_totals
 from kvmove.sync.planning.entries import PLAIN
 from kvmove.sync.planning.ownership import Ownership

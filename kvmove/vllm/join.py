@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvmove.layout import EngineLayout
 from kvmove.models.config import ModelConfig, config_from_dict
+from kvmove.models.layout import EngineLayout
 from kvmove.sync.embedded.member import FleetMember, JoinInfo, Seat
 from kvmove.sync.ranks.host import die_after
 from kvmove.sync.strategies import parse_strategies

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout
 from kvmove.models.config import ModelConfig
+from kvmove.models.layout import EngineLayout
 from kvmove.sync.planning.plan import ShardingPlan, SourceTensors
 
 

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Self
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
-from kvmove.layout import TrainerLayout
+from kvmove.models.layout import TrainerLayout
 from kvmove.sync.embedded.trainer import EmbeddedTrainer, TrainerSettings
 from kvmove.sync.ranks.control import TrainerStats
 from kvmove.vllm import BACKEND, register_trainer

@@ -37,7 +37,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from kvmove.layout import EngineLayout
+from kvmove.models.layout import EngineLayout
 from kvmove.sync.embedded.member import JoinInfo
 from kvmove.vllm.guard import TORN
 from kvmove.vllm.join import join, served_model

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvmove.errors import ModelError, PlanError
-from kvmove.layout import TrainerLayout
 from kvmove.models import model_totals, resolve_model
+from kvmove.models.layout import TrainerLayout
 from kvmove.models.presets import preset_raw
 from kvmove.models.roles import families_of
 from kvmove.models.table import header_table, table_of

@@ -7,9 +7,9 @@ import torch
 
 from kvmove.engines import get_engine, reference_models
 from kvmove.errors import LayoutError
-from kvmove.layout import EngineLayout
 from kvmove.models import resolve_model
 from kvmove.models.checkpoint import engine_checkpoint, is_block_quantized, with_engine_dtype
+from kvmove.models.layout import EngineLayout
 from kvmove.quant import BLOCK, FP8_DTYPE, quantize
 from kvmove.sync.verify import bits_equal, seeded_checkpoint
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmove.layout import EngineLayout
 from kvmove.models import hf_tensors, resolve_model
+from kvmove.models.layout import EngineLayout
 from kvmove.reference import ReferenceModel, load_weights, rank_context
 from kvmove.sync.verify import seeded_checkpoint
 

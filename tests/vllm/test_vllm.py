@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from kvmove.errors import KvmoveError, MissingDependencyError
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import SyncConfig
 from kvmove.sync.driver.checks import check_engine_kind
 from kvmove.sync.strategies import parse_strategies

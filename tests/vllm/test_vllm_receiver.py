@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import SyncOptions
 from kvmove.sync.planning.blueprint import Blueprint
 from kvmove.sync.planning.plan import Box, plan_rank

@@ -25,8 +25,8 @@ from kvmove.bench.sim.counts import Counts, row_counts
 from kvmove.bench.sim.hardware import Gpu, gpu_of_hardware
 from kvmove.bench.sim.matching import TARGETS, Match, row_setup
 from kvmove.errors import KvmoveError
-from kvmove.layout import TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import TrainerLayout
 
 
 class Sample(NamedTuple):

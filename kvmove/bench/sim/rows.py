@@ -25,7 +25,7 @@ from kvmove.bench.sim.pricing import Prediction
 from kvmove.bench.sim.setup import SimSetup, Spec, TrainerSpec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES, SimStrategy, parse_sim_strategies
 from kvmove.bench.sim.validation import Check, Validation, figure_setup, validate, validate_all
-from kvmove.layout import EngineLayout
+from kvmove.models.layout import EngineLayout
 
 SUITE = "simulated"
 

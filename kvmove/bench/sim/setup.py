@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from kvmove.bench.sim.hardware import Cluster
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models.config import ModelConfig
+from kvmove.models.layout import EngineLayout, TrainerLayout
 
 TRAINER_KINDS = ("megatron", "fsdp", "host")
 PLACEMENTS = ("disaggregated", "colocated")

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models.checkpoint import is_block_quantized
 from kvmove.models.config import ModelConfig
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.quant.fp8 import scale_shape
 from kvmove.sync.planning.ownership import shard_rule
 

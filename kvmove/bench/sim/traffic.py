@@ -1,6 +1,6 @@
 """Per-group traffic of one strategy on one setup: bytes and operations on every trainer and engine rank.
 
-Built from the model's tensor table (``kvmove.models``), the layouts (``kvmove.layout``) and the split rules of
+Built from the model's tensor table (``kvmove.models``), the layouts (``kvmove.models.layout``) and the split rules of
 ``kvmove.bench.sim.shards``; topology-free and cost-free (``pricing`` turns it into seconds). Engine arrays are
 for one replica's ranks (replicas are identical); trainer arrays hold what one replica's demand costs the
 trainer (the pricing multiplies by the replicas the trainer serves). Demands spread evenly over the ranks that

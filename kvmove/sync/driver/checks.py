@@ -70,7 +70,7 @@ def check_plannable(config: SyncConfig) -> None:
 
 
 def check_layouts(config: SyncConfig) -> None:
-    """Trainer and engine layouts that tile the model (kvmove.layout names the violated constraint)."""
+    """Trainer and engine layouts that tile the model (kvmove.models.layout names the violated constraint)."""
     config.trainer.validate(config.model)
     config.engine.validate(config.model)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvmove.errors import KvmoveError
-from kvmove.layout import TrainerLayout
+from kvmove.models.layout import TrainerLayout
 from kvmove.sync.config import Side, SyncConfig, SyncOptions
 from kvmove.sync.driver.checks import delta_checked
 from kvmove.sync.driver.cluster import check_ownership

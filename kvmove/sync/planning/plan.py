@@ -17,9 +17,9 @@ import torch
 
 from kvmove.engines import EngineAdapter, get_engine
 from kvmove.errors import PlanError
-from kvmove.layout import EngineCoord, EngineLayout
 from kvmove.models.checkpoint import engine_tensors
 from kvmove.models.config import ModelConfig
+from kvmove.models.layout import EngineCoord, EngineLayout
 from kvmove.models.tensors import TensorMeta, layer_of
 from kvmove.sync.planning.recording import Capture, Op, StridedView, dry_run
 

@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models.config import ModelConfig
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.models.tensors import TensorMeta, hf_tensors, layer_of
 from kvmove.sync.config import SyncOptions
 from kvmove.sync.planning.direct import DirectPlanner

@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 import torch
 
 from kvmove.errors import KvmoveError
-from kvmove.layout import TrainerLayout
 from kvmove.models.config import ModelConfig
+from kvmove.models.layout import TrainerLayout
 from kvmove.models.tensors import TensorMeta, hf_tensors
 from kvmove.sync.planning.direct import ArenaLayout, arena_layout, shard_views
 from kvmove.sync.planning.formats import get_format

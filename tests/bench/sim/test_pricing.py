@@ -13,8 +13,8 @@ from kvmove.bench.sim.predict import simulate
 from kvmove.bench.sim.setup import PUBLISHED, SimSetup, TrainerSpec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout
 
 BOOK = default_book()
 ALL = list(SIM_STRATEGIES.values())

@@ -16,8 +16,8 @@ from kvmove.bench.sim.shards import wire_bytes
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
 from kvmove.bench.sim.traffic import build_traffic
 from kvmove.cli.main import app
-from kvmove.layout import EngineLayout
 from kvmove.models import model_totals, resolve_model
+from kvmove.models.layout import EngineLayout
 
 
 def _setup(model: str, trainer: str, engine: str, replicas: int = 1, **kw: object) -> SimSetup:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.models.tensors import hf_tensors
 from kvmove.sync.config import SyncOptions
 from kvmove.sync.planning.blueprint import Blueprint

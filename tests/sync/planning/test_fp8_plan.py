@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvmove.engines import get_engine, reference_models
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import hf_tensors, resolve_model
 from kvmove.models.checkpoint import engine_checkpoint, with_engine_dtype
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.quant import FP8_DTYPE
 from kvmove.sync.planning.ownership import Ownership
 from kvmove.sync.planning.plan import plan_engine

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.models.tensors import hf_tensors
 from kvmove.sync.planning.ownership import Ownership, shard_rule
 from kvmove.sync.planning.plan import plan_engine

@@ -10,8 +10,8 @@ import pytest
 import torch.multiprocessing as mp
 
 from kvmove.engines import get_engine
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import Placement, SyncConfig, SyncOptions
 from kvmove.sync.driver.run import start
 from kvmove.sync.ranks.control import PullerInit, RunSync, StepWeights

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.models.tensors import TensorMeta, hf_tensors
 from kvmove.sync.config import Placement, SyncConfig
 from kvmove.sync.driver.cluster import check_ownership

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from kvmove.errors import LayoutError
-from kvmove.layout import EngineLayout, TrainerLayout, split_layers
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout, split_layers
 
 
 def test_parse_and_world() -> None:
