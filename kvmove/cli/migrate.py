@@ -83,8 +83,8 @@ def migrate(
 
     Example: kvmove migrate --prompt-len 256 --results results/   # rows for migration_latency.png
     """
-    from kvmove.migration.report import rows_for, summarize  # NOTE: needs the optional `serve` extra
-    from kvmove.migration.workload import WorkloadConfig
+    from kvmove.bench.migration_report import rows_for, summarize  # NOTE: needs the optional `serve` extra
+    from kvmove.bench.migration_workload import WorkloadConfig
     from kvmove.server.config import ServerConfig
 
     tps = _tp_sizes(tp, workers)
@@ -141,8 +141,8 @@ def _check_fit(cfg: Any, num_pages: int) -> None:
 
 def _workloads(servers: list[Any], cfg: Any, baseline: bool, say: Callable[[str], None]) -> list[Any]:
     """The workload with migration (and without, as a baseline) on fresh loopback servers, one per config."""
+    from kvmove.bench.migration_workload import run_workload
     from kvmove.migration.client import WorkerClient
-    from kvmove.migration.workload import run_workload
     from kvmove.ports import free_port
     from kvmove.server.launch import LocalCluster
 

@@ -1,4 +1,4 @@
-"""A skewed, prioritized rollout workload on N loopback workers, with and without migration.
+"""The `kvmove migrate` demo's workload: skewed, prioritized rollouts on N loopback workers, with and without migration.
 
 Worker 0 is the busy one: a shared prompt (a GRPO group's) is cached there, low-priority requests then take every
 free page, and the group's high-priority samples arrive and queue behind that KV pressure while the other workers

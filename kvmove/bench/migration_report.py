@@ -5,9 +5,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from kvmove.bench.migration_workload import RunResult
 from kvmove.bench.results import Row
 from kvmove.migration.endpoint import TransportChoice
-from kvmove.migration.workload import RunResult
 
 
 def summarize(runs: list[RunResult], link_gbps: float | None, transport: TransportChoice) -> list[dict[str, Any]]:
