@@ -17,8 +17,8 @@ from kvmove.models import resolve_model
 from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.models.tensors import TensorMeta, hf_tensors
 from kvmove.sync.config import Placement, SyncConfig
-from kvmove.sync.driver.cluster import check_ownership
 from kvmove.sync.driver.run import run_syncs
+from kvmove.sync.driver.running import check_ownership
 from kvmove.sync.planning.plan import Box
 from kvmove.sync.ranks.control import Address, TrainerHello
 from kvmove.sync.ranks.source import Gathered, SourceContext, WeightSource

@@ -50,7 +50,7 @@ INIT_TIMEOUT_S = 900.0
 """Init steps may start engines (a vLLM takes tens of seconds); every sync wait has the run's own deadline."""
 
 
-class Cluster:
+class RunningRanks:
     """See the module docstring; ``engines[e]`` is engine rank e's current handle (replaced when it rejoins)."""
 
     def __init__(self, config: SyncConfig, launcher: Launcher) -> None:
