@@ -59,7 +59,7 @@ def wire_bytes(name: str, shape: tuple[int, ...], dtype: str, block: int = 128) 
     return numel + 4 * math.prod(scale_shape(shape, block))
 
 
-def megatron_split(cfg: ModelConfig, layout: TrainerLayout, name: str, layer: int | None, expert: int | None) -> Split:
+def trainer_split(cfg: ModelConfig, layout: TrainerLayout, name: str, layer: int | None, expert: int | None) -> Split:
     """The trainer's split as the planner states it (:func:`kvmove.sync.planning.ownership.shard_rule`), in the
     simulator's terms: TP (ETP for routed experts) parts along the rule's dim, the EP owner of ``expert``."""
     rule = shard_rule(cfg, layout, name)
