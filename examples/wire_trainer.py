@@ -5,7 +5,7 @@ import torch
 
 from kvmove.models import resolve_model
 from kvmove.models.layout import EngineLayout, TrainerLayout
-from kvmove.models.tensors import hf_tensors
+from kvmove.models.table import hf_tensors
 from kvmove.sync.config import Placement, SyncConfig
 from kvmove.sync.driver.run import run_syncs
 from kvmove.sync.sources.fsdp import FsdpSource

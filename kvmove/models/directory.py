@@ -2,7 +2,7 @@
 
 No hub access exists on these machines, so the tokenizer is a small byte-level BPE trained with ``tokenizers``
 on a fixed text (deterministic, at most ``vocab_size`` tokens). Weights, when written, are exactly the tensors
-``kvmove.models.tensors.hf_tensors`` lists, in bf16 safetensors. Any architecture transformers knows.
+``kvmove.models.table.hf_tensors`` lists, in bf16 safetensors. Any architecture transformers knows.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from kvmove.errors import KvmoveError
 from kvmove.models.config import NOT_HF, ModelConfig, hf_dict
-from kvmove.models.table import model_type_of, quiet_transformers
+from kvmove.models.hf import model_type_of, quiet_transformers
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 _TEXT = "the a of to and in is it that was for on are with as his they be at one have this from or had by hot"

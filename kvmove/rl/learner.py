@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvmove.errors import KvmoveError
-from kvmove.models.tensors import hf_tensors
+from kvmove.models.table import hf_tensors
 from kvmove.rl.rollouts import Rollouts
 from kvmove.sync.ranks.source import SourceContext
 from kvmove.sync.sources.fsdp import FsdpSource

@@ -14,7 +14,9 @@ from kvmove.errors import KvmoveError, PlanError
 from kvmove.models.checkpoint import engine_checkpoint, scale_name
 from kvmove.models.config import ModelConfig
 from kvmove.models.layout import EngineLayout
-from kvmove.models.tensors import TensorMeta, hf_tensors, model_totals
+from kvmove.models.table import hf_tensors
+from kvmove.models.tensors import TensorMeta
+from kvmove.models.totals import model_totals
 from kvmove.sync.planning.entries import PLAIN
 from kvmove.sync.planning.ownership import Ownership
 from kvmove.sync.planning.packing import ServeSpec, pack_layout

@@ -10,7 +10,7 @@ from kvmove.errors import ModelError
 from kvmove.models import resolve_model
 from kvmove.models.layout import TrainerLayout
 from kvmove.models.megatron import MegatronLayout, vocab_padded
-from kvmove.models.tensors import hf_tensors
+from kvmove.models.table import hf_tensors
 from kvmove.sync.verify import bits_equal, seeded_checkpoint
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from kvmove.models import resolve_model
 from kvmove.models.config import ModelConfig
+from kvmove.models.table import is_moe_layer
 from kvmove.sync.verify import seeded_checkpoint
 
 
@@ -66,7 +67,7 @@ def dense_logits(cfg: ModelConfig, hf: dict[str, torch.Tensor], ids: list[int]) 
         o = torch.einsum("hqk,khd->qhd", attn, v).reshape(t, heads * d)
         x = x + _linear(w, f"{p}.self_attn.o_proj", o)
         h = _rms(x, w[f"{p}.post_attention_layernorm.weight"], eps)
-        x = x + (_moe(cfg, w, p, h) if cfg.is_moe_layer(i) else _mlp(w, f"{p}.mlp", h))
+        x = x + (_moe(cfg, w, p, h) if is_moe_layer(cfg, i) else _mlp(w, f"{p}.mlp", h))
     x = _rms(x, w["model.norm.weight"], eps)
     head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
     return x @ head.T

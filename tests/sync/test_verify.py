@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvmove.models import resolve_model
 from kvmove.models.layout import EngineLayout, TrainerLayout
-from kvmove.models.tensors import hf_tensors
+from kvmove.models.table import hf_tensors
 from kvmove.sync.config import SyncConfig
 from kvmove.sync.driver.dryrun import build_plans
 from kvmove.sync.planning.direct import DirectPlanner

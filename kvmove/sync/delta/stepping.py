@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from kvmove.models.config import ModelConfig
-from kvmove.models.tensors import TensorMeta, hf_tensors
+from kvmove.models.table import hf_tensors
+from kvmove.models.tensors import TensorMeta
 from kvmove.sync.verify import check_verifiable, seeded_tensor
 
 

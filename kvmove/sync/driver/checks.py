@@ -14,7 +14,7 @@ from dataclasses import replace
 from kvmove.engines import get_engine
 from kvmove.errors import KvmoveError, MissingDependencyError
 from kvmove.memory import usable_memory
-from kvmove.models.tensors import model_totals
+from kvmove.models.totals import model_totals
 from kvmove.sync.config import Side, SyncConfig
 from kvmove.sync.launchers import get_launcher
 from kvmove.sync.strategies import Delivery, Gather

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from kvmove.models.config import ModelConfig
 from kvmove.models.layout import EngineLayout, TrainerLayout
-from kvmove.models.tensors import TensorMeta, hf_tensors
+from kvmove.models.table import hf_tensors
+from kvmove.models.tensors import TensorMeta
 from kvmove.sync.config import SyncOptions
 from kvmove.sync.planning.ceiling import LinkBytes, link_bytes
 from kvmove.sync.planning.direct import ArenaLayout, DirectPlanner

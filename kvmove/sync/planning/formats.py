@@ -19,7 +19,8 @@ from kvmove.errors import KvmoveError, ModelError
 from kvmove.models import megatron
 from kvmove.models.config import ModelConfig
 from kvmove.models.layout import TrainerLayout
-from kvmove.models.tensors import TensorMeta, hf_tensors
+from kvmove.models.table import hf_tensors
+from kvmove.models.tensors import TensorMeta
 from kvmove.sync.planning.ownership import Ownership, megatron_rule
 from kvmove.sync.planning.plan import SourceTensors
 

@@ -20,6 +20,7 @@ from kvmove.errors import PlanError
 from kvmove.models.checkpoint import engine_tensors
 from kvmove.models.config import ModelConfig
 from kvmove.models.layout import EngineCoord, EngineLayout
+from kvmove.models.table import layer_kind
 from kvmove.models.tensors import TensorMeta, layer_of
 from kvmove.sync.planning.recording import Capture, Op, StridedView, dry_run
 
@@ -215,7 +216,7 @@ def plan_rank(
     held = list(layout.stage_layers(cfg)[coord.pp])
     templates: dict[str, int] = {}
     for i in held:
-        templates.setdefault(cfg.layer_kind(i), i)
+        templates.setdefault(layer_kind(cfg, i), i)
     run_layers = sorted(templates.values()) if reuse else held
     model = engine.build(cfg, layout, coord, layers=run_layers, device="meta")
     tensors = source.tensors(run_layers)
@@ -244,7 +245,7 @@ def _expand(
         params_by_layer[_param_layer(p.name)].append(p)
     out_r, out_p = list(by_layer[None]), list(params_by_layer[None])
     for i in held:
-        t = templates[cfg.layer_kind(i)]
+        t = templates[layer_kind(cfg, i)]
         out_r += [r._replace(hf_name=_rename(r.hf_name, t, i), param=_rename(r.param, t, i)) for r in by_layer[t]]
         out_p += [p._replace(name=_rename(p.name, t, i)) for p in params_by_layer[t]]
     return out_r, out_p

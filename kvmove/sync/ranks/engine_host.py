@@ -17,7 +17,7 @@ from torch import nn
 from kvmove.engines import get_engine
 from kvmove.errors import KvmoveError
 from kvmove.models.checkpoint import engine_checkpoint, engine_tensors
-from kvmove.models.tensors import model_totals
+from kvmove.models.totals import model_totals
 from kvmove.sync.planning.formats import get_format
 from kvmove.sync.planning.plan import ShardingPlan, plan_rank
 from kvmove.sync.ranks.broadcast import open_group, receive_all

@@ -18,7 +18,8 @@ import torch
 from kvmove.errors import KvmoveError
 from kvmove.models.config import ModelConfig
 from kvmove.models.layout import TrainerLayout
-from kvmove.models.tensors import TensorMeta, hf_tensors
+from kvmove.models.table import hf_tensors
+from kvmove.models.tensors import TensorMeta
 from kvmove.sync.planning.direct import ArenaLayout, arena_layout, shard_views
 from kvmove.sync.planning.formats import get_format
 from kvmove.sync.planning.plan import Box

@@ -79,7 +79,7 @@ class FsdpSource(WeightSource):
     """A live FSDP2/DTensor model's weights as a sync sees them (see module docstring).
 
     ``group`` is the process group of the model's mesh (its ranks in order: the trainer ranks); ``order`` names
-    every checkpoint tensor in checkpoint order (``kvmove.models.tensors.hf_tensors``); ``on_step(version)``
+    every checkpoint tensor in checkpoint order (``kvmove.models.table.hf_tensors``); ``on_step(version)``
     runs in ``step`` before the weights are taken (a training step, a checkpoint save); ``on_train(batch)``
     is ``train`` (a training step on data the driver hands this rank: an RL loop's rollouts). ``image_dtype``
     (e.g. BF16 over FP32 master parameters, as mixed precision trains): what the sync serves, each tensor rounded

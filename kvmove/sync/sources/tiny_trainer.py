@@ -18,7 +18,7 @@ import torch
 
 from kvmove.errors import MissingDependencyError
 from kvmove.models.config import ModelConfig
-from kvmove.models.tensors import hf_tensors
+from kvmove.models.table import hf_tensors
 from kvmove.sync.ranks.source import SourceContext
 from kvmove.sync.sources.fsdp import FsdpSource
 

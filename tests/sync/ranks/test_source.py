@@ -15,7 +15,8 @@ import torch.distributed as dist
 from kvmove.errors import KvmoveError
 from kvmove.models import resolve_model
 from kvmove.models.layout import EngineLayout, TrainerLayout
-from kvmove.models.tensors import TensorMeta, hf_tensors
+from kvmove.models.table import hf_tensors
+from kvmove.models.tensors import TensorMeta
 from kvmove.sync.config import Placement, SyncConfig
 from kvmove.sync.driver.run import run_syncs
 from kvmove.sync.driver.running import check_ownership
