@@ -29,8 +29,8 @@ from kvmove.migration.controller import Migration, migrate_request, migrate_requ
 from kvmove.migration.errors import UnknownMigrationError
 from kvmove.migration.policy import WorkerView, get_policy
 from kvmove.models import resolve_model
+from kvmove.models.weights import seeded_checkpoint
 from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
-from kvmove.sync.verify import seeded_checkpoint
 
 HIGH, LOW = 10, 0
 

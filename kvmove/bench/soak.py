@@ -36,8 +36,8 @@ from kvmove.migration.controller import Migration, migrate_request, move_kv
 from kvmove.migration.endpoint import SERVER_TRANSPORTS
 from kvmove.migration.errors import UnknownMigrationError
 from kvmove.models import resolve_model
+from kvmove.models.weights import seeded_checkpoint
 from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
-from kvmove.sync.verify import seeded_checkpoint
 from kvmove.transport import TRANSPORTS
 
 HELD = (

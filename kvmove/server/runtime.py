@@ -37,6 +37,7 @@ from kvmove.migration.source import MigrationSource
 from kvmove.migration.target import MigrationTarget
 from kvmove.migration.watchdog import Watchdog
 from kvmove.models import resolve_model
+from kvmove.models.weights import seeded_checkpoint
 from kvmove.reference import (
     Request,
     RequestError,
@@ -52,7 +53,6 @@ from kvmove.server.requests import InFlight, Outcome, Submitted, abort_reason, f
 from kvmove.server.resources import check_server_memory, process_resources
 from kvmove.server.steps import StepLog, StepRecord
 from kvmove.server.tokenizer import ByteTokenizer
-from kvmove.sync.verify import seeded_checkpoint
 from kvmove.transport.http_route import ReadAnswer
 
 

@@ -13,14 +13,14 @@ from typing import Any, NamedTuple
 
 def verify_worker(worker: Any, seed: int, version: int) -> list[str]:
     """The keys where what the live model computes with differs from vLLM's own loader and processing fed
-    kvmove's seeded checkpoint of ``version`` (``kvmove.sync.verify.seeded_checkpoint``; what ``--verify``
+    kvmove's seeded checkpoint of ``version`` (``kvmove.models.weights.seeded_checkpoint``; what ``--verify``
     checks); empty when bit-exact."""
     return list(verify_report(worker, seed, version)[0])
 
 
 def verify_report(worker: Any, seed: int, version: int) -> tuple[list[str], int]:
     """:func:`verify_worker`'s keys and how many keys were compared."""
-    from kvmove.sync.verify import seeded_checkpoint
+    from kvmove.models.weights import seeded_checkpoint
     from kvmove.vllm.join import served_model
 
     weights = seeded_checkpoint(served_model(worker.vllm_config), seed, version)
@@ -30,7 +30,7 @@ def verify_report(worker: Any, seed: int, version: int) -> tuple[list[str], int]
 def verify_saved(worker: Any, directory: str) -> tuple[list[str], int]:
     """The keys where what the live model computes with differs from vLLM's own loader and processing fed the
     checkpoint a trainer saved in ``directory`` (``save_pretrained``'s safetensors), and how many were compared."""
-    from kvmove.sync.verify import saved_checkpoint
+    from kvmove.models.weights import saved_checkpoint
     from kvmove.vllm.join import served_model
 
     weights = saved_checkpoint(served_model(worker.vllm_config), directory)

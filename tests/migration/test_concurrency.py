@@ -32,8 +32,8 @@ from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import transfer_body
 from kvmove.migration.errors import MigrationError
 from kvmove.models import resolve_model
+from kvmove.models.weights import seeded_checkpoint
 from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
-from kvmove.sync.verify import seeded_checkpoint
 
 EXPIRE_S = 0.05  # the watchdog's timeout while a pull is blocked: it would expire anything else at once
 WINDOW_S = 0.5

@@ -30,8 +30,8 @@ from kvmove.migration.controller import transfer_body
 from kvmove.migration.endpoint import HANDLE_STRIDE
 from kvmove.migration.errors import MigrationConflictError
 from kvmove.models import resolve_model
+from kvmove.models.weights import seeded_checkpoint
 from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
-from kvmove.sync.verify import seeded_checkpoint
 from kvmove.transport import BufferDesc, EndpointInfo, NixlTransport, TransportError
 
 

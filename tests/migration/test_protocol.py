@@ -23,8 +23,8 @@ from kvmove.migration.controller import migrate_request, transfer_body
 from kvmove.migration.errors import MigrationError, PeerMismatchError, PeerUnreachableError, UnknownMigrationError
 from kvmove.migration.session import check_peer
 from kvmove.models import resolve_model
+from kvmove.models.weights import seeded_checkpoint
 from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
-from kvmove.sync.verify import seeded_checkpoint
 
 PAGE_BYTES = 4 * 2 * 16 * 4  # page_size * kv heads * head_dim * float32, qwen3-tiny
 BUFFERS = 8  # K and V of 4 layers

@@ -23,8 +23,8 @@ from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import migrate_request, resume_body, transfer_body
 from kvmove.models import resolve_model
+from kvmove.models.weights import seeded_checkpoint
 from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
-from kvmove.sync.verify import seeded_checkpoint
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 4, 2, 16, 4  # qwen3-tiny, float32
 TOKEN_BYTES = HEADS * HEAD_DIM * 4 * 2 * LAYERS  # K and V of every head of every layer, one token

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from kvmove.models import resolve_model
 from kvmove.models.config import ModelConfig
 from kvmove.models.table import is_moe_layer
-from kvmove.sync.verify import seeded_checkpoint
+from kvmove.models.weights import seeded_checkpoint
 
 
 @cache

@@ -10,8 +10,9 @@ from kvmove.errors import LayoutError
 from kvmove.models import resolve_model
 from kvmove.models.checkpoint import engine_checkpoint, is_block_quantized, with_engine_dtype
 from kvmove.models.layout import EngineLayout
+from kvmove.models.weights import seeded_checkpoint
 from kvmove.quant import BLOCK, FP8_DTYPE, quantize
-from kvmove.sync.verify import bits_equal, seeded_checkpoint
+from kvmove.sync.verify import bits_equal
 
 LAYOUTS = [
     ("qwen3-moe-fp8-tiny", "tp=1"),

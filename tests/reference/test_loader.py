@@ -5,8 +5,8 @@ import torch
 
 from kvmove.models import hf_tensors, resolve_model
 from kvmove.models.layout import EngineLayout
+from kvmove.models.weights import seeded_checkpoint
 from kvmove.reference import ReferenceModel, load_weights, rank_context
-from kvmove.sync.verify import seeded_checkpoint
 
 
 def _load(model: str, engine: str):

@@ -22,8 +22,8 @@ from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import transfer_body
 from kvmove.models import resolve_model
+from kvmove.models.weights import seeded_checkpoint
 from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
-from kvmove.sync.verify import seeded_checkpoint
 
 SAMPLINGS = {"greedy": (0.0, 0), "seeded": (0.8, 1234)}
 

@@ -18,10 +18,10 @@ import torch
 from server_fixtures import hold_admissions
 
 from kvmove.models import resolve_model
+from kvmove.models.weights import seeded_checkpoint
 from kvmove.reference import FinishReason, Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.reference import runner as runner_module
 from kvmove.reference.scheduler import ScheduledBatch
-from kvmove.sync.verify import seeded_checkpoint
 
 BIG = 1 << 63
 MALFORMED = [

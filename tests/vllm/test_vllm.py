@@ -54,10 +54,10 @@ def vllm_ray(ray_session: Any) -> Iterator[Any]:
 
 def _disk_engine(ray: Any, config: SyncConfig, version: int) -> Any:
     """A second vLLM, started from the checkpoint of ``version`` written to disk (vLLM's normal load)."""
+    from kvmove.models.weights import seeded_checkpoint
     from kvmove.sync.config import Side
     from kvmove.sync.launchers.ray import actor_class
     from kvmove.sync.ranks.host import RankSpec
-    from kvmove.sync.verify import seeded_checkpoint
     from kvmove.vllm.actor import VllmEngineHost
 
     weights = seeded_checkpoint(config.model, config.seed, version)

@@ -29,7 +29,7 @@ class Checkpoints:
 
         from kvmove.models import resolve_model
         from kvmove.models.directory import write_model_dir
-        from kvmove.sync.verify import seeded_checkpoint
+        from kvmove.models.weights import seeded_checkpoint
 
         self.cfg = resolve_model(model, VLLM_SIZES)
         self.before = write_model_dir(self.cfg, root / "v1", seeded_checkpoint(self.cfg, 5, 1))

@@ -92,7 +92,7 @@ class Engine:
 
 
 def _checkpoint(cfg: Any, version: int) -> dict[str, torch.Tensor]:
-    from kvmove.sync.verify import seeded_checkpoint
+    from kvmove.models.weights import seeded_checkpoint
 
     return seeded_checkpoint(cfg, SEED, version)
 

@@ -15,6 +15,7 @@ import torch
 from kvmove.errors import KvmoveError
 from kvmove.models import resolve_model
 from kvmove.models.layout import EngineLayout, TrainerLayout
+from kvmove.models.weights import seeded_checkpoint
 from kvmove.sync.config import SyncOptions
 from kvmove.sync.planning.blueprint import Blueprint
 from kvmove.sync.planning.plan import Box, plan_rank
@@ -22,7 +23,6 @@ from kvmove.sync.planning.recording import replay
 from kvmove.sync.ranks.control import Packed
 from kvmove.sync.strategies import parse_strategies
 from kvmove.sync.transforms import Held, pack
-from kvmove.sync.verify import seeded_checkpoint
 from kvmove.vllm.receiver import ReceiveTarget, StagedRank, Stager, Window
 from kvmove.vllm.staging import Budget, staging_units, window_layout
 

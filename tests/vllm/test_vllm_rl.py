@@ -54,7 +54,7 @@ class Trainer:
 
         from kvmove.models import resolve_model
         from kvmove.models.directory import hf_config
-        from kvmove.sync.verify import seeded_checkpoint
+        from kvmove.models.weights import seeded_checkpoint
 
         self.cfg = resolve_model(MODEL)
         config = transformers.AutoConfig.for_model(**hf_config(self.cfg))

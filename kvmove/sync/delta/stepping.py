@@ -22,7 +22,7 @@ import torch
 from kvmove.models.config import ModelConfig
 from kvmove.models.table import hf_tensors
 from kvmove.models.tensors import TensorMeta
-from kvmove.sync.verify import check_verifiable, seeded_tensor
+from kvmove.models.weights import check_verifiable, seeded_tensor
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ def delta_checked(config: SyncConfig) -> SyncConfig:
 def check_plannable(config: SyncConfig) -> None:
     """What a dry run (plans only: no rank, transport or fault) is refused for: the checks it shares with real
     syncs, and with --verify a checkpoint that can be materialized here."""
-    from kvmove.sync.verify import check_verifiable
+    from kvmove.models.weights import check_verifiable
 
     check_layouts(config)
     get_engine(config.engine_kind).check_dtype(config.model)
