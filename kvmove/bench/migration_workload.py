@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmove.errors import KvmoveError
-from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import Migration, migrate_request, migrate_request_sglang
 from kvmove.migration.errors import UnknownMigrationError
@@ -31,6 +30,7 @@ from kvmove.migration.policy import WorkerView, get_policy
 from kvmove.models import resolve_model
 from kvmove.models.weights import seeded_checkpoint
 from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
+from kvmove.server.messages import GenerateReq, GenerateResp, SamplingParamsMsg
 
 HIGH, LOW = 10, 0
 
@@ -78,8 +78,8 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _greedy(n: int) -> m.SamplingParamsMsg:
-    return m.SamplingParamsMsg(max_new_tokens=n, temperature=0.0)
+def _greedy(n: int) -> SamplingParamsMsg:
+    return SamplingParamsMsg(max_new_tokens=n, temperature=0.0)
 
 
 def run_workload(
@@ -93,7 +93,7 @@ def run_workload(
     busy, run = clients[0], RunResult(migrate)
     key = f"run-{'on' if migrate else 'off'}-{cfg.seed}"
     shared = _tokens(cfg.prompt_len, cfg.seed)
-    busy.generate(m.GenerateReq(input_ids=shared, sampling_params=_greedy(1), extra_key=key, rid=f"{key}-warm"))
+    busy.generate(GenerateReq(input_ids=shared, sampling_params=_greedy(1), extra_key=key, rid=f"{key}-warm"))
     lows = _fill(busy, cfg, key, pool)
     highs = {f"{key}-high{i}": shared + _tokens(cfg.suffix_len, 1000 + i) for i in range(cfg.requests)}
     submitted = {rid: time.perf_counter() for rid in highs}
@@ -116,13 +116,13 @@ def run_workload(
     return run
 
 
-def _body(rid: str, ids: list[int], cfg: WorkloadConfig, key: str) -> m.GenerateReq:
-    return m.GenerateReq(
+def _body(rid: str, ids: list[int], cfg: WorkloadConfig, key: str) -> GenerateReq:
+    return GenerateReq(
         input_ids=ids, rid=rid, sampling_params=_greedy(cfg.high_new_tokens), priority=HIGH, extra_key=key
     )
 
 
-def _fill(busy: WorkerClient, cfg: WorkloadConfig, key: str, pool: ThreadPoolExecutor) -> list[Future[m.GenerateResp]]:
+def _fill(busy: WorkerClient, cfg: WorkloadConfig, key: str, pool: ThreadPoolExecutor) -> list[Future[GenerateResp]]:
     """Low-priority requests that reserve exactly the free pages of ``busy`` (no cache evicted)."""
     free, ps = busy.metrics().free_pages, cfg.page_size
     share = -(-free // cfg.low_requests)
@@ -130,7 +130,7 @@ def _fill(busy: WorkerClient, cfg: WorkloadConfig, key: str, pool: ThreadPoolExe
     futures = []
     for i, pages in enumerate(sizes):
         ids = _tokens(4, 2000 + i)
-        body = m.GenerateReq(
+        body = GenerateReq(
             input_ids=ids, rid=f"{key}-low{i}", sampling_params=_greedy(pages * ps - 3), priority=LOW, extra_key=key
         )
         futures.append(pool.submit(busy.generate, body, cfg.deadline_s))
@@ -146,16 +146,16 @@ def _fill(busy: WorkerClient, cfg: WorkloadConfig, key: str, pool: ThreadPoolExe
 def _migrate_starving(
     clients: list[WorkerClient],
     cfg: WorkloadConfig,
-    bodies: dict[str, m.GenerateReq],
-    futures: dict[str, Future[m.GenerateResp]],
+    bodies: dict[str, GenerateReq],
+    futures: dict[str, Future[GenerateResp]],
     pool: ThreadPoolExecutor,
     run: RunResult,
-) -> dict[str, Future[m.GenerateResp]]:
+) -> dict[str, Future[GenerateResp]]:
     """Poll /metrics and migrate every starving high-priority request the policy picks, until none is left."""
     highs = set(bodies)
     by_url, policy = {c.url: c for c in clients}, get_policy(cfg.policy)
     need = -(-(cfg.prompt_len + cfg.suffix_len + cfg.high_new_tokens) // cfg.page_size)
-    resumed: dict[str, Future[m.GenerateResp]] = {}
+    resumed: dict[str, Future[GenerateResp]] = {}
     deadline = time.monotonic() + cfg.deadline_s
     while time.monotonic() < deadline:
         views = [WorkerView(c.url, c.metrics()) for c in clients]
@@ -185,12 +185,12 @@ def _migrate_starving(
 def _move_over_fork_routes(
     src: WorkerClient,
     dst: WorkerClient,
-    body: m.GenerateReq,
-    answer: Future[m.GenerateResp],
+    body: GenerateReq,
+    answer: Future[GenerateResp],
     cfg: WorkloadConfig,
     pool: ThreadPoolExecutor,
     run: RunResult,
-) -> Future[m.GenerateResp] | None:
+) -> Future[GenerateResp] | None:
     """Abort, move, re-submit (``migrate_request_sglang``); the future answers the whole output."""
     try:
         rec, resume = migrate_request_sglang(src, dst, body, lambda: answer.result(timeout=cfg.deadline_s))
@@ -203,7 +203,7 @@ def _move_over_fork_routes(
     return pool.submit(_continued, dst, resume, partial, cfg.deadline_s)
 
 
-def _continued(dst: WorkerClient, body: m.GenerateReq, partial: list[int], timeout: float) -> m.GenerateResp:
+def _continued(dst: WorkerClient, body: GenerateReq, partial: list[int], timeout: float) -> GenerateResp:
     resp = dst.generate(body, timeout)
     return resp.model_copy(update={"output_ids": partial + resp.output_ids})
 
@@ -224,7 +224,7 @@ def _reprefill(run: RunResult, clients: list[WorkerClient], key: str) -> None:
     for rec in run.migrations:
         if not rec.ok or not rec.tokens:
             continue
-        body = m.GenerateReq(
+        body = GenerateReq(
             input_ids=rec.tokens,
             sampling_params=_greedy(1),
             extra_key=f"{key}-reprefill",

@@ -24,6 +24,7 @@ from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.errors import MigrationError
 from kvmove.migration.session import check_peers
+from kvmove.server.messages import GenerateReq, GenerateResp, HoldRequestResp, ResumeInfo, ResumeState
 
 
 @dataclass
@@ -44,7 +45,7 @@ class Migration:
     transport: str = ""
     transport_seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
-    held: m.HoldRequestResp | None = None
+    held: HoldRequestResp | None = None
     error: str = ""
 
     @property
@@ -103,8 +104,8 @@ def move_kv(src: WorkerClient, dst: WorkerClient, ids: list[int], extra_key: str
 
 
 def migrate_request_sglang(
-    src: WorkerClient, dst: WorkerClient, submitted: m.GenerateReq, answer: Callable[[], m.GenerateResp]
-) -> tuple[Migration, m.GenerateReq | None]:
+    src: WorkerClient, dst: WorkerClient, submitted: GenerateReq, answer: Callable[[], GenerateResp]
+) -> tuple[Migration, GenerateReq | None]:
     """Move request ``submitted`` (sent to ``src`` by this client; ``answer()`` waits for its ``/generate`` answer)
     with the fork's routes only. Returns the record and the body re-submitting it to ``dst`` (None if it had
     finished before the abort); its output is the aborted answer's tokens followed by the re-submitted request's.
@@ -193,16 +194,16 @@ def transfer_body(
     )
 
 
-def resume_body(held: m.HoldRequestResp | m.ResumeState) -> m.GenerateReq:
+def resume_body(held: HoldRequestResp | ResumeState) -> GenerateReq:
     """The ``/generate`` body that continues a held request on its new worker."""
-    r = held.request if isinstance(held, m.HoldRequestResp) else held
-    return m.GenerateReq(
+    r = held.request if isinstance(held, HoldRequestResp) else held
+    return GenerateReq(
         input_ids=r.prompt_ids,
         rid=r.rid,
         sampling_params=r.sampling_params,
         priority=r.priority,
         extra_key=r.extra_key,
-        resume=m.ResumeInfo(output_ids=r.output_ids, generator_state=r.generator_state),
+        resume=ResumeInfo(output_ids=r.output_ids, generator_state=r.generator_state),
     )
 
 

@@ -22,17 +22,7 @@ import torch
 from kvmove.migration.endpoint import HostEndpoint
 from kvmove.migration.errors import MigrationConflictError, MigrationDisabledError
 from kvmove.migration.fields import SAMPLING_EPS
-from kvmove.migration.messages import (
-    AbortRequestReq,
-    FlushCacheResp,
-    GenerateReq,
-    GenerateResp,
-    Integrity,
-    Metrics,
-    RankSession,
-    Resources,
-    TransferSessionIds,
-)
+from kvmove.migration.messages import RankSession, TransferSessionIds
 from kvmove.migration.source import MigrationSource
 from kvmove.migration.target import MigrationTarget
 from kvmove.migration.watchdog import Watchdog
@@ -48,6 +38,15 @@ from kvmove.reference import (
 )
 from kvmove.server.config import ServerConfig
 from kvmove.server.handover import HeldRequests
+from kvmove.server.messages import (
+    AbortRequestReq,
+    FlushCacheResp,
+    GenerateReq,
+    GenerateResp,
+    Integrity,
+    Metrics,
+    Resources,
+)
 from kvmove.server.plane import MigrationPlane
 from kvmove.server.requests import InFlight, Outcome, Submitted, abort_reason, finish_reason, generator, wait_for_answer
 from kvmove.server.resources import check_server_memory, process_resources
