@@ -22,7 +22,7 @@ from kvmove.errors import JobFailed, KvmoveError
 from kvmove.transport import AUTO
 
 if TYPE_CHECKING:
-    from kvmove.bench.results import Row
+    from kvmove.bench.results import Labels, Row
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks: measured and simulated rows in results/.")
 
@@ -32,7 +32,8 @@ class Suite(StrEnum):
     vllm: reference engine and vLLM side by side; decode-latency: decode steps with and without migrations into a
     loaded worker; migration-gpu: resume vs re-prefill on one GPU; soak: what servers hold after many migrations;
     gpu-fp8: BF16 vs FP8 engine, v3, one or two GPUs; delta: a delta sync's detection, encoding and apply per
-    realistic training step (one GPU, or a small model on CPU)."""
+    realistic training step (one GPU, or a small model on CPU); micro: the simulator's quantize and collective costs
+    (two GPUs; on CPU its rows set no cost)."""
 
     plan = "plan"
     sync = "sync"
@@ -45,6 +46,7 @@ class Suite(StrEnum):
     soak = "soak"
     gpu_fp8 = "gpu-fp8"
     delta = "delta"
+    micro = "micro"
 
 
 @app.command("run")
@@ -59,7 +61,8 @@ def run(
         typer.Option(
             "--layers",
             min=0,
-            help="gpu, delta suites: decoder layers of the slice (0: gpu 8 on two GPUs, 2 on one; delta 8 on a GPU).",
+            help="gpu, delta, migration-gpu suites: decoder layers of the slice (0: gpu 8 on two GPUs, 2 on one; "
+            "delta 8 on a GPU; migration-gpu 8).",
         ),
     ] = 0,
     gpus: Annotated[
@@ -94,7 +97,7 @@ def run(
         _delta(results, layers, as_json)
         return
     if suite is Suite.migration_gpu:
-        _gpu(results, gpus=1, module="kvmove.bench.resume")  # NOTE: one GPU, plain torch
+        _resume(results, layers, as_json)
         return
     with streams.progress() as say:
         if suite in (Suite.plan, Suite.full):
@@ -117,19 +120,25 @@ def run(
             _show("decode_latency", [row], results, as_json)
         if suite is Suite.soak:
             _soak(transport, migrations, results, as_json, say)
+        if suite is Suite.micro:
+            from kvmove.bench.micro import micro_labels, micro_rows
+
+            say("micro-benchmarks: FP8 block quantize, a 4 KiB all-gather between two ranks")
+            _show("micro", micro_rows(), results, as_json, micro_labels())
         if suite is Suite.vllm:
             from kvmove.bench.syncs import vllm_suite
 
             _show("vllm", vllm_suite(transport=transport, syncs=syncs, progress=say), results, as_json)
 
 
-def _show(suite: str, rows: list[Row], results: Path | None, as_json: bool) -> None:
-    """Append ``rows`` to ``results/<suite>.parquet`` when asked, say where they went, and print them."""
+def _show(suite: str, rows: list[Row], results: Path | None, as_json: bool, labels: Labels | None = None) -> None:
+    """Append ``rows`` to ``results/<suite>.parquet`` when asked (labelled ``labels``, default: this machine), say
+    where they went, and print them."""
     where = None
     if results is not None and rows:
         from kvmove.bench.results import append_rows
 
-        where = append_rows(results, suite, rows)
+        where = append_rows(results, suite, rows, labels)
     _print_rows(suite, rows, where, as_json)
 
 
@@ -146,18 +155,28 @@ def _print_rows(suite: str, rows: list[Row], where: Path | None, as_json: bool) 
         render.bench_rows(rows, where)
 
 
-def _gpu(results: Path | None, gpus: int, module: str) -> None:
-    """A GPU suite: plain torch processes that record their rows as they go (so --results is required)."""
-    import importlib
+def _resume(results: Path | None, layers: int, as_json: bool) -> None:
+    """Resume vs re-prefill on one GPU, plain torch (kvmove.bench.resume; its CPU twin runs in the tests): rows
+    recorded as they land, labelled with the GPU."""
+    from dataclasses import replace
 
     import torch
 
-    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
-        need = "two CUDA GPUs" if gpus == 2 else "a CUDA GPU"
-        raise KvmoveError(f"this suite needs {need} (see {module.replace('.', '/')}.py for the command)")
+    from kvmove.bench.results import Labels, append_rows, git_commit, hardware_label, versions
+    from kvmove.bench.resume import ResumeConfig, crossover, run
+
+    if not torch.cuda.is_available():
+        raise KvmoveError("this suite needs a CUDA GPU (its CPU twin: ResumeConfig(device='cpu') in the tests)")
     if results is None:
         raise KvmoveError("a GPU suite records its rows as it goes: give --results DIR (e.g. --results results/)")
-    importlib.import_module(module).main(["--out", str(results)])
+    cfg = replace(ResumeConfig(), layers=layers) if layers else ResumeConfig()
+    labels = Labels(hardware_label(cfg.device), versions(), git_commit())
+    with streams.progress() as say:
+        say(f"resume vs re-prefill: {cfg.model}, {cfg.layers} layers, {cfg.device}, {cfg.dtype}")
+        rows = run(cfg, say, lambda new: append_rows(results, "resume", new, labels))
+    won = crossover(rows)
+    streams.note(f"migration resumes faster than re-prefill from {won} tokens on" if won else "re-prefill wins")
+    _print_rows("resume", rows, results / "resume.parquet", as_json)  # recorded as they landed
 
 
 class GpuShape(NamedTuple):
