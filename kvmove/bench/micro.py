@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -21,14 +22,21 @@ from kvmove.bench.results import Labels, Row, git_commit, hardware_label, versio
 from kvmove.quant.fp8 import FP8_MAX
 
 
-def quantize_blocks(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+class Quantized(NamedTuple):
+    """FP8 e4m3 values and their FP32 scales, one per tile."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+
+def quantize_blocks(x: torch.Tensor, block: int = 128) -> Quantized:
     """(FP8 e4m3 values, FP32 scales per ``block`` x ``block`` tile) of a 2-D BF16 tensor whose sides divide."""
     rows, cols = x.shape
     tiles = x.view(rows // block, block, cols // block, block).float()
     amax = tiles.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12)
     scale = amax / FP8_MAX
     q = (tiles / scale).to(torch.float8_e4m3fn)
-    return q.view(rows, cols), scale.view(rows // block, cols // block)
+    return Quantized(q.view(rows, cols), scale.view(rows // block, cols // block))
 
 
 def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:

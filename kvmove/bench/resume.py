@@ -82,6 +82,13 @@ class ResumeTimes(NamedTuple):
         return self.d2h + self.transfer + self.h2d + self.insert + self.first_decode
 
 
+class Reprefill(NamedTuple):
+    """Seconds of one re-prefill and the first token it produced."""
+
+    seconds: float
+    token: int
+
+
 def random_models(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int) -> list[ReferenceModel]:
     """One tp=1 rank of ``cfg`` with random weights on ``device`` (norm weights 1): shape, not quality, matters."""
     models = build_models(cfg, (), dtype, 1, device)
@@ -163,14 +170,14 @@ class ResumeBench:
             _check_bit_exact(self.source, src_pages, self.target, pages)
         return ResumeTimes(d2h, transfer, h2d, insert, first, next(iter(out.new_tokens.values())))
 
-    def _reprefill(self, tokens: list[int], key: str) -> tuple[float, int]:
+    def _reprefill(self, tokens: list[int], key: str) -> Reprefill:
         self.target.flush_cache()
         t = _Lap(self.cfg.device)
         out = self._first_token(tokens, key + "-reprefill", "reprefill")
         seconds = t.lap()
         if out.prefill_tokens != len(tokens):
             raise KvmoveError(f"the re-prefill computed {out.prefill_tokens} of {len(tokens)} tokens")
-        return seconds, next(iter(out.new_tokens.values()))
+        return Reprefill(seconds, next(iter(out.new_tokens.values())))
 
     def _first_token(self, tokens: list[int], key: str, rid: str) -> StepOutput:
         self.target.submit(Request(rid, tokens, SamplingParams(max_new_tokens=1), extra_key=key))
@@ -179,7 +186,7 @@ class ResumeBench:
             raise KvmoveError("the first step did not produce the request's token")
         return out
 
-    def _row(self, prompt: int, pages: int, resumes: list[ResumeTimes], prefills: list[tuple[float, int]]) -> Row:
+    def _row(self, prompt: int, pages: int, resumes: list[ResumeTimes], prefills: list[Reprefill]) -> Row:
         geo = self.target.pool.geometry
         nbytes = pages * geo.page_bytes * geo.num_buffers
         legs = {k: statistics.median(getattr(r, k) for r in resumes) for k in ResumeTimes._fields[:-1]}

@@ -19,6 +19,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
@@ -103,9 +104,17 @@ def move_kv(src: WorkerClient, dst: WorkerClient, ids: list[int], extra_key: str
     return rec
 
 
+class Moved(NamedTuple):
+    """A move over the fork's routes: its record, and the body re-submitting the request to the target (None: it
+    had finished before the abort)."""
+
+    migration: Migration
+    resubmit: GenerateReq | None
+
+
 def migrate_request_sglang(
     src: WorkerClient, dst: WorkerClient, submitted: GenerateReq, answer: Callable[[], GenerateResp]
-) -> tuple[Migration, GenerateReq | None]:
+) -> Moved:
     """Move request ``submitted`` (sent to ``src`` by this client; ``answer()`` waits for its ``/generate`` answer)
     with the fork's routes only. Returns the record and the body re-submitting it to ``dst`` (None if it had
     finished before the abort); its output is the aborted answer's tokens followed by the re-submitted request's.
@@ -120,7 +129,7 @@ def migrate_request_sglang(
     clock.lap("hold")
     if (partial.meta_info.get("finish_reason") or {}).get("type") != "abort":
         rec.error = "the request finished before it was aborted: nothing to move"
-        return rec, None
+        return Moved(rec, None)
     rec.tokens = tokens = list(prompt) + list(partial.output_ids)
     try:
         cached = src.extra_token_size(m.GetRequestExtraTokenSizeReq(input_ids=tokens, extra_key=key))
@@ -131,7 +140,7 @@ def migrate_request_sglang(
         rec.error = str(exc)
     params = submitted.sampling_params
     left = params.model_copy(update={"max_new_tokens": params.max_new_tokens - len(partial.output_ids)})
-    return rec, submitted.model_copy(update={"input_ids": tokens, "text": None, "sampling_params": left})
+    return Moved(rec, submitted.model_copy(update={"input_ids": tokens, "text": None, "sampling_params": left}))
 
 
 def _transfer(

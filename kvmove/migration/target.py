@@ -29,6 +29,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -91,6 +92,13 @@ class PendingMigration:
     @property
     def tail_pages(self) -> int:
         return self.device_pages.numel()
+
+
+class Reserved(NamedTuple):
+    """Pages reserved for an incoming transfer: every rank's host pages, and the device pages the ranks share."""
+
+    host: list[torch.Tensor]
+    device: torch.Tensor
 
 
 class MigrationTarget:
@@ -250,7 +258,7 @@ class MigrationTarget:
             mid, tuple(tokens), extra_key, version, head.num_tokens, head, host, device, self.page_size, self.clock()
         )
 
-    def _alloc(self, n: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _alloc(self, n: int) -> Reserved:
         """Every rank's host pages, then the device pages (shared by the ranks' pools); all or nothing."""
         host: list[torch.Tensor] = []
         try:
@@ -260,7 +268,7 @@ class MigrationTarget:
                     raise OutOfPagesError(f"host pool alloc OOM on rank {r}: requested {n * self.page_size} tokens")
                 host.append(pages)
             try:
-                return host, self.worker.alloc_import_pages(n)
+                return Reserved(host, self.worker.alloc_import_pages(n))
             except KVCacheError as exc:
                 raise OutOfPagesError(f"device pool alloc OOM: requested {n * self.page_size} tokens ({exc})") from exc
         except BaseException:

@@ -230,13 +230,20 @@ def plan_rank(
     return ShardingPlan(coord, tuple(regions), tuple(params))
 
 
+class Expanded(NamedTuple):
+    """A rank's regions and parameters over every layer it holds, from one recorded layer of each kind."""
+
+    regions: list[Region]
+    params: list[ParamMeta]
+
+
 def _expand(
     cfg: ModelConfig,
     held: list[int],
     templates: dict[str, int],
     regions: list[Region],
     params: list[ParamMeta],
-) -> tuple[list[Region], list[ParamMeta]]:
+) -> Expanded:
     by_layer: dict[int | None, list[Region]] = defaultdict(list)
     for r in regions:
         by_layer[layer_of(r.hf_name)].append(r)
@@ -248,7 +255,7 @@ def _expand(
         t = templates[layer_kind(cfg, i)]
         out_r += [r._replace(hf_name=_rename(r.hf_name, t, i), param=_rename(r.param, t, i)) for r in by_layer[t]]
         out_p += [p._replace(name=_rename(p.name, t, i)) for p in params_by_layer[t]]
-    return out_r, out_p
+    return Expanded(out_r, out_p)
 
 
 def _param_layer(name: str) -> int | None:
