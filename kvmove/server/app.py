@@ -1,9 +1,10 @@
 """The HTTP layer: one line per route, each delegating to the runtime or the migration core.
 
-Routes and bodies follow SGLang's server and its KV-migration fork (kvmove/migration/messages.py); errors are
-``{"success": false, "message": ...}`` with a 4xx/5xx status (400 for malformed bodies instead of FastAPI's 422),
-whatever failed: a body that does not parse, an unknown route, a refusal, a bug. ``/generate`` aborts its request
-when its client disconnects (``kvmove.server.runtime.Runtime.generate``).
+Routes and bodies follow SGLang's server (kvmove/server/messages.py) and its KV-migration fork
+(kvmove/migration/messages.py); errors are ``{"success": false, "message": ...}`` with a 4xx/5xx status (400 for
+malformed bodies instead of FastAPI's 422), whatever failed: a body that does not parse, an unknown route, a
+refusal, a bug. ``/generate`` aborts its request when its client disconnects
+(``kvmove.server.runtime.Runtime.generate``).
 ``/kvmove/read_pages`` is the ``http`` transport's data plane: raw bytes out, refusals as above.
 
 With ``kvmove_routes`` off, the server answers only what an SGLang server of the fork answers: SGLang's own routes
