@@ -124,10 +124,8 @@ def _facets(df: pd.DataFrame, keys: list[str]) -> list[tuple[str, pd.DataFrame]]
 
 
 class Grid(NamedTuple):
-    """A figure and its ``n`` visible axes, row by row."""
-
     fig: Any
-    axes: list[Any]
+    axes: list[Any]  # the figure's ``n`` visible axes, row by row
 
 
 def _grid(n: int, ncols: int, cell: tuple[float, float]) -> Grid:
