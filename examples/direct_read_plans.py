@@ -13,8 +13,8 @@ import time
 import numpy as np
 
 from kvmove.bench.matrix import LAYOUTS
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import Placement, SyncOptions
 from kvmove.sync.planning.blueprint import Blueprint
 from kvmove.sync.planning.placement import DeviceMap

@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 
 
 def run(rank: int, port: int, model: str, out: mp.Queue) -> None:
-    from kvmove.layout import TrainerLayout
     from kvmove.models import resolve_model
+    from kvmove.models.layout import TrainerLayout
     from kvmove.sync.ranks.control import Address
     from kvmove.sync.ranks.source import SourceContext
     from kvmove.sync.sources.tiny_trainer import TinyFsdpTrainer

@@ -3,9 +3,9 @@ the reference engine, each verified. Run: python examples/wire_trainer.py (needs
 
 import torch
 
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
-from kvmove.models.tensors import hf_tensors
+from kvmove.models.layout import EngineLayout, TrainerLayout
+from kvmove.models.table import hf_tensors
 from kvmove.sync.config import Placement, SyncConfig
 from kvmove.sync.driver.run import run_syncs
 from kvmove.sync.sources.fsdp import FsdpSource

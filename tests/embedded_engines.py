@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvmove.engines import get_engine
-from kvmove.layout import EngineLayout
+from kvmove.models.layout import EngineLayout
 from kvmove.sync.embedded.member import FleetMember, JoinInfo, Seat
 from kvmove.sync.planning.plan import plan_rank
 from kvmove.sync.strategies import parse_strategies

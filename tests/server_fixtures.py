@@ -122,7 +122,7 @@ def pause_after_decoding(
     the test checks (it moved mid-decode, it continues token for token) stays the same. Returns a function that
     lets the request run on where it is.
     """
-    from kvmove.engines.reference import StepOutput
+    from kvmove.reference import StepOutput
 
     worker = server.runtime.worker
     real = worker.step
@@ -150,7 +150,7 @@ def pause_after_decoding(
 def hold_admissions(monkeypatch: pytest.MonkeyPatch, server: ServerThread) -> Callable[[], None]:
     """Keep ``server``'s worker (a server of this process) from stepping until the returned function is called:
     requests submitted meanwhile wait in its queue, and then start together, in one batch."""
-    from kvmove.engines.reference import StepOutput
+    from kvmove.reference import StepOutput
 
     worker = server.runtime.worker
     real = worker.step

@@ -31,6 +31,7 @@ from kvmove.migration.endpoint import choose_transport
 from kvmove.ports import free_port
 from kvmove.server.config import ServerConfig
 from kvmove.server.launch import LocalCluster, ServerThread
+from kvmove.server.messages import AbortRequestReq, GenerateReq, SamplingParamsMsg
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def _run(cfg: DecodeLatencyConfig, source_url: str, target: ServerThread, new_to
     src, dst = WorkerClient(source_url, timeout=120), WorkerClient(target.url, timeout=120)
     prompts = [_tokens(cfg.prompt_tokens, 100 + i) for i in range(cfg.prompts)]
     for i, ids in enumerate(prompts):
-        src.generate(m.GenerateReq(input_ids=ids, sampling_params=_greedy(1), extra_key=f"p{i}"))
+        src.generate(GenerateReq(input_ids=ids, sampling_params=_greedy(1), extra_key=f"p{i}"))
     decoders = [_decode(dst, f"decoder{i}", new_tokens) for i in range(cfg.decoding)]
     deadline = time.monotonic() + 60
     while len(target.runtime.worker.scheduler.running) < cfg.decoding:
@@ -132,7 +133,7 @@ def _run(cfg: DecodeLatencyConfig, source_url: str, target: ServerThread, new_to
         say(f"  round {r + 1}/{cfg.rounds}: {len(done) - before} migrations into the decoding worker")
     out.bytes, out.transfer_seconds = sum(d.bytes for d in done), sum(d.seconds for d in done)
     for i in range(cfg.decoding):
-        target.runtime.abort_request(m.AbortRequestReq(rid=f"decoder{i}"))
+        target.runtime.abort_request(AbortRequestReq(rid=f"decoder{i}"))
     for t in decoders:
         t.join(timeout=60)
     target.runtime.check_integrity()
@@ -169,7 +170,7 @@ def _migrate(src: WorkerClient, dst: WorkerClient, ids: list[int], key: str) -> 
 
 
 def _decode(dst: WorkerClient, rid: str, n: int) -> threading.Thread:
-    body = m.GenerateReq(input_ids=_tokens(16, hash(rid) % 1000), rid=rid, sampling_params=_greedy(n))
+    body = GenerateReq(input_ids=_tokens(16, hash(rid) % 1000), rid=rid, sampling_params=_greedy(n))
     t = threading.Thread(target=dst.generate, args=(body,), daemon=True)
     t.start()
     return t
@@ -179,8 +180,8 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _greedy(n: int) -> m.SamplingParamsMsg:
-    return m.SamplingParamsMsg(max_new_tokens=n, temperature=0)
+def _greedy(n: int) -> SamplingParamsMsg:
+    return SamplingParamsMsg(max_new_tokens=n, temperature=0)
 
 
 def _quantile(values: list[float], q: float) -> float:

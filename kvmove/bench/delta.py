@@ -134,7 +134,7 @@ def pulls(metas: list[TensorMeta]) -> list[list[TensorMeta]]:
 def delta_bench(bench: DeltaBench, say: Say) -> list[Row]:
     """``bench.steps`` rows (see the module docstring); raises if a landed tensor differs from the image."""
     from kvmove.models import model_totals, resolve_model
-    from kvmove.models.tensors import hf_tensors
+    from kvmove.models.table import hf_tensors
 
     cfg = resolve_model(bench.model, {"num_hidden_layers": bench.layers})
     total = model_totals(cfg).total_bytes

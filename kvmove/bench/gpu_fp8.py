@@ -75,7 +75,7 @@ def fp8_syncs(suite: GpuSuite, p2p_gbps: float, record: Record, say: Say) -> lis
 
 def _runs(suite: GpuSuite, cfg: ModelConfig, transport: str, p2p_gbps: float, say: Say) -> list[Row]:
     from kvmove.bench.syncs import sync_row
-    from kvmove.layout import EngineLayout, TrainerLayout
+    from kvmove.models.layout import EngineLayout, TrainerLayout
     from kvmove.sync.config import Placement, SyncConfig
     from kvmove.sync.driver.dryrun import dry_run_sync
     from kvmove.sync.driver.run import run_syncs

@@ -186,7 +186,7 @@ def run_cell(suite: GpuSuite, cfg: ModelConfig, cell: Cell, rates: Rates, say: S
 
 
 def _config(suite: GpuSuite, cfg: ModelConfig, cell: Cell) -> SyncConfig:
-    from kvmove.layout import EngineLayout, TrainerLayout
+    from kvmove.models.layout import EngineLayout, TrainerLayout
     from kvmove.sync.config import SyncConfig as Config
     from kvmove.sync.strategies import parse_strategies
 

@@ -1,8 +1,6 @@
 """Micro-benchmarks that measure simulator costs no sync row measures yet (no Ray needed).
 
-Run on the GPU machine (two GPUs), from the repository root:
-
-    PYTHONPATH=. python3 -m kvmove.bench.micro --out results
+Run on the GPU machine (two GPUs): ``kvmove bench run --suite micro --results results/``.
 
 - ``fp8 block quantize``: BF16 -> FP8 e4m3 with one FP32 scale per 128x128 tile (DeepSeek-V3's checkpoint
   format) by a pure-torch reference quantizer, bytes read plus written per second (not the sync's quantizer:
@@ -10,31 +8,37 @@ Run on the GPU machine (two GPUs), from the repository root:
   from this row);
 - ``nccl all_gather 4 KiB``: median latency of one small all-gather between two ranks (``collective_s``).
 On a machine without CUDA the same code runs on CPU (gloo for the collective): rows then say ``cpu:...`` and
-the simulator does not take costs from them. Rows go to ``<out>/micro.parquet``, labelled measured.
+the simulator does not take costs from them. With ``--results DIR`` rows go to ``DIR/micro.parquet`` (measured).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
-from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from kvmove.bench.results import Labels, Row, append_rows, git_commit, hardware_label, versions
+from kvmove.bench.results import Labels, Row, git_commit, hardware_label, versions
 from kvmove.quant.fp8 import FP8_MAX
 
 
-def quantize_blocks(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+class Quantized(NamedTuple):
+    """FP8 e4m3 values and their FP32 scales, one per tile."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+
+def quantize_blocks(x: torch.Tensor, block: int = 128) -> Quantized:
     """(FP8 e4m3 values, FP32 scales per ``block`` x ``block`` tile) of a 2-D BF16 tensor whose sides divide."""
     rows, cols = x.shape
     tiles = x.view(rows // block, block, cols // block, block).float()
     amax = tiles.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12)
     scale = amax / FP8_MAX
     q = (tiles / scale).to(torch.float8_e4m3fn)
-    return q.view(rows, cols), scale.view(rows // block, cols // block)
+    return Quantized(q.view(rows, cols), scale.view(rows // block, cols // block))
 
 
 def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
@@ -118,29 +122,24 @@ def all_gather_row(nbytes: int, repeats: int, backend: str) -> Row:
                gbps=nbytes / seconds / 1e9, extra={"ranks": 2, "repeats": repeats, "backend": backend})  # fmt: skip
 
 
-def run(out: Path, side: int, repeats: int, gather: bool = True) -> list[Row]:
-    """Measure, append to ``out/micro.parquet`` with this machine's labels, return the rows."""
+def device() -> torch.device:
+    """Where the micro-benchmarks run: the first GPU, or the CPU without one."""
+    return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+
+
+def micro_rows(side: int | None = None, repeats: int = 10, gather: bool = True) -> list[Row]:
+    """Measure and return the rows: a ``side`` x ``side`` block quantization (16384 on a GPU; 1024 on the CPU,
+    whose rows the simulator takes no cost from) and, with ``gather``, the small all-gather between two ranks."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda:0" if cuda else "cpu")
-    rows = [quantize_row(side, repeats, device)]
+    here = device()
+    cuda = here.type == "cuda"
+    rows = [quantize_row(side or (16384 if cuda else 1024), repeats, here)]
     if gather:
         two_gpus = cuda and torch.cuda.device_count() >= 2
         rows.append(all_gather_row(4096, repeats * 10, "nccl" if two_gpus else "gloo"))
-    labels = Labels(hardware_label(str(device)), versions(), git_commit())
-    append_rows(out, "micro", rows, labels)
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="kvmove micro-benchmarks for simulator costs")
-    p.add_argument("--out", type=Path, default=Path("results"))
-    p.add_argument("--side", type=int, default=16384, help="quantized matrix side (a multiple of 128)")
-    p.add_argument("--repeats", type=int, default=10)
-    args = p.parse_args(argv)
-    for r in run(args.out, args.side, args.repeats):
-        print(f"{r.name}: {r.seconds * 1e6:.1f} us, {r.gbps:.1f} GB/s", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+def micro_labels() -> Labels:
+    """The labels of this machine's micro rows (the GPU's, or ``cpu:...``)."""
+    return Labels(hardware_label(str(device())), versions(), git_commit())

@@ -11,8 +11,8 @@ import time
 from typing import NamedTuple
 
 from kvmove.bench.results import Row
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.planning.ownership import Ownership
 from kvmove.sync.planning.plan import plan_engine
 from kvmove.sync.planning.routing import route

@@ -123,14 +123,19 @@ def _facets(df: pd.DataFrame, keys: list[str]) -> list[tuple[str, pd.DataFrame]]
     return [(title, g) for _, _, title, g in out]
 
 
-def _grid(n: int, ncols: int, cell: tuple[float, float]) -> tuple[Any, list[Any]]:
+class Grid(NamedTuple):
+    fig: Any
+    axes: list[Any]  # the figure's ``n`` visible axes, row by row
+
+
+def _grid(n: int, ncols: int, cell: tuple[float, float]) -> Grid:
     ncols = min(ncols, n)
     nrows = math.ceil(n / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(cell[0] * ncols, cell[1] * nrows), squeeze=False)
     flat = list(axes.flat)
     for ax in flat[n:]:
         ax.set_visible(False)
-    return fig, flat[:n]
+    return Grid(fig, flat[:n])
 
 
 def _human(n: float) -> str:

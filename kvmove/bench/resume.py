@@ -1,8 +1,7 @@
 """Time to resume a migrated request against re-prefilling it, per prompt length, with the worker's own forward pass.
 
 Run on a machine with one GPU (plain torch and kvmove; no Ray, NIXL or FastAPI needed):
-
-    PYTHONPATH=. python3 -m kvmove.bench.resume --out results          # or: kvmove bench run --suite migration-gpu
+``kvmove bench run --suite migration-gpu --results results/`` (``--layers N``: decoder layers of the slice).
 
 Two rollout workers (``RolloutWorker``: paged KV pool, radix cache, scheduler, the reference forward pass with
 SDPA attention) share one set of random weights of Qwen3-235B-A22B at full width (64 query heads, 4 KV heads of
@@ -21,23 +20,26 @@ Both first tokens are compared, and the migrated K/V is checked bit-exact agains
 ``repeats`` runs after a warm-up. Both sides scale with the layer count (K/V bytes and compute are per layer), so a
 slice of layers gives the full model's crossover up to the fixed costs (embedding, head), which both sides pay.
 The network leg is also *modeled* at ``link_gbps`` (bytes / bandwidth replacing the in-process copy), labelled so.
-Rows go to ``<out>/resume.parquet`` (measured).
+Rows go to ``DIR/resume.parquet`` (measured) as they land.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from kvmove.bench.results import Labels, Row, append_rows, git_commit, hardware_label, versions
-from kvmove.engines.reference import (
+from kvmove.bench.results import Row
+from kvmove.errors import KvmoveError
+from kvmove.kvcache import HostKVPool
+from kvmove.kvcache.host_link import HostLink
+from kvmove.models import resolve_model
+from kvmove.models.config import ModelConfig
+from kvmove.reference import (
     ReferenceModel,
     Request,
     RolloutWorker,
@@ -45,12 +47,7 @@ from kvmove.engines.reference import (
     StepOutput,
     WorkerConfig,
 )
-from kvmove.engines.reference.worker import build_models
-from kvmove.errors import KvmoveError
-from kvmove.kvcache import HostKVPool
-from kvmove.kvcache.host_link import HostLink
-from kvmove.models import resolve_model
-from kvmove.models.config import ModelConfig
+from kvmove.reference.worker import build_models
 from kvmove.transport.local import LocalTransport
 
 Say = Callable[[str], None]
@@ -83,6 +80,13 @@ class ResumeTimes(NamedTuple):
     @property
     def total(self) -> float:
         return self.d2h + self.transfer + self.h2d + self.insert + self.first_decode
+
+
+class Reprefill(NamedTuple):
+    """Seconds of one re-prefill and the first token it produced."""
+
+    seconds: float
+    token: int
 
 
 def random_models(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int) -> list[ReferenceModel]:
@@ -166,14 +170,14 @@ class ResumeBench:
             _check_bit_exact(self.source, src_pages, self.target, pages)
         return ResumeTimes(d2h, transfer, h2d, insert, first, next(iter(out.new_tokens.values())))
 
-    def _reprefill(self, tokens: list[int], key: str) -> tuple[float, int]:
+    def _reprefill(self, tokens: list[int], key: str) -> Reprefill:
         self.target.flush_cache()
         t = _Lap(self.cfg.device)
         out = self._first_token(tokens, key + "-reprefill", "reprefill")
         seconds = t.lap()
         if out.prefill_tokens != len(tokens):
             raise KvmoveError(f"the re-prefill computed {out.prefill_tokens} of {len(tokens)} tokens")
-        return seconds, next(iter(out.new_tokens.values()))
+        return Reprefill(seconds, next(iter(out.new_tokens.values())))
 
     def _first_token(self, tokens: list[int], key: str, rid: str) -> StepOutput:
         self.target.submit(Request(rid, tokens, SamplingParams(max_new_tokens=1), extra_key=key))
@@ -182,7 +186,7 @@ class ResumeBench:
             raise KvmoveError("the first step did not produce the request's token")
         return out
 
-    def _row(self, prompt: int, pages: int, resumes: list[ResumeTimes], prefills: list[tuple[float, int]]) -> Row:
+    def _row(self, prompt: int, pages: int, resumes: list[ResumeTimes], prefills: list[Reprefill]) -> Row:
         geo = self.target.pool.geometry
         nbytes = pages * geo.page_bytes * geo.num_buffers
         legs = {k: statistics.median(getattr(r, k) for r in resumes) for k in ResumeTimes._fields[:-1]}
@@ -291,36 +295,3 @@ def _check_bit_exact(src: RolloutWorker, src_pages: torch.Tensor, dst: RolloutWo
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def main(argv: list[str] | None = None) -> list[Row]:
-    p = argparse.ArgumentParser(description="kvmove: time to resume a migrated request vs re-prefill (one GPU)")
-    p.add_argument("--out", type=Path, default=Path("results"))
-    p.add_argument("--model", default=ResumeConfig.model)
-    p.add_argument("--layers", type=int, default=ResumeConfig.layers)
-    p.add_argument("--prompt-lens", default=",".join(map(str, PROMPT_LENS)))
-    p.add_argument("--repeats", type=int, default=ResumeConfig.repeats)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default=ResumeConfig.dtype)
-    args = p.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("kvmove.bench.resume: no CUDA device here (pass --device cpu for a small model)")
-    cfg = ResumeConfig(
-        model=args.model,
-        layers=args.layers,
-        prompt_lens=tuple(int(x) for x in args.prompt_lens.split(",")),
-        repeats=args.repeats,
-        device=args.device,
-        dtype=args.dtype,
-    )
-    labels = Labels(hardware_label(cfg.device), versions(), git_commit())
-    print(f"resume vs re-prefill: {cfg.model}, {cfg.layers} layers, {cfg.device}, {cfg.dtype}", flush=True)
-    rows = run(cfg, lambda m: print(m, flush=True), lambda new: append_rows(args.out, "resume", new, labels))
-    won = crossover(rows)
-    print(f"migration resumes faster than re-prefill from {won} tokens on" if won else "re-prefill wins throughout")
-    print(f"{len(rows)} rows -> {args.out / 'resume.parquet'}")
-    return rows
-
-
-if __name__ == "__main__":
-    main()

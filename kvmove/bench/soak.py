@@ -29,15 +29,15 @@ import torch
 
 from kvmove.bench.misbehaving import MisbehavingClients
 from kvmove.bench.results import Row
-from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.errors import KvmoveError
-from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import Migration, migrate_request, move_kv
 from kvmove.migration.endpoint import SERVER_TRANSPORTS
 from kvmove.migration.errors import UnknownMigrationError
 from kvmove.models import resolve_model
-from kvmove.sync.verify import seeded_checkpoint
+from kvmove.models.weights import seeded_checkpoint
+from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
+from kvmove.server.messages import GenerateReq, GenerateResp, Resources, SamplingParamsMsg
 from kvmove.transport import TRANSPORTS
 
 HELD = (
@@ -81,8 +81,8 @@ class SoakResult:
     the end; ``migrations`` the protocol records."""
 
     transport: str
-    before: dict[str, m.Resources]
-    after: dict[str, m.Resources]
+    before: dict[str, Resources]
+    after: dict[str, Resources]
     migrations: list[Migration] = field(default_factory=list)
     verified: int = 0
     wrong: list[str] = field(default_factory=list)
@@ -91,7 +91,7 @@ class SoakResult:
 
     def growth(self) -> dict[str, int]:
         """Largest after - before over the servers, per resource."""
-        keys = m.Resources.model_fields
+        keys = Resources.model_fields
         return {k: max(getattr(self.after[u], k) - getattr(self.before[u], k) for u in self.before) for k in keys}
 
     def problems(self, cfg: SoakConfig) -> list[str]:
@@ -190,9 +190,7 @@ def _migration(
 
 def _cache(c: WorkerClient, ids: list[int], key: str) -> None:
     c.generate(
-        m.GenerateReq(
-            input_ids=ids, sampling_params=m.SamplingParamsMsg(max_new_tokens=1, temperature=0), extra_key=key
-        )
+        GenerateReq(input_ids=ids, sampling_params=SamplingParamsMsg(max_new_tokens=1, temperature=0), extra_key=key)
     )
 
 
@@ -209,7 +207,7 @@ def _hand_over(
     for attempt in range(5):
         rid = f"soak-{i}-{attempt}"
         _cache(src, ids, rid)
-        body = m.GenerateReq(input_ids=ids, rid=rid, sampling_params=reference.params, extra_key=rid)
+        body = GenerateReq(input_ids=ids, rid=rid, sampling_params=reference.params, extra_key=rid)
         answer = pool.submit(src.generate, body, 120)
         rec = _migrate_when_queued(src, dst, rid, answer)
         out = answer.result(timeout=120)
@@ -224,7 +222,7 @@ def _hand_over(
 
 
 def _migrate_when_queued(
-    src: WorkerClient, dst: WorkerClient, rid: str, answer: Future[m.GenerateResp]
+    src: WorkerClient, dst: WorkerClient, rid: str, answer: Future[GenerateResp]
 ) -> Migration | None:
     """Migrate ``rid`` as soon as ``src`` has it queued (its hold is refused with 404 until then); None if it
     finished first."""
@@ -240,7 +238,7 @@ def _migrate_when_queued(
             time.sleep(0.0005)
 
 
-def _resources(clients: list[WorkerClient]) -> dict[str, m.Resources]:
+def _resources(clients: list[WorkerClient]) -> dict[str, Resources]:
     for c in clients:
         c.flush_cache()
     return {c.url: c.resources() for c in clients}
@@ -258,7 +256,7 @@ class _Reference:
         self.worker = RolloutWorker(
             model, seeded_checkpoint(model, cfg.seed).items(), WorkerConfig(num_pages=64, page_size=cfg.page_size)
         )
-        self.params = m.SamplingParamsMsg(max_new_tokens=cfg.new_tokens, temperature=0)
+        self.params = SamplingParamsMsg(max_new_tokens=cfg.new_tokens, temperature=0)
         self.new_tokens = cfg.new_tokens
 
     def output(self, ids: list[int]) -> list[int]:

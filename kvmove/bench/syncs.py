@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from kvmove.bench.results import Row
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import SyncConfig
 from kvmove.sync.driver.checks import check_transport
 from kvmove.sync.driver.result import SyncResult

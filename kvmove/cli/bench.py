@@ -22,7 +22,7 @@ from kvmove.errors import JobFailed, KvmoveError
 from kvmove.transport import AUTO
 
 if TYPE_CHECKING:
-    from kvmove.bench.results import Row
+    from kvmove.bench.results import Labels, Row
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks: measured and simulated rows in results/.")
 
@@ -32,7 +32,8 @@ class Suite(StrEnum):
     vllm: reference engine and vLLM side by side; decode-latency: decode steps with and without migrations into a
     loaded worker; migration-gpu: resume vs re-prefill on one GPU; soak: what servers hold after many migrations;
     gpu-fp8: BF16 vs FP8 engine, v3, one or two GPUs; delta: a delta sync's detection, encoding and apply per
-    realistic training step (one GPU, or a small model on CPU)."""
+    realistic training step (one GPU, or a small model on CPU); micro: the simulator's quantize and collective costs
+    (two GPUs; on CPU its rows set no cost)."""
 
     plan = "plan"
     sync = "sync"
@@ -45,6 +46,7 @@ class Suite(StrEnum):
     soak = "soak"
     gpu_fp8 = "gpu-fp8"
     delta = "delta"
+    micro = "micro"
 
 
 @app.command("run")
@@ -59,7 +61,8 @@ def run(
         typer.Option(
             "--layers",
             min=0,
-            help="gpu, delta suites: decoder layers of the slice (0: gpu 8 on two GPUs, 2 on one; delta 8 on a GPU).",
+            help="gpu, delta, migration-gpu suites: decoder layers of the slice (0: gpu 8 on two GPUs, 2 on one; "
+            "delta 8 on a GPU; migration-gpu 8).",
         ),
     ] = 0,
     gpus: Annotated[
@@ -84,52 +87,81 @@ def run(
 
     Example: kvmove bench run --suite sync --syncs 3 --results results/   # the rows docs/benchmarks.md quotes
     """
-    if suite is Suite.gpu:
-        _gpu_syncs(results, transport, GpuShape(syncs, layers, gpus), as_json)
-        return
-    if suite is Suite.gpu_fp8:
-        _gpu_fp8(results, transport, GpuShape(syncs, layers, 0), as_json)
-        return
-    if suite is Suite.delta:
-        _delta(results, layers, as_json)
-        return
-    if suite is Suite.migration_gpu:
-        _gpu(results, gpus=1, module="kvmove.bench.resume")  # NOTE: one GPU, plain torch
-        return
+    SUITES[suite](Asked(results, transport, syncs, layers, gpus, as_json, migrations))
+
+
+class Asked(NamedTuple):
+    """What ``bench run`` was asked; each suite reads its own options."""
+
+    results: Path | None
+    transport: str
+    syncs: int
+    layers: int
+    gpus: int
+    as_json: bool
+    migrations: int
+
+
+def _plan(a: Asked) -> None:
+    """Full-size plans of the published setups (kvmove.bench.plans)."""
+    from kvmove.bench.plans import plan_rows
+
     with streams.progress() as say:
-        if suite in (Suite.plan, Suite.full):
-            from kvmove.bench.plans import plan_rows
-
-            say("full-size plans of the published setups")
-            _show("plan", plan_rows(), results, as_json)
-        if suite in (Suite.sync, Suite.quick, Suite.full):
-            from kvmove.bench.syncs import summarize, sync_suite
-
-            rows = sync_suite(transport=transport, syncs=syncs, progress=say)
-            _show("transport", [r for r in rows if r.suite == "transport"], results, as_json)
-            _show("sync", [r for r in rows if r.suite == "sync"], results, as_json)
-            if not as_json:
-                render.summary(summarize(rows))
-        if suite is Suite.decode_latency:
-            from kvmove.bench.decode_latency import DecodeLatencyConfig, decode_latency
-
-            row = decode_latency(DecodeLatencyConfig(transport=transport), say=say)
-            _show("decode_latency", [row], results, as_json)
-        if suite is Suite.soak:
-            _soak(transport, migrations, results, as_json, say)
-        if suite is Suite.vllm:
-            from kvmove.bench.syncs import vllm_suite
-
-            _show("vllm", vllm_suite(transport=transport, syncs=syncs, progress=say), results, as_json)
+        say("full-size plans of the published setups")
+        _show("plan", plan_rows(), a.results, a.as_json)
 
 
-def _show(suite: str, rows: list[Row], results: Path | None, as_json: bool) -> None:
-    """Append ``rows`` to ``results/<suite>.parquet`` when asked, say where they went, and print them."""
+def _syncs(a: Asked) -> None:
+    """The raw link, then every strategy's syncs (kvmove.bench.syncs), and their summary."""
+    from kvmove.bench.syncs import summarize, sync_suite
+
+    with streams.progress() as say:
+        rows = sync_suite(transport=a.transport, syncs=a.syncs, progress=say)
+        _show("transport", [r for r in rows if r.suite == "transport"], a.results, a.as_json)
+        _show("sync", [r for r in rows if r.suite == "sync"], a.results, a.as_json)
+        if not a.as_json:
+            render.summary(summarize(rows))
+
+
+def _full(a: Asked) -> None:
+    _plan(a)
+    _syncs(a)
+
+
+def _decode_latency(a: Asked) -> None:
+    """Decode steps with and without migrations into a loaded worker (kvmove.bench.decode_latency)."""
+    from kvmove.bench.decode_latency import DecodeLatencyConfig, decode_latency
+
+    with streams.progress() as say:
+        row = decode_latency(DecodeLatencyConfig(transport=a.transport), say=say)
+        _show("decode_latency", [row], a.results, a.as_json)
+
+
+def _micro(a: Asked) -> None:
+    """The simulator's quantize and collective costs (kvmove.bench.micro), labelled with this machine."""
+    from kvmove.bench.micro import micro_labels, micro_rows
+
+    with streams.progress() as say:
+        say("micro-benchmarks: FP8 block quantize, a 4 KiB all-gather between two ranks")
+        _show("micro", micro_rows(), a.results, a.as_json, micro_labels())
+
+
+def _vllm(a: Asked) -> None:
+    """The reference engine and vLLM side by side (kvmove.bench.syncs.vllm_suite)."""
+    from kvmove.bench.syncs import vllm_suite
+
+    with streams.progress() as say:
+        _show("vllm", vllm_suite(transport=a.transport, syncs=a.syncs, progress=say), a.results, a.as_json)
+
+
+def _show(suite: str, rows: list[Row], results: Path | None, as_json: bool, labels: Labels | None = None) -> None:
+    """Append ``rows`` to ``results/<suite>.parquet`` when asked (labelled ``labels``, default: this machine), say
+    where they went, and print them."""
     where = None
     if results is not None and rows:
         from kvmove.bench.results import append_rows
 
-        where = append_rows(results, suite, rows)
+        where = append_rows(results, suite, rows, labels)
     _print_rows(suite, rows, where, as_json)
 
 
@@ -146,29 +178,37 @@ def _print_rows(suite: str, rows: list[Row], where: Path | None, as_json: bool) 
         render.bench_rows(rows, where)
 
 
-def _gpu(results: Path | None, gpus: int, module: str) -> None:
-    """A GPU suite: plain torch processes that record their rows as they go (so --results is required)."""
-    import importlib
+def _resume(a: Asked) -> None:
+    """Resume vs re-prefill on one GPU, plain torch (kvmove.bench.resume; its CPU twin runs in the tests): rows
+    recorded as they land, labelled with the GPU."""
+    from dataclasses import replace
 
     import torch
 
-    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
-        need = "two CUDA GPUs" if gpus == 2 else "a CUDA GPU"
-        raise KvmoveError(f"this suite needs {need} (see {module.replace('.', '/')}.py for the command)")
-    if results is None:
+    from kvmove.bench.results import Labels, append_rows, git_commit, hardware_label, versions
+    from kvmove.bench.resume import ResumeConfig, crossover, run
+
+    if not torch.cuda.is_available():
+        raise KvmoveError("this suite needs a CUDA GPU (its CPU twin: ResumeConfig(device='cpu') in the tests)")
+    results = _recorded(a)
+    cfg = replace(ResumeConfig(), layers=a.layers) if a.layers else ResumeConfig()
+    labels = Labels(hardware_label(cfg.device), versions(), git_commit())
+    with streams.progress() as say:
+        say(f"resume vs re-prefill: {cfg.model}, {cfg.layers} layers, {cfg.device}, {cfg.dtype}")
+        rows = run(cfg, say, lambda new: append_rows(results, "resume", new, labels))
+    won = crossover(rows)
+    streams.note(f"migration resumes faster than re-prefill from {won} tokens on" if won else "re-prefill wins")
+    _print_rows("resume", rows, results / "resume.parquet", a.as_json)  # recorded as they landed
+
+
+def _recorded(a: Asked) -> Path:
+    """``--results``, which a GPU suite needs: it records its rows as they land."""
+    if a.results is None:
         raise KvmoveError("a GPU suite records its rows as it goes: give --results DIR (e.g. --results results/)")
-    importlib.import_module(module).main(["--out", str(results)])
+    return a.results
 
 
-class GpuShape(NamedTuple):
-    """What ``--syncs``, ``--layers`` and ``--gpus`` ask of the gpu suite (0: the default)."""
-
-    syncs: int
-    layers: int
-    gpus: int
-
-
-def _gpu_syncs(results: Path | None, transport: str, shape: GpuShape, as_json: bool) -> None:
+def _gpu_syncs(a: Asked) -> None:
     """One or two GPUs, no Ray (kvmove.bench.gpu): ceilings, the weight-sync matrix (every layout, placement,
     strategy and transport: ``auto`` is cuda-ipc, nixl where installed, nccl; or the one given) with a ceiling per
     cell, KV copies; rows recorded as they land, labelled with the GPU."""
@@ -179,20 +219,20 @@ def _gpu_syncs(results: Path | None, transport: str, shape: GpuShape, as_json: b
     from kvmove.bench.gpu import GpuSuite, gpu_suite
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    gpus = shape.gpus or min(have, 2)
+    gpus = a.gpus or min(have, 2)
     if have < max(gpus, 1):
         raise KvmoveError(
             f"this suite needs {max(gpus, 1)} CUDA GPU(s), {have} visible (its CPU twin: GpuSuite.cpu_twin())"
         )
-    if results is None:
-        raise KvmoveError("a GPU suite records its rows as it goes: give --results DIR (e.g. --results results/)")
+    results = _recorded(a)
     devices = tuple(f"cuda:{i}" for i in range(gpus))
-    layers = shape.layers or (8 if gpus > 1 else 2)  # NOTE: one GPU holds the trainer's and the engine's copies
-    suite = GpuSuite(syncs=shape.syncs, layers=layers, devices=devices)
-    _gpu_rows(gpu_suite, suite if transport == "auto" else replace(suite, transports=(transport,)), results, as_json)
+    layers = a.layers or (8 if gpus > 1 else 2)  # NOTE: one GPU holds the trainer's and the engine's copies
+    suite = GpuSuite(syncs=a.syncs, layers=layers, devices=devices)
+    chosen = suite if a.transport == "auto" else replace(suite, transports=(a.transport,))
+    _gpu_rows(gpu_suite, chosen, results, a.as_json)
 
 
-def _gpu_fp8(results: Path | None, transport: str, shape: GpuShape, as_json: bool) -> None:
+def _gpu_fp8(a: Asked) -> None:
     """BF16 -> BF16 and BF16 -> FP8 v3 syncs of the same slice on one or two GPUs (kvmove.bench.gpu_fp8)."""
     from dataclasses import replace
 
@@ -203,17 +243,15 @@ def _gpu_fp8(results: Path | None, transport: str, shape: GpuShape, as_json: boo
 
     if not torch.cuda.is_available():
         raise KvmoveError("this suite needs a CUDA GPU (its CPU twin: kvmove.bench.gpu_fp8 on cpu devices)")
-    if results is None:
-        raise KvmoveError("a GPU suite records its rows as it goes: give --results DIR (e.g. --results results/)")
-    suite = GpuSuite(syncs=shape.syncs, devices=fp8_devices(), transports=("cuda-ipc", "nccl", "nixl"))
-    if shape.layers:
-        suite = replace(suite, layers=shape.layers)
-    _gpu_rows(
-        gpu_fp8_suite, suite if transport == "auto" else replace(suite, transports=(transport,)), results, as_json
-    )
+    results = _recorded(a)
+    suite = GpuSuite(syncs=a.syncs, devices=fp8_devices(), transports=("cuda-ipc", "nccl", "nixl"))
+    if a.layers:
+        suite = replace(suite, layers=a.layers)
+    chosen = suite if a.transport == "auto" else replace(suite, transports=(a.transport,))
+    _gpu_rows(gpu_fp8_suite, chosen, results, a.as_json)
 
 
-def _delta(results: Path | None, layers: int, as_json: bool) -> None:
+def _delta(a: Asked) -> None:
     """kvmove.bench.delta on cuda:0 (the Qwen3-235B-A22B slice, ``layers`` of it: 0 is 8, 42.3 GB) or, without a
     GPU, on CPU (qwen3-moe-small, every layer)."""
     from dataclasses import replace
@@ -223,11 +261,11 @@ def _delta(results: Path | None, layers: int, as_json: bool) -> None:
     from kvmove.bench.delta import DeltaBench, delta_bench
 
     bench = DeltaBench() if torch.cuda.is_available() else DeltaBench.cpu_twin("qwen3-moe-small", 6)
-    if layers:
-        bench = replace(bench, layers=layers)
+    if a.layers:
+        bench = replace(bench, layers=a.layers)
     with streams.progress() as say:
         rows = delta_bench(bench, say)
-    _show("delta", rows, results, as_json)
+    _show("delta", rows, a.results, a.as_json)
 
 
 def _gpu_rows(run_suite: Any, suite: Any, results: Path, as_json: bool) -> None:
@@ -245,23 +283,25 @@ def _gpu_rows(run_suite: Any, suite: Any, results: Path, as_json: bool) -> None:
     _print_rows("gpu", rows, results / "gpu.parquet", as_json)  # recorded as they landed
 
 
-def _soak(transport: str, migrations: int, results: Path | None, as_json: bool, say: Callable[[str], None]) -> None:
+def _soak(a: Asked) -> None:
+    """What two servers hold after many migrations (kvmove.bench.soak); JobFailed if anything grew."""
     from kvmove.bench.soak import SoakConfig, run_soak, soak_rows, soak_transports
 
-    chosen = () if transport == "auto" else (transport,)
-    cfg = SoakConfig(migrations=migrations, warmup=min(20, migrations // 10), transports=chosen)
+    chosen = () if a.transport == "auto" else (a.transport,)
+    cfg = SoakConfig(migrations=a.migrations, warmup=min(20, a.migrations // 10), transports=chosen)
     runs = []
-    for name in soak_transports(cfg):
-        say(f"soak over {name}: {cfg.warmup} warm-up + {migrations} migrations between two kvmove serve processes")
-        runs.append(run_soak(cfg, name))
+    with streams.progress() as say:
+        for name in soak_transports(cfg):
+            say(f"soak over {name}: {cfg.warmup} warm-up + {a.migrations} migrations between two `kvmove serve`s")
+            runs.append(run_soak(cfg, name))
     rows = soak_rows(cfg, runs)
     where = None
-    if results is not None:
+    if a.results is not None:
         from kvmove.bench.results import append_rows
 
-        where = append_rows(results, "soak", rows)
+        where = append_rows(a.results, "soak", rows)
         streams.note(f"{len(rows)} soak rows appended to {where}")
-    if as_json:
+    if a.as_json:
         render.json_lines(asdict(r) for r in rows)
     else:
         render.soak_table(rows, where)
@@ -269,6 +309,22 @@ def _soak(transport: str, migrations: int, results: Path | None, as_json: bool, 
     if problems:
         raise JobFailed(f"soak not flat: {'; '.join(problems[:5])}")
 
+
+SUITES: dict[Suite, Callable[[Asked], None]] = {
+    Suite.plan: _plan,
+    Suite.sync: _syncs,
+    Suite.quick: _syncs,
+    Suite.full: _full,
+    Suite.gpu: _gpu_syncs,
+    Suite.vllm: _vllm,
+    Suite.decode_latency: _decode_latency,
+    Suite.migration_gpu: _resume,
+    Suite.soak: _soak,
+    Suite.gpu_fp8: _gpu_fp8,
+    Suite.delta: _delta,
+    Suite.micro: _micro,
+}
+"""Each suite's runner."""
 
 app.command("report")(streams.owns_stdout(report_cli.report))
 app.command("simulate")(streams.owns_stdout(simulate_cli.simulate))

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -17,6 +17,9 @@ from kvmove.cli import render, streams
 from kvmove.cli.options import JsonOpt, KVTransport, ModelOpt, NoRecordOpt, ResultsOpt
 from kvmove.cli.serve import TransportOpt, warn_fallback
 from kvmove.errors import JobFailed, KvmoveError
+
+if TYPE_CHECKING:
+    from kvmove.server.config import ServerConfig
 
 WorkersOpt = Annotated[int, typer.Option("--workers", min=2, help="Worker servers to start on loopback.")]
 RequestsOpt = Annotated[int, typer.Option("--requests", min=1, help="High-priority requests (one GRPO group).")]
@@ -83,9 +86,8 @@ def migrate(
 
     Example: kvmove migrate --prompt-len 256 --results results/   # rows for migration_latency.png
     """
-    from kvmove.migration.report import rows_for, summarize  # NOTE: needs the optional `serve` extra
-    from kvmove.migration.workload import WorkloadConfig
-    from kvmove.server.config import ServerConfig
+    from kvmove.bench.migration_report import rows_for, summarize  # NOTE: needs the optional `serve` extra
+    from kvmove.bench.migration_workload import WorkloadConfig
 
     tps = _tp_sizes(tp, workers)
     cfg = WorkloadConfig(
@@ -99,17 +101,7 @@ def migrate(
     )
     _check_fit(cfg, num_pages)
     choice = warn_fallback(transport.value)
-    server = ServerConfig(
-        model=model,
-        seed=seed,
-        num_pages=num_pages,
-        page_size=page_size,
-        transport=choice.name,
-        enable_kv_migration=True,
-        max_prefill_tokens=4096,
-        kvmove_routes=routes is Routes.kvmove,
-        admin_api_key=secrets.token_urlsafe(24),  # NOTE: the workers trust only this run's controller and each other
-    )
+    server = _server(cfg, num_pages, choice.name)
     with streams.progress() as say:
         runs = _workloads([replace(server, tp_size=n) for n in tps], cfg, baseline, say)
         link = _link_gbps(choice.name, runs[0], say) if measure_link else None
@@ -120,6 +112,28 @@ def migrate(
 
         path = append_rows(results, "migration", rows_for(lines, model, choice.name, prompt_len))
         streams.note(f"{len(lines)} measured rows appended to {path}")
+    _check_continued(lines)
+
+
+def _server(cfg: Any, num_pages: int, transport: str) -> ServerConfig:
+    """Every worker's settings (its tensor-parallel size aside): migration on, this run's admin key only."""
+    from kvmove.server.config import ServerConfig
+
+    return ServerConfig(
+        model=cfg.model,
+        seed=cfg.seed,
+        num_pages=num_pages,
+        page_size=cfg.page_size,
+        transport=transport,
+        enable_kv_migration=True,
+        max_prefill_tokens=4096,
+        kvmove_routes=cfg.routes == Routes.kvmove.value,
+        admin_api_key=secrets.token_urlsafe(24),  # NOTE: the workers trust only this run's controller and each other
+    )
+
+
+def _check_continued(lines: list[dict[str, Any]]) -> None:
+    """JobFailed naming every request (or the summary) that did not continue identically or failed integrity."""
     bad = [line.get("rid", "summary") for line in lines if not (line["verified"] and line["integrity_ok"])]
     if bad:
         raise JobFailed(f"not continued identically or integrity check failed: {', '.join(map(str, bad))}")
@@ -141,8 +155,8 @@ def _check_fit(cfg: Any, num_pages: int) -> None:
 
 def _workloads(servers: list[Any], cfg: Any, baseline: bool, say: Callable[[str], None]) -> list[Any]:
     """The workload with migration (and without, as a baseline) on fresh loopback servers, one per config."""
+    from kvmove.bench.migration_workload import run_workload
     from kvmove.migration.client import WorkerClient
-    from kvmove.migration.workload import run_workload
     from kvmove.ports import free_port
     from kvmove.server.launch import LocalCluster
 

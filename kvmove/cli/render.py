@@ -20,7 +20,7 @@ from kvmove.cli import streams
 
 if TYPE_CHECKING:
     from kvmove.bench.results import Row
-    from kvmove.models.tensors import ModelTotals
+    from kvmove.models.totals import ModelTotals
     from kvmove.sync.driver.dryrun import DryRunReport
 
 WIDTH = 120

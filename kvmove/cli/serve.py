@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from enum import StrEnum
-from typing import TYPE_CHECKING, Annotated
+from collections.abc import Mapping
+from enum import Enum, StrEnum
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -146,6 +147,7 @@ MaxConnectionsOpt = Annotated[
 
 
 def serve(
+    ctx: typer.Context,
     port: PortOpt = 30000,
     host: HostOpt = LOOPBACK,
     enable_kv_migration: EnableKvMigrationOpt = False,
@@ -190,40 +192,15 @@ def serve(
 
     Example: kvmove serve --port 30001 --enable-kv-migration --admin-api-key "$KEY" --allowed-peers 10.0.0.2:30001
     """
-    config = ServerConfig(
-        host=host,
-        port=port,
-        model=model,
-        seed=seed,
-        num_pages=num_pages,
-        page_size=page_size,
-        max_running=max_running,
-        max_prefill_tokens=max_prefill_tokens,
-        dtype=dtype.value,
-        weight_version=weight_version,
-        enable_kv_migration=enable_kv_migration,
-        kv_migration_watchdog_timeout=kv_migration_watchdog_timeout,
-        watchdog_interval=watchdog_interval,
-        host_pages=host_pages,
-        transport=transport.value,
-        max_body_bytes=max_body_bytes,
-        peer_timeout=peer_timeout,
-        tp_size=tp_size,
-        kvmove_routes=kvmove_routes,
-        handover_timeout=handover_timeout,
-        hold_timeout=hold_timeout,
-        api_key=api_key,
-        admin_api_key=admin_api_key,
-        allowed_peers=tuple(p.strip() for p in allowed_peers.split(",") if p.strip()),
-        migration_share=migration_share,
-        peer_share=peer_share,
-        allow_user_migration=allow_user_migration,
-        request_timeout=request_timeout,
-        body_timeout=body_timeout,
-        keep_alive_timeout=keep_alive_timeout,
-        max_connections=max_connections,
-    )
-    _serve(config)
+    _serve(server_config(ctx.params))
+
+
+def server_config(options: Mapping[str, Any]) -> ServerConfig:
+    """The server's frozen settings from ``serve``'s options (``ctx.params``): each option is the field of the same
+    name; enums give their values and ``--allowed-peers`` its comma-separated addresses."""
+    fields = {k: v.value if isinstance(v, Enum) else v for k, v in options.items()}
+    fields["allowed_peers"] = tuple(p.strip() for p in options["allowed_peers"].split(",") if p.strip())
+    return ServerConfig(**fields)
 
 
 def _serve(config: ServerConfig) -> None:

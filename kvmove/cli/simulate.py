@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, NamedTuple
 
 import typer
 
@@ -110,42 +110,68 @@ def simulate(
     Example: kvmove bench simulate --regenerate    (every simulated row in results/, from the measured rows there)
     """
     from kvmove.bench.sim.costs import load_cost_file, parse_cost_flags
-    from kvmove.bench.sim.measure import costs_from_rows
-    from kvmove.bench.sim.rows import adhoc_rows, regenerate, write_rows
     from kvmove.bench.sim.setup import Spec
-    from kvmove.bench.sim.strategies import parse_sim_strategies
-    from kvmove.bench.sim.tables import costs_frame, predictions_frame
-    from kvmove.bench.sim.validation import validate_all
 
     overrides = {**(load_cost_file(costs) if costs else {}), **parse_cost_flags(cost or [])}
     if do_regenerate:
-        path, rows, book, judged = regenerate(results, overrides)
-        _render_validation(judged, as_json)
-        note = f"{len(rows)} simulated rows -> {path}; costs without a measurement of ours: {_defaults(book)}"
-        if as_json:
-            render.json_lines([{"kind": "regenerated", "path": str(path), "rows": len(rows)}])
-        else:
-            render.line(note)
-        return
-    if do_validate:
-        from kvmove.bench.sim.rows import measured_rows
+        _regenerate(results, overrides, as_json)
+    elif do_validate:
+        _validate(results, overrides, show_costs, as_json)
+    else:
+        spec = Spec(
+            model, trainer, engine, replicas, trainer_nodes, engine_nodes, cluster, placement, transport, fanout,
+            dtype, quantize_on, block, direct, via_host, "published" if published_constraints else "kvmove",
+            group_size, cold=cold, overrides=tuple(override or []), bucket_bytes=bucket_bytes,
+            delta=_delta_text(delta_fraction, results),
+        )  # fmt: skip
+        _predict(spec, strategy, Recording(results, overrides, record), show_costs, as_json)
 
-        measured = measured_rows(results)
-        base = costs_from_rows(measured)
-        judged = validate_all(base.with_values(overrides, "set by --cost/--costs") if overrides else base, measured)
-        if show_costs and judged.fit is not None:
-            render.frame(costs_frame(judged.fit.book), "simulator costs and the rows they come from")
-        _render_validation(judged, as_json)
-        return
-    spec = Spec(
-        model, trainer, engine, replicas, trainer_nodes, engine_nodes, cluster, placement, transport, fanout, dtype,
-        quantize_on, block, direct, via_host, "published" if published_constraints else "kvmove", group_size,
-        cold=cold, overrides=tuple(override or []), bucket_bytes=bucket_bytes,
-        delta=_delta_text(delta_fraction, results),
-    )  # fmt: skip
+
+class Recording(NamedTuple):
+    """Where the costs come from (the measured rows under ``results``, then ``overrides``) and whether the
+    predicted rows are appended there."""
+
+    results: Path
+    overrides: dict[str, float]
+    record: bool
+
+
+def _regenerate(results: Path, overrides: dict[str, float], as_json: bool) -> None:
+    """Every simulated row in ``results``, from the measured rows there; the validation it implies."""
+    from kvmove.bench.sim.rows import regenerate
+
+    path, rows, book, judged = regenerate(results, overrides)
+    _render_validation(judged, as_json)
+    if as_json:
+        render.json_lines([{"kind": "regenerated", "path": str(path), "rows": len(rows)}])
+    else:
+        render.line(f"{len(rows)} simulated rows -> {path}; costs without a measurement of ours: {_defaults(book)}")
+
+
+def _validate(results: Path, overrides: dict[str, float], show_costs: bool, as_json: bool) -> None:
+    """Published figures (training/held-out) and our held-out runs against predictions."""
+    from kvmove.bench.sim.measure import costs_from_rows
+    from kvmove.bench.sim.rows import measured_rows
+    from kvmove.bench.sim.tables import costs_frame
+    from kvmove.bench.sim.validation import validate_all
+
+    measured = measured_rows(results)
+    base = costs_from_rows(measured)
+    judged = validate_all(base.with_values(overrides, "set by --cost/--costs") if overrides else base, measured)
+    if show_costs and judged.fit is not None:
+        render.frame(costs_frame(judged.fit.book), "simulator costs and the rows they come from")
+    _render_validation(judged, as_json)
+
+
+def _predict(spec: Spec, strategy: str, rec: Recording, show_costs: bool, as_json: bool) -> None:
+    """One setup's predictions for the chosen strategies: a table (or JSON lines), appended with ``--record``."""
+    from kvmove.bench.sim.rows import adhoc_rows, write_rows
+    from kvmove.bench.sim.strategies import parse_sim_strategies
+    from kvmove.bench.sim.tables import costs_frame, predictions_frame
+
     spec.build()  # a bad setup is refused before any cost is fitted
     chosen = parse_sim_strategies(strategy)
-    book = _book(results, overrides)
+    book = _book(rec.results, rec.overrides)
     if show_costs:
         render.frame(costs_frame(book), "simulator costs and the rows they come from")
     predictions, rows = adhoc_rows(spec, chosen, book)
@@ -154,13 +180,13 @@ def simulate(
     else:
         render.frame(predictions_frame(predictions), f"simulated: {rows[0].extra['setup_detail']}")
         render.line(f"costs without a measurement of ours (named defaults): {_defaults(book)}")
-    if record:
-        render.line(f"rows appended to {write_rows(results, rows, replace=False)}")
+    if rec.record:
+        render.line(f"rows appended to {write_rows(rec.results, rows, replace=False)}")
 
 
 def _delta_text(text: str, results: Path) -> str:
     """``--delta-fraction`` as the setup records it: ``measured`` resolved from the delta rows under ``results``."""
-    from kvmove.bench.sim.delta import measured_fractions, parse_fractions
+    from kvmove.bench.sim.fractions import measured_fractions, parse_fractions
 
     if text.strip() != "measured":
         return parse_fractions(text).text() if text.strip() else ""

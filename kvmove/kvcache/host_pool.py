@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kvmove.errors import KVCacheError
@@ -9,6 +11,13 @@ from kvmove.kvcache.allocator import PageAllocator, PageIds, as_page_ids, pages_
 from kvmove.kvcache.checksum import pages_digest
 from kvmove.kvcache.geometry import KVGeometry
 from kvmove.kvcache.pool import KVPool
+
+
+class PagePair(NamedTuple):
+    """Device pages and the host pages they pair with, one for one."""
+
+    device: torch.Tensor
+    host: torch.Tensor
 
 
 class HostKVPool:
@@ -147,9 +156,7 @@ class HostKVPool:
         self._alloc.check_allocated(idx, what)
         return idx
 
-    def _pair(
-        self, device_pool: KVPool, device_pages: PageIds, host_pages: PageIds
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pair(self, device_pool: KVPool, device_pages: PageIds, host_pages: PageIds) -> PagePair:
         self.geometry.check_compatible(device_pool.geometry, "the device pool")
         host = self._allocated(host_pages)
         dev = as_page_ids(device_pages, device_pool.num_pages, "device pages")
@@ -157,7 +164,7 @@ class HostKVPool:
             raise KVCacheError(f"{dev.numel()} device pages but {host.numel()} host pages")
         if not device_pool.is_allocated(dev):
             raise KVCacheError("device pages not allocated")
-        return dev, host
+        return PagePair(dev, host)
 
 
 def _runs(dev: torch.Tensor, host: torch.Tensor, max_runs: int = 64) -> list[tuple[int, int, int]] | None:

@@ -13,6 +13,19 @@ from pydantic import BaseModel
 
 from kvmove.migration import messages as m
 from kvmove.migration.errors import PeerUnreachableError, error_for_status, failure_message
+from kvmove.server.messages import (
+    AbortRequestReq,
+    FlushCacheResp,
+    GenerateReq,
+    GenerateResp,
+    HoldRequestReq,
+    HoldRequestResp,
+    Integrity,
+    Metrics,
+    ReleaseRequestReq,
+    ReleaseRequestResp,
+    Resources,
+)
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -38,20 +51,20 @@ class WorkerClient:
         except httpx.HTTPError:
             return False
 
-    def metrics(self) -> m.Metrics:
-        return self._call("GET", "/metrics.json", None, m.Metrics)
+    def metrics(self) -> Metrics:
+        return self._call("GET", "/metrics.json", None, Metrics)
 
-    def resources(self) -> m.Resources:
-        return self._call("GET", "/kvmove/resources", None, m.Resources)
+    def resources(self) -> Resources:
+        return self._call("GET", "/kvmove/resources", None, Resources)
 
-    def integrity(self) -> m.Integrity:
-        return self._call("GET", "/kvmove/integrity", None, m.Integrity)
+    def integrity(self) -> Integrity:
+        return self._call("GET", "/kvmove/integrity", None, Integrity)
 
-    def flush_cache(self) -> m.FlushCacheResp:
-        return self._call("POST", "/flush_cache", None, m.FlushCacheResp)
+    def flush_cache(self) -> FlushCacheResp:
+        return self._call("POST", "/flush_cache", None, FlushCacheResp)
 
-    def generate(self, body: m.GenerateReq, timeout: float | None = None) -> m.GenerateResp:
-        return self._call("POST", "/generate", body, m.GenerateResp, timeout)
+    def generate(self, body: GenerateReq, timeout: float | None = None) -> GenerateResp:
+        return self._call("POST", "/generate", body, GenerateResp, timeout)
 
     def session_ids(self) -> m.TransferSessionIds:
         return self._call("GET", "/get_transfer_session_ids", None, m.TransferSessionIds)
@@ -76,19 +89,19 @@ class WorkerClient:
     def abort_request(self, rid: str) -> None:
         """SGLang's ``/abort_request``: the request's own ``/generate`` call then answers with what it has."""
         try:
-            resp = self._http.post("/abort_request", json=m.AbortRequestReq(rid=rid).model_dump())
+            resp = self._http.post("/abort_request", json=AbortRequestReq(rid=rid).model_dump())
         except httpx.HTTPError as exc:
             raise PeerUnreachableError(f"{self.url}/abort_request: {exc!r}") from exc
         if resp.status_code != 200:
             message = failure_message(resp.status_code, resp.reason_phrase, resp.content)
             raise error_for_status(resp.status_code, f"{self.url}/abort_request: {message}")
 
-    def hold(self, rid: str) -> m.HoldRequestResp:
-        return self._call("POST", "/kvmove/hold_request", m.HoldRequestReq(rid=rid), m.HoldRequestResp)
+    def hold(self, rid: str) -> HoldRequestResp:
+        return self._call("POST", "/kvmove/hold_request", HoldRequestReq(rid=rid), HoldRequestResp)
 
-    def release(self, rid: str, migrated: bool, target: str = "") -> m.ReleaseRequestResp:
-        body = m.ReleaseRequestReq(rid=rid, migrated=migrated, target=target)
-        return self._call("POST", "/kvmove/release_request", body, m.ReleaseRequestResp)
+    def release(self, rid: str, migrated: bool, target: str = "") -> ReleaseRequestResp:
+        body = ReleaseRequestReq(rid=rid, migrated=migrated, target=target)
+        return self._call("POST", "/kvmove/release_request", body, ReleaseRequestResp)
 
     def _call(self, method: str, path: str, body: BaseModel | None, out: type[T], timeout: float | None = None) -> T:
         kwargs: dict[str, Any] = {} if body is None else {"json": body.model_dump()}

@@ -19,11 +19,13 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.errors import MigrationError
 from kvmove.migration.session import check_peers
+from kvmove.server.messages import GenerateReq, GenerateResp, HoldRequestResp, ResumeInfo, ResumeState
 
 
 @dataclass
@@ -44,7 +46,7 @@ class Migration:
     transport: str = ""
     transport_seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
-    held: m.HoldRequestResp | None = None
+    held: HoldRequestResp | None = None
     error: str = ""
 
     @property
@@ -102,9 +104,17 @@ def move_kv(src: WorkerClient, dst: WorkerClient, ids: list[int], extra_key: str
     return rec
 
 
+class Moved(NamedTuple):
+    """A move over the fork's routes: its record, and the body re-submitting the request to the target (None: it
+    had finished before the abort)."""
+
+    migration: Migration
+    resubmit: GenerateReq | None
+
+
 def migrate_request_sglang(
-    src: WorkerClient, dst: WorkerClient, submitted: m.GenerateReq, answer: Callable[[], m.GenerateResp]
-) -> tuple[Migration, m.GenerateReq | None]:
+    src: WorkerClient, dst: WorkerClient, submitted: GenerateReq, answer: Callable[[], GenerateResp]
+) -> Moved:
     """Move request ``submitted`` (sent to ``src`` by this client; ``answer()`` waits for its ``/generate`` answer)
     with the fork's routes only. Returns the record and the body re-submitting it to ``dst`` (None if it had
     finished before the abort); its output is the aborted answer's tokens followed by the re-submitted request's.
@@ -119,7 +129,7 @@ def migrate_request_sglang(
     clock.lap("hold")
     if (partial.meta_info.get("finish_reason") or {}).get("type") != "abort":
         rec.error = "the request finished before it was aborted: nothing to move"
-        return rec, None
+        return Moved(rec, None)
     rec.tokens = tokens = list(prompt) + list(partial.output_ids)
     try:
         cached = src.extra_token_size(m.GetRequestExtraTokenSizeReq(input_ids=tokens, extra_key=key))
@@ -130,7 +140,7 @@ def migrate_request_sglang(
         rec.error = str(exc)
     params = submitted.sampling_params
     left = params.model_copy(update={"max_new_tokens": params.max_new_tokens - len(partial.output_ids)})
-    return rec, submitted.model_copy(update={"input_ids": tokens, "text": None, "sampling_params": left})
+    return Moved(rec, submitted.model_copy(update={"input_ids": tokens, "text": None, "sampling_params": left}))
 
 
 def _transfer(
@@ -193,16 +203,16 @@ def transfer_body(
     )
 
 
-def resume_body(held: m.HoldRequestResp | m.ResumeState) -> m.GenerateReq:
+def resume_body(held: HoldRequestResp | ResumeState) -> GenerateReq:
     """The ``/generate`` body that continues a held request on its new worker."""
-    r = held.request if isinstance(held, m.HoldRequestResp) else held
-    return m.GenerateReq(
+    r = held.request if isinstance(held, HoldRequestResp) else held
+    return GenerateReq(
         input_ids=r.prompt_ids,
         rid=r.rid,
         sampling_params=r.sampling_params,
         priority=r.priority,
         extra_key=r.extra_key,
-        resume=m.ResumeInfo(output_ids=r.output_ids, generator_state=r.generator_state),
+        resume=ResumeInfo(output_ids=r.output_ids, generator_state=r.generator_state),
     )
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from kvmove.errors import KvmoveError
-from kvmove.migration.messages import Metrics
+from kvmove.server.messages import Metrics
 
 
 class WorkerView(NamedTuple):

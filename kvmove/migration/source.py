@@ -20,10 +20,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
-from kvmove.engines.reference import ExportedKV, RolloutWorker
 from kvmove.kvcache import pages_digest, slots_to_pages
 from kvmove.migration.endpoint import HostEndpoint
 from kvmove.migration.errors import MigrationError, OutOfPagesError
@@ -39,9 +39,17 @@ from kvmove.migration.messages import (
 from kvmove.migration.peers import PeerPolicy
 from kvmove.migration.session import check_target
 from kvmove.migration.share import PoolShare
+from kvmove.reference import ExportedKV, RolloutWorker
 
 SendPull = Callable[[str, PullKVReq], PullKVResp]
 """Asks the target rank at ``session_id`` to pull (the server's HTTP client; tests may call the target directly)."""
+
+
+class Window(NamedTuple):
+    """The token positions ``[start, stop)`` of a request whose K/V moves (whole pages)."""
+
+    start: int
+    stop: int
 
 
 class MigrationSource:
@@ -140,13 +148,13 @@ class MigrationSource:
             sources=sources,
         )
 
-    def _window(self, req: TransferRequestKVCacheReq) -> tuple[int, int]:
+    def _window(self, req: TransferRequestKVCacheReq) -> Window:
         start, extra = req.matched_token_size, req.extra_token_size
         if start < 0 or extra < 0 or start % self.page_size or extra % self.page_size:
             raise MigrationError(f"matched/extra token sizes {start}/{extra} are not whole pages of {self.page_size}")
         if start + extra > len(req.input_ids):
             raise MigrationError(f"matched + extra = {start + extra} > {len(req.input_ids)} input_ids")
-        return start, start + extra
+        return Window(start, start + extra)
 
     def _stage(self, pages: torch.Tensor, start: int, stop: int, peer: str) -> list[torch.Tensor]:
         """Every rank's copy of ``pages[start / page : stop / page]`` in its outbox (all ranks or none), within the

@@ -29,10 +29,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from kvmove.engines.reference import ExportedKV, RolloutWorker
 from kvmove.errors import KVCacheError
 from kvmove.kvcache import head_slices, pages_digest, pages_to_slots, slots_to_pages
 from kvmove.migration.endpoint import HostEndpoint
@@ -59,6 +59,7 @@ from kvmove.migration.messages import (
 from kvmove.migration.peers import PeerPolicy
 from kvmove.migration.session import check_compatible, parse_geometry
 from kvmove.migration.share import PoolShare
+from kvmove.reference import ExportedKV, RolloutWorker
 from kvmove.transport import TransferStats
 
 
@@ -91,6 +92,13 @@ class PendingMigration:
     @property
     def tail_pages(self) -> int:
         return self.device_pages.numel()
+
+
+class Reserved(NamedTuple):
+    """Pages reserved for an incoming transfer: every rank's host pages, and the device pages the ranks share."""
+
+    host: list[torch.Tensor]
+    device: torch.Tensor
 
 
 class MigrationTarget:
@@ -250,7 +258,7 @@ class MigrationTarget:
             mid, tuple(tokens), extra_key, version, head.num_tokens, head, host, device, self.page_size, self.clock()
         )
 
-    def _alloc(self, n: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _alloc(self, n: int) -> Reserved:
         """Every rank's host pages, then the device pages (shared by the ranks' pools); all or nothing."""
         host: list[torch.Tensor] = []
         try:
@@ -260,7 +268,7 @@ class MigrationTarget:
                     raise OutOfPagesError(f"host pool alloc OOM on rank {r}: requested {n * self.page_size} tokens")
                 host.append(pages)
             try:
-                return host, self.worker.alloc_import_pages(n)
+                return Reserved(host, self.worker.alloc_import_pages(n))
             except KVCacheError as exc:
                 raise OutOfPagesError(f"device pool alloc OOM: requested {n * self.page_size} tokens ({exc})") from exc
         except BaseException:

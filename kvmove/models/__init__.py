@@ -1,8 +1,10 @@
-"""Model vocabulary: configs, presets and the HF checkpoint's tensor table."""
+"""Model vocabulary: configs, presets, parallel layouts, the HF checkpoint's tensor table and its totals."""
 
 from kvmove.models.config import ModelConfig, parse_overrides
 from kvmove.models.presets import DEFAULT_MODEL, preset_names, resolve_model
-from kvmove.models.tensors import ModelTotals, TensorMeta, hf_tensors, layer_tensors, model_totals
+from kvmove.models.table import hf_tensors, layer_tensors
+from kvmove.models.tensors import TensorMeta
+from kvmove.models.totals import ModelTotals, model_totals
 
 __all__ = [
     "DEFAULT_MODEL",

@@ -1,6 +1,6 @@
 """The checkpoint an inference engine loads, per engine dtype: the BF16 HF tensors, or their block-FP8 form.
 
-The trainer always holds the BF16 checkpoint (kvmove.models.tensors.hf_tensors). An engine with
+The trainer always holds the BF16 checkpoint (kvmove.models.table.hf_tensors). An engine with
 ``engine_dtype="fp8"`` loads what DeepSeek-V3, Kimi K2 and Qwen3-235B-A22B-FP8 publish instead: every linear
 weight of attention and MLP (dense, routed and shared experts) as ``<name>.weight`` in float8_e4m3fn plus
 ``<name>.weight_scale_inv`` (float32, one per 128x128 block); embeddings, ``lm_head``, norms and the router
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from kvmove.models.config import ENGINE_DTYPES, ModelConfig
-from kvmove.models.tensors import TensorMeta, hf_tensors, layer_of
+from kvmove.models.table import hf_tensors
+from kvmove.models.tensors import TensorMeta, layer_of
 from kvmove.quant.fp8 import BLOCK, FP8_DTYPE, scale_shape
 from kvmove.quant.quantizer import quantize
 

@@ -79,19 +79,6 @@ class ModelConfig:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
-    def is_moe_layer(self, layer: int) -> bool:
-        """Whether decoder layer ``layer`` holds routed experts (read off the checkpoint's tensor table)."""
-        return self.layer_kind(layer).startswith("moe")
-
-    def layer_kind(self, layer: int) -> str:
-        """Layers of one kind have identical tensor names (up to the index) and shapes (``dense``, ``moe``, ...)."""
-        from kvmove.models.table import table_of
-
-        kinds = table_of(self).kinds
-        if not 0 <= layer < len(kinds):
-            raise ModelError(f"layer {layer} is outside the {len(kinds)} layers of {self.name}")
-        return kinds[layer]
-
 
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {"attention_bias": True, "qk_norm": False},
@@ -165,7 +152,7 @@ def config_from_dict(
 
 def _transformers_defaults(arch: str, data: dict[str, Any], name: str) -> dict[str, Any]:
     """The shape-deciding fields ``data`` leaves out, as transformers' config class of ``arch`` defaults them."""
-    from kvmove.models.table import model_type_of, quiet_transformers
+    from kvmove.models.hf import model_type_of, quiet_transformers
 
     wanted = [k for k in ("head_dim", "tie_word_embeddings") if k not in data]
     model_type = model_type_of(arch, data.get("model_type"))

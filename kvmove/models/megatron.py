@@ -30,8 +30,9 @@ from fnmatch import fnmatchcase
 import torch
 
 from kvmove.errors import ModelError
-from kvmove.layout import TrainerLayout
 from kvmove.models.config import ModelConfig
+from kvmove.models.layout import TrainerLayout
+from kvmove.models.table import is_moe_layer, table_of
 from kvmove.models.tensors import TensorMeta, expert_of, layer_of
 
 
@@ -48,8 +49,6 @@ def _check(cfg: ModelConfig) -> None:
     """The format names every tensor of ``cfg``'s checkpoint (GQA models in HF's Llama/Qwen spelling)."""
     if cfg.is_mla or cfg.n_shared_experts:
         raise ModelError(f"the megatron checkpoint format covers GQA models without shared experts, not {cfg.name}")
-    from kvmove.models.table import table_of
-
     known = {*_LAYER_LEAVES.values(), *_FUSED_LEAVES}
     for _, tensors in table_of(cfg).templates.values():
         for t in tensors:
@@ -90,7 +89,7 @@ class MegatronLayout:
             out.append(TensorMeta(a + "linear_qkv.bias", (qkv,)))
         if cfg.qk_norm:
             out += [TensorMeta(a + "q_layernorm.weight", (d,)), TensorMeta(a + "k_layernorm.weight", (d,))]
-        if not cfg.is_moe_layer(i):
+        if not is_moe_layer(cfg, i):
             out.append(TensorMeta(p + "mlp.linear_fc1.layer_norm_weight", (h,)))
             out.append(TensorMeta(p + "mlp.linear_fc1.weight", (2 * cfg.intermediate_size, h)))
             out.append(TensorMeta(p + "mlp.linear_fc2.weight", (h, cfg.intermediate_size)))

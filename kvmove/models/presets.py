@@ -83,7 +83,7 @@ _TINY: dict[str, dict[str, Any]] = {
     "qwen2-tiny": {**_TINY_QWEN, "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": True},
 }
 # NOTE: vLLM's CPU attention needs head_dim >= 32 and its Qwen2 takes head_dim as hidden / heads: these tiny
-# models are the ones a vLLM engine (kvmove.engines.vllm) can serve on CPU
+# models are the ones a vLLM engine (kvmove.vllm) can serve on CPU
 _TINY["qwen3-moe-vllm"] = {**_TINY["qwen3-moe-tiny"], "head_dim": 64}
 _TINY["qwen3-vllm"] = {**_TINY["qwen3-tiny"], "head_dim": 64}
 _TINY["qwen2-vllm"] = {**_TINY["qwen2-tiny"], "head_dim": 64, "hidden_size": 256}

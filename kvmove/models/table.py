@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -29,6 +28,7 @@ import torch
 
 from kvmove.errors import ModelError
 from kvmove.models.config import ModelConfig
+from kvmove.models.hf import model_type_of, quiet_transformers
 from kvmove.models.tensors import TensorMeta, expert_of, layer_of, with_layer
 
 _SAFETENSORS_DTYPES = {
@@ -74,33 +74,6 @@ class TensorTable(NamedTuple):
         for i in wanted:
             out += self.layer(i)
         return out + list(self.tail)
-
-
-def model_type_of(architecture: str, model_type: str | None = None) -> str:
-    """The transformers ``model_type`` whose causal-LM class is ``architecture`` (ModelError if none is)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
-
-    if model_type is not None and names.get(model_type) == architecture:
-        return model_type
-    candidates = [mt for mt, cls in names.items() if cls == architecture]
-    if not candidates:
-        raise ModelError(f"architecture {architecture!r} is not a causal LM transformers knows")
-    norm = architecture.removesuffix("ForCausalLM").lower()
-    candidates.sort(key=lambda mt: (not mt.endswith("_text"), mt.replace("_", "") != norm))
-    return candidates[0]
-
-
-@contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """transformers' warnings about a config (logged, not raised) kept off kvmove's one-line stderr."""
-    from transformers.utils import logging
-
-    level = logging.get_verbosity()
-    logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(level)
 
 
 def meta_model(hf: Mapping[str, Any]) -> torch.nn.Module:
@@ -275,6 +248,29 @@ def table_of(cfg: ModelConfig) -> TensorTable:
     if cfg.checkpoint is None:
         return _config_table(frozen)
     return _checked_headers(cfg.checkpoint, frozen)
+
+
+def hf_tensors(cfg: ModelConfig, layers: Iterable[int] | None = None) -> list[TensorMeta]:
+    """All tensors of the checkpoint in file order, or only those of ``layers`` plus the non-layer ones."""
+    return table_of(cfg).tensors(layers)
+
+
+def layer_tensors(cfg: ModelConfig, i: int) -> list[TensorMeta]:
+    """The tensors of decoder layer ``i``."""
+    return table_of(cfg).layer(i)
+
+
+def layer_kind(cfg: ModelConfig, layer: int) -> str:
+    """Layers of one kind have identical tensor names (up to the index) and shapes (``dense``, ``moe``, ...)."""
+    kinds = table_of(cfg).kinds
+    if not 0 <= layer < len(kinds):
+        raise ModelError(f"layer {layer} is outside the {len(kinds)} layers of {cfg.name}")
+    return kinds[layer]
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    """Whether decoder layer ``layer`` holds routed experts (read off the tensor table)."""
+    return layer_kind(cfg, layer).startswith("moe")
 
 
 @lru_cache(maxsize=8)

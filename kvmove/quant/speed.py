@@ -92,12 +92,19 @@ def measure_layout(layout: str, x: torch.Tensor, copy: float, variants: list[str
     return rows
 
 
+class Speeds(NamedTuple):
+    """The device-copy rate of the same run (GB/s, read + written) and each backend's throughput."""
+
+    copy_gbps: float
+    throughput: list[Throughput]
+
+
 def measure(
     layouts: list[str] | None = None, variants: list[str] | None = None, sweep_layout: str = "experts"
-) -> tuple[float, list[Throughput]]:
+) -> Speeds:
     """The copy rate, then the default variant on every layout, every variant (and torch) on ``sweep_layout``."""
     if not torch.cuda.is_available():
-        return 0.0, []
+        return Speeds(0.0, [])
     from kvmove.quant.triton_fp8 import VARIANTS, default_variant
 
     copy = copy_gbps()
@@ -109,4 +116,4 @@ def measure(
         rows += measure_layout(layout, x, copy, chosen, torch_too=sweep)
         del x
         torch.cuda.empty_cache()
-    return copy, rows
+    return Speeds(copy, rows)

@@ -2,7 +2,7 @@
 
 Each engine is a plain ``vllm.LLM`` in vLLM's default multi-process mode, started with
 ``weight_transfer_config={"backend": "kvmove"}`` and nothing else of kvmove's: its worker (in the engine core's
-own process) builds its puller from the init info the trainer sends (``kvmove.engines.vllm.join``). The driver
+own process) builds its puller from the init info the trainer sends (``kvmove.vllm.join``). The driver
 serves vLLM's four weight-sync calls to trainer rank 0 (``kvmove.rl.trainer_rank.RemoteEngines``) and runs each
 on every engine at once (``EngineGroup``); it checks every sync in the workers (``collective_rpc``) against the
 checkpoint the trainer saved, and generates rollouts from the same ``LLM`` objects.
@@ -18,14 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from kvmove.engines.vllm import BACKEND, import_vllm
-from kvmove.engines.vllm.actor import ENV, MAX_MODEL_LEN
-from kvmove.engines.vllm.checkpoint import write_model_dir
 from kvmove.errors import KvmoveError
 from kvmove.models.config import ModelConfig
+from kvmove.models.directory import write_model_dir
 from kvmove.rl.trainer_rank import answer_engine_call
 from kvmove.sync.ranks.control import Address, Completion, EngineStats, Sampling
 from kvmove.sync.ranks.wire import ControlServer
+from kvmove.vllm import BACKEND, import_vllm
+from kvmove.vllm.actor import ENV, MAX_MODEL_LEN
 
 ENGINE_SHUTDOWN_S = 30.0
 """How long an engine core may take to stop. vLLM's default (5 s) is no longer than the core's own grace for its
@@ -47,7 +47,7 @@ class VllmEngines:
     to the trainer at :attr:`address` (authenticated with ``authkey``)."""
 
     def __init__(self, cfg: ModelConfig, count: int, authkey: bytes, seed: int = 0) -> None:
-        from kvmove.engines.vllm.clients import EngineGroup, LLMClient
+        from kvmove.vllm.clients import EngineGroup, LLMClient
 
         vllm = import_vllm()
         os.environ.update(ENV)
@@ -78,8 +78,8 @@ class VllmEngines:
 
     def check(self, checkpoint: str) -> list[EngineCheck]:
         """Every engine's worker compares what its live model computes with against vLLM's own loader and
-        processing fed the trainer's saved ``checkpoint`` (``kvmove.engines.vllm.rpc.verify_saved``)."""
-        from kvmove.engines.vllm.rpc import verify_saved
+        processing fed the trainer's saved ``checkpoint`` (``kvmove.vllm.rpc.verify_saved``)."""
+        from kvmove.vllm.rpc import verify_saved
 
         out = []
         for e, llm in enumerate(self.llms):
@@ -88,8 +88,8 @@ class VllmEngines:
         return out
 
     def received(self) -> list[EngineStats]:
-        """Each engine worker's pull stats of the last update (``kvmove.engines.vllm.rpc.sync_report``)."""
-        from kvmove.engines.vllm.rpc import sync_report
+        """Each engine worker's pull stats of the last update (``kvmove.vllm.rpc.sync_report``)."""
+        from kvmove.vllm.rpc import sync_report
 
         out = []
         for llm in self.llms:

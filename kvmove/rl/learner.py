@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvmove.errors import KvmoveError
-from kvmove.models.tensors import hf_tensors
+from kvmove.models.table import hf_tensors
 from kvmove.rl.rollouts import Rollouts
 from kvmove.sync.ranks.source import SourceContext
 from kvmove.sync.sources.fsdp import FsdpSource
@@ -87,7 +87,15 @@ class Learner:
         return TrainReport(self.ctx.rank, float(loss.detach()), len(share.samples), int(taken.sum()), gap)
 
 
-def _pack(share: Rollouts, device: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+class Packed(NamedTuple):
+    """Prompt + completion token ids, right-padded; the attention mask; where each completion starts."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    start: list[int]
+
+
+def _pack(share: Rollouts, device: str) -> Packed:
     """Prompt + completion token ids, right-padded; the attention mask; where each completion starts."""
     seqs = [list(s.prompt) + list(s.tokens) for s in share.samples]
     width = max(len(q) for q in seqs)
@@ -96,7 +104,7 @@ def _pack(share: Rollouts, device: str) -> tuple[torch.Tensor, torch.Tensor, lis
     for i, q in enumerate(seqs):
         ids[i, : len(q)] = torch.tensor(q)
         mask[i, : len(q)] = 1
-    return ids.to(device), mask.to(device), [len(s.prompt) for s in share.samples]
+    return Packed(ids.to(device), mask.to(device), [len(s.prompt) for s in share.samples])
 
 
 def _completion_mask(share: Rollouts, width: int, start: list[int]) -> torch.Tensor:

@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 
 from kvmove.engines import get_engine
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.rl.engines import VllmEngines
 from kvmove.rl.learner import RlTrainer, TrainReport
 from kvmove.rl.rollouts import Rollouts, TokenPatternReward, score
@@ -202,9 +202,16 @@ def run_rl(config: RlConfig, progress: Progress | None = None) -> Iterator[RlSte
                 return
 
 
-def _start(
-    config: RlConfig, work: Path, stack: ExitStack, say: Progress
-) -> tuple[EngineSeam, list[str], list[tuple[int, ...]], TokenPatternReward]:
+class Started(NamedTuple):
+    """What the loop runs on: the joined trainers and engines, each token's text, the prompts' ids, the reward."""
+
+    seam: EngineSeam
+    texts: list[str]
+    prompts: list[tuple[int, ...]]
+    reward: TokenPatternReward
+
+
+def _start(config: RlConfig, work: Path, stack: ExitStack, say: Progress) -> Started:
     """The tokenizer and reward, the trainer processes, the engines, and the trainer engines joined to them."""
     cfg = resolve_model(config.model)
     tokenizer = load_tokenizer(work / "tokenizer", cfg.vocab_size)
@@ -223,7 +230,14 @@ def _start(
     seam = EngineSeam(launcher, trainers, engines, sc)
     say("trainer ranks: trainer_init (kvmove backend); engines: init_weight_transfer_engine")
     seam.join()
-    return seam, texts, prompts, reward
+    return Started(seam, texts, prompts, reward)
+
+
+class Stepped(NamedTuple):
+    """One step's result and the scored rollouts the next step trains on."""
+
+    result: RlStep
+    rollouts: Rollouts
 
 
 def _step(
@@ -234,7 +248,7 @@ def _step(
     prompts: list[tuple[int, ...]],
     reward: TokenPatternReward,
     texts: list[str],
-) -> tuple[RlStep, Rollouts]:
+) -> Stepped:
     t0 = time.perf_counter()
     reports = seam.train(rollouts) if rollouts is not None else []
     t1 = time.perf_counter()
@@ -248,7 +262,7 @@ def _step(
     gap = sum(r.logprob_gap for r in reports) / len(reports) if reports else None
     text = tuple("".join(texts[t] for t in g) for g in greedy)
     result = RlStep(step, loss, gap, t1 - t0, synced, fresh.mean_reward, t3 - t2, text, tuple(greedy))
-    return result, fresh
+    return Stepped(result, fresh)
 
 
 def token_texts(tokenizer: Any, vocab_size: int) -> list[str]:
@@ -257,10 +271,10 @@ def token_texts(tokenizer: Any, vocab_size: int) -> list[str]:
 
 
 def load_tokenizer(directory: Path, vocab_size: int) -> Any:
-    """The tokenizer the engines are started with (kvmove.engines.vllm.checkpoint: deterministic, local)."""
+    """The tokenizer the engines are started with (kvmove.models.directory: deterministic, local)."""
     from tokenizers import Tokenizer
 
-    from kvmove.engines.vllm.checkpoint import write_tokenizer
+    from kvmove.models.directory import write_tokenizer
 
     directory.mkdir(parents=True, exist_ok=True)
     write_tokenizer(directory, vocab_size)

@@ -107,7 +107,7 @@ class RlTrainerHost(Host):
 
     @handles(JoinEngines)
     def join_engines(self, command: JoinEngines) -> None:
-        from kvmove.engines.vllm.trainer import KvmoveTrainerEngine, KvmoveTrainerInitInfo
+        from kvmove.vllm.trainer import KvmoveTrainerEngine, KvmoveTrainerInitInfo
 
         c, s = self.config, self.spec
         if c.source is None:

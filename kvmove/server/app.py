@@ -1,9 +1,10 @@
 """The HTTP layer: one line per route, each delegating to the runtime or the migration core.
 
-Routes and bodies follow SGLang's server and its KV-migration fork (kvmove/migration/messages.py); errors are
-``{"success": false, "message": ...}`` with a 4xx/5xx status (400 for malformed bodies instead of FastAPI's 422),
-whatever failed: a body that does not parse, an unknown route, a refusal, a bug. ``/generate`` aborts its request
-when its client disconnects (``kvmove.server.runtime.Runtime.generate``).
+Routes and bodies follow SGLang's server (kvmove/server/messages.py) and its KV-migration fork
+(kvmove/migration/messages.py); errors are ``{"success": false, "message": ...}`` with a 4xx/5xx status (400 for
+malformed bodies instead of FastAPI's 422), whatever failed: a body that does not parse, an unknown route, a
+refusal, a bug. ``/generate`` aborts its request when its client disconnects
+(``kvmove.server.runtime.Runtime.generate``).
 ``/kvmove/read_pages`` is the ``http`` transport's data plane: raw bytes out, refusals as above.
 
 With ``kvmove_routes`` off, the server answers only what an SGLang server of the fork answers: SGLang's own routes
@@ -26,13 +27,31 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvmove.engines.reference import RequestFailedError, UnknownRequestError
 from kvmove.errors import KvmoveError
 from kvmove.migration import messages as m
 from kvmove.migration.errors import MigrationError
+from kvmove.reference import RequestFailedError, UnknownRequestError
 from kvmove.server.asgi import disconnected
 from kvmove.server.auth import ADMIN_STATE, Access, AuthMiddleware, route_access
 from kvmove.server.limits import BodyLimitMiddleware
+from kvmove.server.messages import (
+    AbortRequestReq,
+    DetokenizeReq,
+    DetokenizeResp,
+    FlushCacheResp,
+    GenerateReq,
+    GenerateResp,
+    Health,
+    HoldRequestReq,
+    HoldRequestResp,
+    Integrity,
+    Metrics,
+    ReleaseRequestReq,
+    ReleaseRequestResp,
+    Resources,
+    TokenizeReq,
+    TokenizeResp,
+)
 from kvmove.server.runtime import Runtime
 from kvmove.server.streaming import stream_answer
 from kvmove.transport.http_route import READ_PATH, answer_read
@@ -50,32 +69,32 @@ def create_app(rt: Runtime) -> FastAPI:
 
     @app.get("/health")
     @OPEN
-    def health() -> m.Health:
-        return m.Health()
+    def health() -> Health:
+        return Health()
 
     @app.post("/generate", response_model=None)
-    async def generate(body: m.GenerateReq, request: Request) -> m.GenerateResp | StreamingResponse:
+    async def generate(body: GenerateReq, request: Request) -> GenerateResp | StreamingResponse:
         gone = lambda: disconnected(request.receive)  # noqa: E731
         if body.stream:
             return StreamingResponse(stream_answer(rt, body, gone), media_type="text/event-stream")
         return await rt.generate(body, gone=gone)
 
     @app.post("/tokenize")
-    def tokenize(body: m.TokenizeReq) -> m.TokenizeResp:
+    def tokenize(body: TokenizeReq) -> TokenizeResp:
         return _tokenize(rt, body)
 
     @app.post("/detokenize")
-    def detokenize(body: m.DetokenizeReq) -> m.DetokenizeResp:
-        return m.DetokenizeResp(text=rt.tokenizer.decode(body.tokens))
+    def detokenize(body: DetokenizeReq) -> DetokenizeResp:
+        return DetokenizeResp(text=rt.tokenizer.decode(body.tokens))
 
     @app.post("/flush_cache")
     @ADMIN
-    def flush_cache() -> m.FlushCacheResp:
+    def flush_cache() -> FlushCacheResp:
         return rt.flush_cache()
 
     @app.post("/abort_request")
     @ADMIN
-    def abort_request(body: m.AbortRequestReq) -> Response:
+    def abort_request(body: AbortRequestReq) -> Response:
         rt.abort_request(body)
         return Response(status_code=200)
 
@@ -137,12 +156,12 @@ def _add_kvmove_routes(app: FastAPI, rt: Runtime) -> None:
 
     @app.get("/kvmove/integrity")
     @ADMIN
-    def integrity() -> m.Integrity:
+    def integrity() -> Integrity:
         return rt.integrity()
 
     @app.get("/kvmove/resources")
     @ADMIN
-    def resources() -> m.Resources:
+    def resources() -> Resources:
         return rt.resources()
 
     if not rt.config.enable_kv_migration:
@@ -155,12 +174,12 @@ def _add_kvmove_routes(app: FastAPI, rt: Runtime) -> None:
 
     @app.post("/kvmove/hold_request")
     @MIGRATION
-    def hold_request(body: m.HoldRequestReq) -> m.HoldRequestResp:
+    def hold_request(body: HoldRequestReq) -> HoldRequestResp:
         return rt.held.hold(body)
 
     @app.post("/kvmove/release_request")
     @MIGRATION
-    def release_request(body: m.ReleaseRequestReq) -> m.ReleaseRequestResp:
+    def release_request(body: ReleaseRequestReq) -> ReleaseRequestResp:
         return rt.held.release(body)
 
 
@@ -172,24 +191,24 @@ def _install_metrics(app: FastAPI, rt: Runtime) -> None:
 
     @app.get("/metrics", response_model=None)
     @OPEN
-    def metrics(request: Request, format: str = "prometheus") -> m.Metrics | Response:
+    def metrics(request: Request, format: str = "prometheus") -> Metrics | Response:
         if format == "json":
             return rt.metrics(include_rids=getattr(request.state, ADMIN_STATE, False))
         return Response(exposition(registry), media_type=CONTENT_TYPE)  # NOTE: counts only, never request ids
 
     @app.get("/metrics.json")
     @OPEN
-    def metrics_json(request: Request) -> m.Metrics:
+    def metrics_json(request: Request) -> Metrics:
         return rt.metrics(include_rids=getattr(request.state, ADMIN_STATE, False))
 
 
-def _tokenize(rt: Runtime, body: m.TokenizeReq) -> m.TokenizeResp:
+def _tokenize(rt: Runtime, body: TokenizeReq) -> TokenizeResp:
     max_len = rt.worker.pool.num_pages * rt.config.page_size
     if isinstance(body.prompt, str):
         tokens = rt.tokenizer.encode(body.prompt)
-        return m.TokenizeResp(tokens=tokens, count=len(tokens), max_model_len=max_len)
+        return TokenizeResp(tokens=tokens, count=len(tokens), max_model_len=max_len)
     batch = [rt.tokenizer.encode(p) for p in body.prompt]
-    return m.TokenizeResp(tokens=batch, count=[len(t) for t in batch], max_model_len=max_len)
+    return TokenizeResp(tokens=batch, count=[len(t) for t in batch], max_model_len=max_len)
 
 
 def _failure(status: int, message: str, **extra: object) -> JSONResponse:

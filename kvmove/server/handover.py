@@ -19,11 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvmove.engines.reference import ExportedKV, Request, RequestError, RolloutWorker, UnknownRequestError
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import resume_body
 from kvmove.migration.errors import MigrationConflictError, MigrationError
-from kvmove.migration.messages import (
+from kvmove.migration.peers import PeerAddress, PeerPolicy
+from kvmove.reference import ExportedKV, Request, RequestError, RolloutWorker, UnknownRequestError
+from kvmove.server.config import ServerConfig
+from kvmove.server.messages import (
     GenerateResp,
     HoldRequestReq,
     HoldRequestResp,
@@ -31,8 +33,6 @@ from kvmove.migration.messages import (
     ReleaseRequestResp,
     ResumeState,
 )
-from kvmove.migration.peers import PeerAddress, PeerPolicy
-from kvmove.server.config import ServerConfig
 from kvmove.server.requests import InFlight, resume_state
 
 log = logging.getLogger("kvmove.server")

@@ -17,7 +17,6 @@ import threading
 
 import httpx
 
-from kvmove.engines.reference import RolloutWorker
 from kvmove.migration.endpoint import HostEndpoint, TransportSetup
 from kvmove.migration.errors import PeerUnreachableError, error_for_status, failure_message
 from kvmove.migration.messages import PullKVReq, PullKVResp, RankSession, Topology, TransferSessionIds
@@ -26,6 +25,7 @@ from kvmove.migration.share import PoolShare
 from kvmove.migration.source import MigrationSource
 from kvmove.migration.target import MigrationTarget
 from kvmove.migration.watchdog import Watchdog
+from kvmove.reference import RolloutWorker
 from kvmove.server.auth import bearer
 from kvmove.server.config import ServerConfig
 from kvmove.transport.http_route import ReadAnswer

@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kvmove.engines.reference import FinishReason, Request, RequestError
-from kvmove.migration.messages import GenerateResp, ResumeState, SamplingParamsMsg
+from kvmove.reference import FinishReason, Request, RequestError
+from kvmove.server.messages import GenerateResp, ResumeState, SamplingParamsMsg
 
 
 @dataclass

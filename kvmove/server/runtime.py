@@ -19,7 +19,16 @@ from concurrent.futures import Future
 
 import torch
 
-from kvmove.engines.reference import (
+from kvmove.migration.endpoint import HostEndpoint
+from kvmove.migration.errors import MigrationConflictError, MigrationDisabledError
+from kvmove.migration.fields import SAMPLING_EPS
+from kvmove.migration.messages import RankSession, TransferSessionIds
+from kvmove.migration.source import MigrationSource
+from kvmove.migration.target import MigrationTarget
+from kvmove.migration.watchdog import Watchdog
+from kvmove.models import resolve_model
+from kvmove.models.weights import seeded_checkpoint
+from kvmove.reference import (
     Request,
     RequestError,
     RequestFailedError,
@@ -27,32 +36,22 @@ from kvmove.engines.reference import (
     SamplingParams,
     WorkerConfig,
 )
-from kvmove.migration.endpoint import HostEndpoint
-from kvmove.migration.errors import MigrationConflictError, MigrationDisabledError
-from kvmove.migration.fields import SAMPLING_EPS
-from kvmove.migration.messages import (
+from kvmove.server.config import ServerConfig
+from kvmove.server.handover import HeldRequests
+from kvmove.server.messages import (
     AbortRequestReq,
     FlushCacheResp,
     GenerateReq,
     GenerateResp,
     Integrity,
     Metrics,
-    RankSession,
     Resources,
-    TransferSessionIds,
 )
-from kvmove.migration.source import MigrationSource
-from kvmove.migration.target import MigrationTarget
-from kvmove.migration.watchdog import Watchdog
-from kvmove.models import resolve_model
-from kvmove.server.config import ServerConfig
-from kvmove.server.handover import HeldRequests
 from kvmove.server.plane import MigrationPlane
 from kvmove.server.requests import InFlight, Outcome, Submitted, abort_reason, finish_reason, generator, wait_for_answer
 from kvmove.server.resources import check_server_memory, process_resources
 from kvmove.server.steps import StepLog, StepRecord
 from kvmove.server.tokenizer import ByteTokenizer
-from kvmove.sync.verify import seeded_checkpoint
 from kvmove.transport.http_route import ReadAnswer
 
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from kvmove.migration.messages import GenerateReq, GenerateResp
+from kvmove.server.messages import GenerateReq, GenerateResp
 
 if TYPE_CHECKING:
     from kvmove.server.runtime import Runtime

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models.config import ModelConfig
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.strategies import Strategy
 
 

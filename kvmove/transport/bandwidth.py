@@ -32,6 +32,13 @@ class BandwidthResult(NamedTuple):
     gb_per_s: float
 
 
+class PeerInfo(NamedTuple):
+    """What a peer sends the other: its endpoint info and its registered buffer."""
+
+    endpoint: Any
+    buffer: Any
+
+
 class Peer(ServesSlots):
     """One endpoint with one registered buffer; the server's is filled with seeded random bytes."""
 
@@ -45,8 +52,8 @@ class Peer(ServesSlots):
             )
         self.desc = self.transport.register(self.buf)
 
-    def info(self) -> tuple[Any, Any]:
-        return self.transport.endpoint_info(), self.desc
+    def info(self) -> PeerInfo:
+        return PeerInfo(self.transport.endpoint_info(), self.desc)
 
     def connect(self, info: Any) -> None:
         self.transport.connect(info)

@@ -23,7 +23,7 @@ import secrets
 import socket
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -244,7 +244,14 @@ class _Scatter:
             raise TransportError(f"the peer's answer ended after {self.span} of {len(self.spans)} spans")
 
 
-def _parse_payload(info: EndpointInfo) -> tuple[str, str]:
+class Payload(NamedTuple):
+    """What an http endpoint's info carries: the base URL of its read route and the grant a reader presents."""
+
+    url: str
+    grant: str
+
+
+def _parse_payload(info: EndpointInfo) -> Payload:
     """``(base_url, grant)`` of an http endpoint's info; TransportError if it is not one."""
     try:
         raw = json.loads(bytes(info.payload))
@@ -253,7 +260,7 @@ def _parse_payload(info: EndpointInfo) -> tuple[str, str]:
         raise TransportError(f"endpoint info of {info.endpoint} is not an http transport's: {exc!r}") from exc
     if not isinstance(url, str) or not url.startswith(("http://", "https://")) or not isinstance(grant, str):
         raise TransportError(f"endpoint info of {info.endpoint} has no http(s) url and grant")
-    return url, grant
+    return Payload(url, grant)
 
 
 def _inside(spans: np.ndarray, allowed: np.ndarray) -> bool:

@@ -113,12 +113,19 @@ async def answer_read(request: Request, serve: Callable[[bytes], ReadAnswer]) ->
     return StreamingResponse(answer.chunks, media_type=OCTETS, headers=headers)
 
 
-def _serve_small_at_once(serve: Callable[[bytes], ReadAnswer], body: bytes) -> tuple[ReadAnswer, memoryview | None]:
+class Served(NamedTuple):
+    """A read's answer, and its bytes already copied when they fit one chunk (None: streamed)."""
+
+    answer: ReadAnswer
+    whole: memoryview | None
+
+
+def _serve_small_at_once(serve: Callable[[bytes], ReadAnswer], body: bytes) -> Served:
     """``serve(body)``, and its bytes already copied when they fit one chunk (no streaming for small reads)."""
     answer = serve(body)
     if answer.nbytes > CHUNK_BYTES:
-        return answer, None
-    return answer, next(answer.chunks, memoryview(b""))
+        return Served(answer, None)
+    return Served(answer, next(answer.chunks, memoryview(b"")))
 
 
 class LoopbackServer:

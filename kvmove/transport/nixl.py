@@ -19,7 +19,7 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -46,6 +46,13 @@ def import_nixl() -> Any:
         if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
             handler.setStream(sys.stderr)
     return api
+
+
+class Prepared(NamedTuple):
+    """A prepared NIXL READ: its cache key (the remote buffer, each local buffer and its spans) and its handle."""
+
+    key: tuple[Any, ...]
+    handle: Any
 
 
 class NixlTransport(Transport):
@@ -184,14 +191,14 @@ class NixlTransport(Transport):
                 self._forget(key)
                 raise TransportError(f"NIXL READ from {endpoint} failed (state {state})")
 
-    def _handle(self, group: list[ReadItem]) -> tuple[tuple[Any, ...], Any]:
+    def _handle(self, group: list[ReadItem]) -> Prepared:
         """The prepared READ of ``group`` (reads of one remote buffer), made once and then reused."""
         remote = group[0].remote
         key = (remote.endpoint, remote.buffer_id, *((i.local.data_ptr(), i.spans.tobytes()) for i in group))
         handle = self._prepared.get(key)
         if handle is not None:
             self._prepared.move_to_end(key)
-            return key, handle
+            return Prepared(key, handle)
         local = np.concatenate([_descs(i.local.data_ptr(), max(i.local.get_device(), 0), i.spans, 1) for i in group])
         remote_descs = np.concatenate([_descs(remote.address, remote.device_id, i.spans, 0) for i in group])
         kind = group[0].local.device.type
@@ -204,7 +211,7 @@ class NixlTransport(Transport):
         self._prepared[key] = handle
         if len(self._prepared) > self._max_prepared:
             self._agent.release_xfer_handle(self._prepared.popitem(last=False)[1])
-        return key, handle
+        return Prepared(key, handle)
 
     def _drop_prepared(self, endpoint: str) -> None:
         for key in [k for k in self._prepared if k[0] == endpoint]:

@@ -1,12 +1,16 @@
-"""The micro-benchmarks' CPU twin: FP8 block quantization round-trips, rows are written and labelled."""
+"""The micro-benchmarks (``kvmove bench run --suite micro``) and their CPU twin: FP8 block quantization
+round-trips, rows are recorded with --results and labelled with the machine that measured them."""
 
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 import torch
+from typer.testing import CliRunner
 
-from kvmove.bench.micro import dequantize_blocks, quantize_blocks, run
+from kvmove.bench.micro import dequantize_blocks, micro_labels, micro_rows, quantize_blocks
+from kvmove.bench.results import append_rows
+from kvmove.cli.main import app
 
 
 def test_fp8_block_quantization_keeps_each_tile_within_e4m3_precision() -> None:
@@ -19,15 +23,18 @@ def test_fp8_block_quantization_keeps_each_tile_within_e4m3_precision() -> None:
     assert bool((err <= tiles / 8 + 1e-6).all())  # e4m3 keeps 3 mantissa bits within each tile's scale
 
 
-def test_cpu_twin_writes_labelled_rows(tmp_path) -> None:
-    rows = run(tmp_path, side=256, repeats=2, gather=True)
-    names = [r.name for r in rows]
-    assert names[0] == "fp8 block quantize" and names[1].endswith("all_gather 4 KiB")
+def test_the_micro_suite_records_labelled_rows_only_with_results(tmp_path) -> None:
+    """The CLI suite on this machine (CPU: a 1024 x 1024 quantization and a gloo all-gather)."""
+    result = CliRunner().invoke(app, ["bench", "run", "--suite", "micro", "--results", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
     df = pd.read_parquet(tmp_path / "micro.parquet")
-    assert (df["kind"] == "measured").all() and len(df) == 2
+    quantize, gather = df["name"]
+    assert quantize == "fp8 block quantize" and gather.endswith("all_gather 4 KiB")
+    assert (df["kind"] == "measured").all() and len(df) == 2 and (df["seconds"] > 0).all()
     if not torch.cuda.is_available():
         assert df["hardware"].str.startswith("cpu:").all()  # the simulator takes no cost from CPU micro rows
-    assert all(r.seconds > 0 for r in rows)
+    rows = micro_rows(side=256, repeats=2, gather=False)
+    assert [r.name for r in rows] == ["fp8 block quantize"] and rows[0].extra["shape"] == [256, 256]
 
 
 @pytest.mark.gpu
@@ -37,7 +44,7 @@ def test_gpu_micro_rows_set_costs(tmp_path) -> None:
     from kvmove.bench.results import load_results
     from kvmove.bench.sim.measure import costs_from_rows
 
-    run(tmp_path, side=4096, repeats=3)
+    append_rows(tmp_path, "micro", micro_rows(side=4096, repeats=3), micro_labels())
     book = costs_from_rows(load_results(tmp_path))
     assert book.costs["collective_s"].kind == "measured"
     # the micro-benchmark's pure-torch quantizer is not the sync's: FP8 sync rows price quantization

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmove.bench.results import Row, load_results
-from kvmove.bench.resume import ResumeConfig, crossover, main, prefill_flops, run
+from kvmove.bench.results import Row, append_rows, load_results
+from kvmove.bench.resume import ResumeConfig, crossover, prefill_flops, run
 from kvmove.models import resolve_model
 
 
@@ -35,12 +35,10 @@ def _check(rows: list[Row], lens: tuple[int, ...]) -> None:
 
 def test_cpu_twin_resumes_from_migrated_kv_and_writes_rows(tmp_path) -> None:
     lens = (16, 64)
-    main(["--out", str(tmp_path), "--model", "qwen3-moe-tiny", "--layers", "2", "--prompt-lens", "16,64",
-          "--repeats", "1", "--device", "cpu", "--dtype", "float32"])  # fmt: skip
+    cfg = ResumeConfig(model="qwen3-moe-tiny", layers=2, prompt_lens=lens, repeats=1, device="cpu", dtype="float32")
+    rows = run(cfg, record=lambda new: append_rows(tmp_path, "resume", new))
     df = load_results(tmp_path)
     assert list(df["suite"]) == ["resume", "resume"] and set(df["kind"]) == {"measured"}
-    rows = run(ResumeConfig(model="qwen3-moe-tiny", layers=2, prompt_lens=lens, repeats=1, device="cpu",
-                            dtype="float32", page_size=16))  # fmt: skip
     _check(rows, lens)
 
 

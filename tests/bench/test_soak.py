@@ -14,7 +14,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 
 from kvmove.bench.soak import SoakConfig, run_soak, soak_rows
-from kvmove.migration import messages as m
+from kvmove.server.messages import Resources
 
 
 def test_fifty_migrations_leave_nothing_behind(transport: str) -> None:
@@ -32,9 +32,9 @@ def test_fifty_migrations_leave_nothing_behind(transport: str) -> None:
         assert r.threads > 3, "OS threads (/proc/self/task), not Python's"
 
 
-def _resources(**changes: int) -> m.Resources:
-    base = dict.fromkeys(m.Resources.model_fields, 0) | {"fds": 40, "rss_bytes": 300 << 20, "threads": 9}
-    return m.Resources(**(base | changes))
+def _resources(**changes: int) -> Resources:
+    base = dict.fromkeys(Resources.model_fields, 0) | {"fds": 40, "rss_bytes": 300 << 20, "threads": 9}
+    return Resources(**(base | changes))
 
 
 @pytest.mark.parametrize(("after", "code"), [({}, 0), ({"fds": 140}, 1), ({"host_used_pages": 3}, 1)])

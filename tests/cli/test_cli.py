@@ -167,3 +167,9 @@ def test_unrecordable_loader_is_exit_2(monkeypatch, capsys) -> None:
 def test_help_has_example(monkeypatch, capsys) -> None:
     code, out, _ = run(monkeypatch, capsys, "sync-weights", "--help")
     assert code == 0 and "Example:" in out
+
+
+def test_every_bench_suite_has_a_runner() -> None:
+    from kvmove.cli.bench import SUITES, Suite
+
+    assert set(SUITES) == set(Suite)

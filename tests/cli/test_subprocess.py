@@ -61,15 +61,15 @@ WRONG_SEED_FOR_SYNC_1 = """
 import dataclasses, sys
 from kvmove.sync.driver import step as sync_step
 real = sync_step._verify
-def verify(cluster, step):
+def verify(ranks, step):
     if step.version != 1:
-        return real(cluster, step)
-    config = cluster.config
-    cluster.config = dataclasses.replace(config, seed=config.seed + 1)
+        return real(ranks, step)
+    config = ranks.config
+    ranks.config = dataclasses.replace(config, seed=config.seed + 1)
     try:
-        return real(cluster, step)
+        return real(ranks, step)
     finally:
-        cluster.config = config
+        ranks.config = config
 sync_step._verify = verify
 from kvmove.cli.main import main
 sys.argv[0] = "kvmove"

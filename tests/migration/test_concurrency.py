@@ -27,13 +27,14 @@ pytest.importorskip("httpx")
 
 import torch
 
-from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import transfer_body
 from kvmove.migration.errors import MigrationError
 from kvmove.models import resolve_model
-from kvmove.sync.verify import seeded_checkpoint
+from kvmove.models.weights import seeded_checkpoint
+from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
+from kvmove.server.messages import AbortRequestReq, GenerateReq, GenerateResp, SamplingParamsMsg
 
 EXPIRE_S = 0.05  # the watchdog's timeout while a pull is blocked: it would expire anything else at once
 WINDOW_S = 0.5
@@ -91,10 +92,10 @@ def quick_watchdog(server) -> Iterator[None]:
         target.timeout_s = before
 
 
-def _start_decoding(server, rid: str, n: int) -> tuple[threading.Thread, dict[str, m.GenerateResp], list[int]]:
+def _start_decoding(server, rid: str, n: int) -> tuple[threading.Thread, dict[str, GenerateResp], list[int]]:
     ids = _ids(12, seed=31)
-    body = m.GenerateReq(input_ids=ids, rid=rid, sampling_params=m.SamplingParamsMsg(max_new_tokens=n, temperature=0))
-    out: dict[str, m.GenerateResp] = {}
+    body = GenerateReq(input_ids=ids, rid=rid, sampling_params=SamplingParamsMsg(max_new_tokens=n, temperature=0))
+    out: dict[str, GenerateResp] = {}
     t = threading.Thread(target=lambda: out.setdefault("resp", WorkerClient(server.url).generate(body, timeout=120)))
     t.start()
     deadline = time.monotonic() + 20
@@ -107,9 +108,7 @@ def _start_decoding(server, rid: str, n: int) -> tuple[threading.Thread, dict[st
 def _start_migration(src: WorkerClient, dst: WorkerClient, key: str, seed: int):
     ids = _ids(16, seed=seed)
     src.generate(
-        m.GenerateReq(
-            input_ids=ids, sampling_params=m.SamplingParamsMsg(max_new_tokens=1, temperature=0), extra_key=key
-        )
+        GenerateReq(input_ids=ids, sampling_params=SamplingParamsMsg(max_new_tokens=1, temperature=0), extra_key=key)
     )
     size = dst.extra_token_size(m.GetRequestExtraTokenSizeReq(input_ids=ids, extra_key=key))
     alloc = dst.allocate(m.AllocateTokenForTransferReq(input_ids=ids, extra_key=key, extra_token_size=16))
@@ -172,7 +171,7 @@ def test_decoding_continues_at_full_speed_while_a_pull_into_the_worker_is_blocke
         assert "done" in result, result.get("error")
         assert dst.commit(alloc.migration_id).matched_after_commit == 16
     free += _steps(b, WINDOW_S)
-    b.runtime.abort_request(m.AbortRequestReq(rid="decoding"))
+    b.runtime.abort_request(AbortRequestReq(rid="decoding"))
     dec.join(timeout=30)
     assert len(out["resp"].output_ids) > 20
     p50_free, p50_blocked = statistics.median(free), statistics.median(blocked)

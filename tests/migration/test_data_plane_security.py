@@ -23,7 +23,6 @@ pytest.importorskip("httpx")
 
 import torch
 
-from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.migration import messages as m
 from kvmove.migration import source as source_module
 from kvmove.migration.client import WorkerClient
@@ -31,7 +30,9 @@ from kvmove.migration.controller import transfer_body
 from kvmove.migration.endpoint import HANDLE_STRIDE
 from kvmove.migration.errors import MigrationConflictError
 from kvmove.models import resolve_model
-from kvmove.sync.verify import seeded_checkpoint
+from kvmove.models.weights import seeded_checkpoint
+from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
+from kvmove.server.messages import GenerateReq, SamplingParamsMsg
 from kvmove.transport import BufferDesc, EndpointInfo, NixlTransport, TransportError
 
 
@@ -47,7 +48,7 @@ def _greedy(ids: list[int], n: int) -> list[int]:
 
 
 def _cache(c: WorkerClient, ids: list[int], key: str) -> None:
-    c.generate(m.GenerateReq(input_ids=ids, sampling_params=m.SamplingParamsMsg(max_new_tokens=1), extra_key=key))
+    c.generate(GenerateReq(input_ids=ids, sampling_params=SamplingParamsMsg(max_new_tokens=1), extra_key=key))
 
 
 class _Pulls:
@@ -162,8 +163,8 @@ def test_a_stray_write_between_pull_and_commit_is_caught_at_commit(pair_over, th
         dst.commit(mid)
     assert err.value.status == 409
     _nothing_cached(dst, ids, key)
-    greedy = m.SamplingParamsMsg(max_new_tokens=6, temperature=0)
-    out = dst.generate(m.GenerateReq(input_ids=ids, sampling_params=greedy, extra_key=key))
+    greedy = SamplingParamsMsg(max_new_tokens=6, temperature=0)
+    out = dst.generate(GenerateReq(input_ids=ids, sampling_params=greedy, extra_key=key))
     assert out.output_ids == _greedy(ids, 6), "the target computes the prefix itself, uncorrupted"
     _clean(a, b)
 

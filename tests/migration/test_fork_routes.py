@@ -17,12 +17,12 @@ import httpx
 import torch
 from server_fixtures import pause_after_decoding
 
-from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
-from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import migrate_request_sglang
 from kvmove.models import resolve_model
-from kvmove.sync.verify import seeded_checkpoint
+from kvmove.models.weights import seeded_checkpoint
+from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
+from kvmove.server.messages import GenerateReq, GenerateResp, SamplingParamsMsg
 
 
 @pytest.fixture(scope="module")
@@ -66,18 +66,18 @@ def test_running_request_moves_over_the_fork_routes_and_continues_exactly(fork_p
     a, b = fork_pair
     src, dst = WorkerClient(a.url), WorkerClient(b.url)
     ids = _ids(22, seed=21)
-    body = m.GenerateReq(
+    body = GenerateReq(
         input_ids=ids,
         rid="fork-move",
         extra_key="fork",
-        sampling_params=m.SamplingParamsMsg(max_new_tokens=40, temperature=0),
+        sampling_params=SamplingParamsMsg(max_new_tokens=40, temperature=0),
     )
-    out: dict[str, m.GenerateResp] = {}
+    out: dict[str, GenerateResp] = {}
     t = threading.Thread(target=lambda: out.setdefault("src", src.generate(body)))
     t.start()
     pause_after_decoding(monkeypatch, a, "fork-move", tokens=3)  # NOTE: aborted mid-decode, never finished first
 
-    def answer() -> m.GenerateResp:
+    def answer() -> GenerateResp:
         t.join(timeout=30)
         return out["src"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvmove.migration.messages import Metrics
 from kvmove.migration.policy import WorkerView, get_policy, starving_high_priority
+from kvmove.server.messages import Metrics
 
 
 def _view(url: str, free: int, waiting: dict[str, list[str]]) -> WorkerView:

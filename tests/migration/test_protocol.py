@@ -17,14 +17,15 @@ import httpx
 import torch
 from server_fixtures import pause_after_decoding
 
-from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import migrate_request, transfer_body
 from kvmove.migration.errors import MigrationError, PeerMismatchError, PeerUnreachableError, UnknownMigrationError
 from kvmove.migration.session import check_peer
 from kvmove.models import resolve_model
-from kvmove.sync.verify import seeded_checkpoint
+from kvmove.models.weights import seeded_checkpoint
+from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
+from kvmove.server.messages import GenerateReq, GenerateResp, SamplingParamsMsg
 
 PAGE_BYTES = 4 * 2 * 16 * 4  # page_size * kv heads * head_dim * float32, qwen3-tiny
 BUFFERS = 8  # K and V of 4 layers
@@ -50,9 +51,7 @@ def _clean(*servers) -> None:
 
 
 def _cache(c: WorkerClient, ids: list[int], key: str) -> None:
-    body = m.GenerateReq(
-        input_ids=ids, sampling_params=m.SamplingParamsMsg(max_new_tokens=1, temperature=0), extra_key=key
-    )
+    body = GenerateReq(input_ids=ids, sampling_params=SamplingParamsMsg(max_new_tokens=1, temperature=0), extra_key=key)
     c.generate(body)
 
 
@@ -61,14 +60,14 @@ def test_migrated_request_continues_exactly_as_without_migration(pair_over, tran
     src, dst = WorkerClient(a.url), WorkerClient(b.url)
     ids = _ids(22, seed=1)
     rid = f"mig-exact-{transport}"
-    body = m.GenerateReq(
+    body = GenerateReq(
         input_ids=ids,
         rid=rid,
         priority=5,
         extra_key="exact",
-        sampling_params=m.SamplingParamsMsg(max_new_tokens=60, temperature=0),
+        sampling_params=SamplingParamsMsg(max_new_tokens=60, temperature=0),
     )
-    out: dict[str, m.GenerateResp] = {}
+    out: dict[str, GenerateResp] = {}
     t = threading.Thread(target=lambda: out.setdefault("src", src.generate(body)))
     t.start()
     pause_after_decoding(monkeypatch, a, rid, tokens=3)  # NOTE: held mid-decode, never finished before the hold

@@ -19,12 +19,13 @@ pytest.importorskip("httpx")
 import torch
 from server_fixtures import pause_after_decoding
 
-from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import migrate_request, resume_body, transfer_body
 from kvmove.models import resolve_model
-from kvmove.sync.verify import seeded_checkpoint
+from kvmove.models.weights import seeded_checkpoint
+from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
+from kvmove.server.messages import GenerateReq, GenerateResp, SamplingParamsMsg
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 4, 2, 16, 4  # qwen3-tiny, float32
 TOKEN_BYTES = HEADS * HEAD_DIM * 4 * 2 * LAYERS  # K and V of every head of every layer, one token
@@ -78,9 +79,7 @@ def test_protocol_moves_each_ranks_heads_bit_exact_under_one_migration_id(server
     key = f"tp-exact-{a.config.tp_size}-{b.config.tp_size}-{transport}"
     ids = _ids(24, seed=11)
     src.generate(
-        m.GenerateReq(
-            input_ids=ids, sampling_params=m.SamplingParamsMsg(max_new_tokens=1, temperature=0), extra_key=key
-        )
+        GenerateReq(input_ids=ids, sampling_params=SamplingParamsMsg(max_new_tokens=1, temperature=0), extra_key=key)
     )
     theirs = dst.session_ids()
     assert theirs.topology.tp_size == b.config.tp_size == len(theirs.ranks)
@@ -102,10 +101,10 @@ def test_migrated_request_continues_token_identical(servers, transport: str, mon
     src, dst = WorkerClient(a.url), WorkerClient(b.url)
     ids = _ids(21, seed=12)
     rid = f"tp-cont-{a.config.tp_size}-{b.config.tp_size}-{transport}"
-    body = m.GenerateReq(
-        input_ids=ids, rid=rid, extra_key=rid, sampling_params=m.SamplingParamsMsg(max_new_tokens=40, temperature=0)
+    body = GenerateReq(
+        input_ids=ids, rid=rid, extra_key=rid, sampling_params=SamplingParamsMsg(max_new_tokens=40, temperature=0)
     )
-    out: dict[str, m.GenerateResp] = {}
+    out: dict[str, GenerateResp] = {}
     t = threading.Thread(target=lambda: out.setdefault("src", src.generate(body)))
     t.start()
     pause_after_decoding(monkeypatch, a, rid, tokens=3)  # NOTE: held mid-decode, never finished before the hold

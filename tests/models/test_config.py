@@ -6,6 +6,7 @@ import pytest
 
 from kvmove.errors import ModelError
 from kvmove.models import hf_tensors, model_totals, parse_overrides, preset_names, resolve_model
+from kvmove.models.table import layer_kind
 
 
 @pytest.mark.parametrize(
@@ -39,7 +40,7 @@ def test_totals_agree_with_full_enumeration(model: str) -> None:
 def test_kimi_layer_kinds() -> None:
     cfg = resolve_model("kimi-k2")
     assert cfg.is_mla and cfg.num_experts == 384 and cfg.n_shared_experts == 1
-    assert [cfg.layer_kind(i) for i in range(3)] == ["dense", "moe", "moe"]
+    assert [layer_kind(cfg, i) for i in range(3)] == ["dense", "moe", "moe"]
     names = {t.name for t in hf_tensors(cfg, layers=[1])}
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
     assert "model.layers.1.mlp.shared_experts.down_proj.weight" in names

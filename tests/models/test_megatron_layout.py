@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from kvmove.errors import ModelError
-from kvmove.layout import TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import TrainerLayout
 from kvmove.models.megatron import MegatronLayout, vocab_padded
-from kvmove.models.tensors import hf_tensors
-from kvmove.sync.verify import bits_equal, seeded_checkpoint
+from kvmove.models.table import hf_tensors
+from kvmove.models.weights import seeded_checkpoint
+from kvmove.sync.verify import bits_equal
 
 
 def _megatron(model: str, trainer: str, grouped: bool = True, **overrides: object) -> tuple:

@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from kvmove.errors import ModelError, PlanError
-from kvmove.layout import TrainerLayout
 from kvmove.models import model_totals, resolve_model
+from kvmove.models.layout import TrainerLayout
 from kvmove.models.presets import preset_raw
 from kvmove.models.roles import families_of
-from kvmove.models.table import header_table, table_of
-from kvmove.models.tensors import hf_tensors
+from kvmove.models.table import header_table, hf_tensors, layer_kind, table_of
 from kvmove.sync.planning.ownership import shard_rule
 
 OTHERS = ["llama3-tiny", "mistral-tiny", "mixtral-tiny", "gemma2-tiny", "glm4-moe-tiny"]
@@ -49,7 +48,7 @@ def test_per_expert_names_come_from_transformers_conversion_mapping() -> None:
 
 def test_layer_kinds_and_tied_embeddings_read_off_the_table() -> None:
     glm = resolve_model("glm4-moe-tiny")
-    assert [glm.layer_kind(i) for i in range(3)] == ["dense", "moe", "moe"]
+    assert [layer_kind(glm, i) for i in range(3)] == ["dense", "moe", "moe"]
     names = {t.name for t in hf_tensors(glm)}
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
     assert "model.layers.1.mlp.shared_experts.gate_proj.weight" in names

@@ -12,10 +12,10 @@ from embedded_engines import DictSource, Engines
 
 from kvmove.errors import KvmoveError
 from kvmove.models import resolve_model
+from kvmove.models.weights import seeded_checkpoint
 from kvmove.rl.trainer_rank import EngineCall, RemoteEngines, answer_engine_call
 from kvmove.sync.embedded.trainer import EmbeddedTrainer, TrainerSettings
 from kvmove.sync.ranks.wire import ControlClient, ControlServer
-from kvmove.sync.verify import seeded_checkpoint
 
 MODEL = "qwen3-tiny"
 

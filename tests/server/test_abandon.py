@@ -21,10 +21,10 @@ import httpx
 import torch
 from server_fixtures import pause_after_decoding
 
-from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import migrate_request
 from kvmove.migration.errors import UnknownMigrationError
+from kvmove.server.messages import GenerateReq, SamplingParamsMsg
 
 LONG = {"max_new_tokens": 1500, "temperature": 0}
 
@@ -87,7 +87,7 @@ def test_twenty_abandoned_requests_free_everything_within_a_second(start_server)
     _holds_nothing(s)
     start = time.monotonic()
     with WorkerClient(s.url, timeout=60) as c:
-        out = c.generate(m.GenerateReq(input_ids=_ids(30, 99), sampling_params=m.SamplingParamsMsg(max_new_tokens=16)))
+        out = c.generate(GenerateReq(input_ids=_ids(30, 99), sampling_params=SamplingParamsMsg(max_new_tokens=16)))
         served = time.monotonic() - start
         assert len(out.output_ids) == 16 and out.meta_info["finish_reason"]["type"] == "length"
         assert served < 5, f"the new request took {served:.1f} s: it queued behind abandoned ones"
@@ -112,7 +112,7 @@ def test_a_disconnect_aborts_a_waiting_request_and_a_running_one(start_server) -
 @pytest.mark.parametrize("where", ["request", "server"])
 def test_a_deadline_aborts_and_answers_what_was_generated(start_server, where: str) -> None:
     s = start_server(num_pages=256, page_size=16, request_timeout=0.5 if where == "server" else 0.0)
-    body = m.GenerateReq(input_ids=_ids(30, 5), sampling_params=m.SamplingParamsMsg(**LONG))
+    body = GenerateReq(input_ids=_ids(30, 5), sampling_params=SamplingParamsMsg(**LONG))
     if where == "request":
         body = body.model_copy(update={"timeout": 0.5})
     start = time.monotonic()
@@ -187,9 +187,7 @@ def test_a_streamed_answer_grows_token_by_token_and_ends_with_done(start_server)
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1]) and len(chunks) >= 2
     with WorkerClient(s.url, timeout=60) as c:  # the same tokens as the plain answer
         plain = c.generate(
-            m.GenerateReq(
-                input_ids=body["input_ids"], sampling_params=m.SamplingParamsMsg(max_new_tokens=6, temperature=0)
-            )
+            GenerateReq(input_ids=body["input_ids"], sampling_params=SamplingParamsMsg(max_new_tokens=6, temperature=0))
         )
     assert plain.output_ids == final["output_ids"]
     s.stop()

@@ -15,10 +15,10 @@ pytest.importorskip("httpx")
 import httpx
 from server_fixtures import pause_after_decoding
 
-from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import migrate_request, move_kv
 from kvmove.server.auth import Access, ApiKeys, presented_key
+from kvmove.server.messages import GenerateReq, GenerateResp, SamplingParamsMsg
 from kvmove.transport.http_route import READ_PATH
 
 API, ADMIN = "api-key-for-tests", "admin-key-for-tests"
@@ -104,7 +104,7 @@ def test_refused_before_the_body_is_read(keyed) -> None:
 
 
 def test_metrics_is_open_but_names_no_request_to_an_unauthenticated_caller(keyed, monkeypatch) -> None:
-    body = m.GenerateReq(input_ids=IDS, rid="secret-rid", sampling_params=m.SamplingParamsMsg(max_new_tokens=20))
+    body = GenerateReq(input_ids=IDS, rid="secret-rid", sampling_params=SamplingParamsMsg(max_new_tokens=20))
     client = WorkerClient(keyed.url, api_key=API)
     t = threading.Thread(target=client.generate, args=(body,))
     t.start()
@@ -166,7 +166,7 @@ def test_allow_user_migration_lets_the_api_key_migrate(start_server) -> None:
         assert _call(a, method, path, API).status_code not in (401, 403), path
     assert _call(a, "GET", "/metrics.json", API).json()["rids_hidden"] is False
     with WorkerClient(a.url, api_key=API) as src, WorkerClient(b.url, api_key=API) as dst:
-        src.generate(m.GenerateReq(input_ids=IDS * 2, sampling_params=m.SamplingParamsMsg(max_new_tokens=1)))
+        src.generate(GenerateReq(input_ids=IDS * 2, sampling_params=SamplingParamsMsg(max_new_tokens=1)))
         rec = move_kv(src, dst, IDS * 2)
     assert rec.ok and rec.bytes > 0, rec.error
     for s in (a, b):
@@ -225,8 +225,8 @@ def test_peers_present_the_admin_key_through_a_whole_migration(start_server, tra
     a, b = start_server(**keys), start_server(**keys)
     src, dst = WorkerClient(a.url, api_key=ADMIN), WorkerClient(b.url, api_key=ADMIN)
     rid = f"keyed-{transport}"
-    body = m.GenerateReq(input_ids=IDS * 2, rid=rid, sampling_params=m.SamplingParamsMsg(max_new_tokens=40))
-    out: dict[str, m.GenerateResp] = {}
+    body = GenerateReq(input_ids=IDS * 2, rid=rid, sampling_params=SamplingParamsMsg(max_new_tokens=40))
+    out: dict[str, GenerateResp] = {}
     t = threading.Thread(target=lambda: out.setdefault("r", WorkerClient(a.url, api_key=API).generate(body)))
     t.start()
     pause_after_decoding(monkeypatch, a, rid, tokens=1)  # NOTE: held mid-decode, never finished before the hold

@@ -145,10 +145,10 @@ def test_no_memory_address_leaves_a_server_over_http(pair_over, monkeypatch) -> 
 
     from server_fixtures import pause_after_decoding
 
-    from kvmove.migration import messages as m
     from kvmove.migration.client import WorkerClient
     from kvmove.migration.controller import migrate_request
     from kvmove.server.limits import BodyLimitMiddleware
+    from kvmove.server.messages import GenerateReq, GenerateResp, SamplingParamsMsg
 
     a, b = pair_over("http")
     bodies: list[tuple[str, bytes]] = []
@@ -169,8 +169,8 @@ def test_no_memory_address_leaves_a_server_over_http(pair_over, monkeypatch) -> 
 
     monkeypatch.setattr(BodyLimitMiddleware, "__call__", recording)
     rid = "addresses"
-    body = m.GenerateReq(input_ids=list(range(1, 33)), rid=rid, sampling_params=m.SamplingParamsMsg(max_new_tokens=12))
-    out: dict[str, m.GenerateResp] = {}
+    body = GenerateReq(input_ids=list(range(1, 33)), rid=rid, sampling_params=SamplingParamsMsg(max_new_tokens=12))
+    out: dict[str, GenerateResp] = {}
     t = threading.Thread(target=lambda: out.setdefault("r", WorkerClient(a.url, timeout=120).generate(body)))
     t.start()
     pause_after_decoding(monkeypatch, a, rid, tokens=1)

@@ -18,12 +18,13 @@ pytest.importorskip("httpx")
 import torch
 from server_fixtures import pause_after_decoding
 
-from kvmove.engines.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
 from kvmove.migration import messages as m
 from kvmove.migration.client import WorkerClient
 from kvmove.migration.controller import transfer_body
 from kvmove.models import resolve_model
-from kvmove.sync.verify import seeded_checkpoint
+from kvmove.models.weights import seeded_checkpoint
+from kvmove.reference import Request, RolloutWorker, SamplingParams, WorkerConfig
+from kvmove.server.messages import GenerateReq, GenerateResp, HoldRequestResp, SamplingParamsMsg
 
 SAMPLINGS = {"greedy": (0.0, 0), "seeded": (0.8, 1234)}
 
@@ -43,8 +44,8 @@ class _Client:
     """A client of the source, waiting for its request's answer in a thread."""
 
     def __init__(self, monkeypatch, server, rid: str, ids: list[int], n: int, temperature: float, seed: int) -> None:
-        params = m.SamplingParamsMsg(max_new_tokens=n, temperature=temperature, sampling_seed=seed)
-        self.body = m.GenerateReq(input_ids=ids, rid=rid, sampling_params=params, extra_key=rid)
+        params = SamplingParamsMsg(max_new_tokens=n, temperature=temperature, sampling_seed=seed)
+        self.body = GenerateReq(input_ids=ids, rid=rid, sampling_params=params, extra_key=rid)
         self.server, self.rid, self.answer = server, rid, None
         self._thread = threading.Thread(target=self._run)
         self._thread.start()
@@ -53,13 +54,13 @@ class _Client:
     def _run(self) -> None:
         self.answer = WorkerClient(self.server.url, timeout=300).generate(self.body)
 
-    def result(self) -> m.GenerateResp:
+    def result(self) -> GenerateResp:
         self._thread.join(timeout=300)
         assert self.answer is not None
         return self.answer
 
 
-def _move(src: WorkerClient, dst: WorkerClient, held: m.HoldRequestResp) -> None:
+def _move(src: WorkerClient, dst: WorkerClient, held: HoldRequestResp) -> None:
     """Allocate -> transfer -> commit of the held request's K/V (the controller's protocol, step by step)."""
     ids, key = held.input_ids, held.request.extra_key
     size = dst.extra_token_size(m.GetRequestExtraTokenSizeReq(input_ids=ids, extra_key=key))

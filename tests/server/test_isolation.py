@@ -17,11 +17,11 @@ import httpx
 import torch
 from server_fixtures import hold_admissions
 
-from kvmove.engines.reference import FinishReason, Request, RolloutWorker, SamplingParams, WorkerConfig
-from kvmove.engines.reference import runner as runner_module
-from kvmove.engines.reference.scheduler import ScheduledBatch
 from kvmove.models import resolve_model
-from kvmove.sync.verify import seeded_checkpoint
+from kvmove.models.weights import seeded_checkpoint
+from kvmove.reference import FinishReason, Request, RolloutWorker, SamplingParams, WorkerConfig
+from kvmove.reference import runner as runner_module
+from kvmove.reference.scheduler import ScheduledBatch
 
 BIG = 1 << 63
 MALFORMED = [

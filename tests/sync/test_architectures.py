@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import Placement, SyncConfig
 from kvmove.sync.driver.run import run_syncs
 from kvmove.sync.strategies import parse_strategies

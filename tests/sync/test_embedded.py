@@ -14,10 +14,10 @@ from embedded_engines import DictSource, Engines
 
 from kvmove.errors import KvmoveError
 from kvmove.models import resolve_model
-from kvmove.models.tensors import hf_tensors
+from kvmove.models.table import hf_tensors
+from kvmove.models.weights import seeded_checkpoint
 from kvmove.sync.delta.stepping import AdamwStep, SteppedWeights
 from kvmove.sync.embedded.trainer import EmbeddedTrainer, TrainerSettings
-from kvmove.sync.verify import seeded_checkpoint
 
 MODEL = "qwen3-tiny"
 

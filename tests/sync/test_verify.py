@@ -3,9 +3,9 @@ each piece is read from the raw shard of the rank routed to serve it, so a wrong
 
 from __future__ import annotations
 
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
-from kvmove.models.tensors import hf_tensors
+from kvmove.models.layout import EngineLayout, TrainerLayout
+from kvmove.models.table import hf_tensors
 from kvmove.sync.config import SyncConfig
 from kvmove.sync.driver.dryrun import build_plans
 from kvmove.sync.planning.direct import DirectPlanner

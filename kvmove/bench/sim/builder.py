@@ -13,11 +13,11 @@ from kvmove.bench.sim.setup import SimSetup
 from kvmove.bench.sim.shards import (
     Split,
     engine_split,
-    megatron_split,
     nested,
     quantizable,
     slice_index,
     trainer_shard_of,
+    trainer_split,
     wire_bytes,
 )
 from kvmove.bench.sim.strategies import SimStrategy
@@ -90,7 +90,7 @@ class _Builder:
     def _key(self, item: Item) -> tuple[object, ...]:
         s = self.s
         es = engine_split(s.model, s.engine, item.name, item.layer, item.expert0)
-        ts = megatron_split(s.model, s.trainer.layout, item.name, item.layer, item.expert0) if self._megatron else None
+        ts = trainer_split(s.model, s.trainer.layout, item.name, item.layer, item.expert0) if self._megatron else None
         groups = s.trainer.world // s.trainer.shard
         where = item.layer % groups if s.trainer.kind == "fsdp" and item.layer is not None else None
         owner = host_owner(item, s.trainer.world) if s.trainer.kind == "host" else None
@@ -138,7 +138,7 @@ class _Builder:
         quantized = s.dtype == "fp8" and s.quantize_on in ("trainer", "engine") and quantizable(item.name, item.shape)
         bf = 2.0 * math.prod(item.shape) if quantized else 0.0
         es = engine_split(s.model, s.engine, item.name, item.layer, item.expert0)
-        ts = megatron_split(s.model, s.trainer.layout, item.name, item.layer, item.expert0) if self._megatron else None
+        ts = trainer_split(s.model, s.trainer.layout, item.name, item.layer, item.expert0) if self._megatron else None
         self.stage[g] = ts.stage if ts else self._mesh_group(item)
         self.max_request[g] = max(self.max_request[g], es.keep * w)
         demands = self._demands(item, es)

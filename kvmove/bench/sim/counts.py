@@ -14,8 +14,8 @@ from kvmove.bench.sim.setup import SimSetup, TrainerSpec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
 from kvmove.bench.sim.traffic import Traffic
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import model_totals, resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 
 
 class Counts(NamedTuple):

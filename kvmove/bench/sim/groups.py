@@ -12,7 +12,7 @@ from kvmove.bench.sim.setup import SimSetup
 from kvmove.bench.sim.shards import wire_bytes
 from kvmove.bench.sim.strategies import SimStrategy
 from kvmove.models.config import ModelConfig
-from kvmove.models.tensors import hf_tensors, layer_tensors
+from kvmove.models.table import hf_tensors, layer_kind, layer_tensors
 
 
 class Item(NamedTuple):
@@ -76,7 +76,7 @@ _KINDS: dict[tuple[ModelConfig, str], tuple[list[Item], list[Item]]] = {}
 
 def kind_items(cfg: ModelConfig, layer: int) -> tuple[list[Item], list[Item]]:
     """(non-expert items, one item per expert projection) of ``layer``; tensor tables are built once per kind."""
-    key = (cfg, cfg.layer_kind(layer))
+    key = (cfg, layer_kind(cfg, layer))
     if key not in _KINDS:
         ts = layer_tensors(cfg, layer)
         plain = [Item(t.name, t.shape, layer) for t in ts if t.expert is None]
@@ -105,7 +105,7 @@ def _representatives(cfg: ModelConfig) -> list[Unit]:
     out = [Unit([i], 1.0, 0, []) for i in pre]
     kinds: dict[str, list[int]] = {}
     for layer in range(cfg.num_hidden_layers):
-        kinds.setdefault(cfg.layer_kind(layer), []).append(layer)
+        kinds.setdefault(layer_kind(cfg, layer), []).append(layer)
     for members in kinds.values():
         plain, expert = kind_items(cfg, members[0])
         n = float(len(members))

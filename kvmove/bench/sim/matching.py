@@ -20,7 +20,7 @@ import re
 from typing import Any, NamedTuple
 
 from kvmove.errors import KvmoveError
-from kvmove.layout import TrainerLayout
+from kvmove.models.layout import TrainerLayout
 
 PLACEMENTS = ("colocated", "disaggregated")
 PATHS = ("ceiling", "micro", "delta", "gpu-copy", "nvlink-ipc", "nixl", "nccl", "host-gloo", "vllm-cpu", "cpu")

@@ -26,8 +26,8 @@ from kvmove.bench.sim.hardware import Gpu
 from kvmove.bench.sim.matching import TARGETS
 from kvmove.bench.sim.samples import Extractor, RowFilter, Sample, decorate, row_ref, syncs, where
 from kvmove.errors import KvmoveError
-from kvmove.layout import TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import TrainerLayout
 
 _MEMO: dict[tuple[int, str, str], float] = {}
 _FULL: dict[str, pd.DataFrame] = {}

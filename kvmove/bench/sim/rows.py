@@ -17,7 +17,7 @@ import pandas as pd
 
 from kvmove.bench.results import COLUMNS, Labels, Row, git_commit, read_file, to_record, versions
 from kvmove.bench.sim.costs import CostBook
-from kvmove.bench.sim.delta import measured_fractions
+from kvmove.bench.sim.fractions import measured_fractions
 from kvmove.bench.sim.hardware import Cluster
 from kvmove.bench.sim.measure import costs_from_rows
 from kvmove.bench.sim.models import sim_model
@@ -28,7 +28,7 @@ from kvmove.bench.sim.setup import SimSetup, Spec, TrainerSpec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES, SimStrategy, parse_sim_strategies
 from kvmove.bench.sim.validation import Check, Validation, figure_setup, validate, validate_all
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout
+from kvmove.models.layout import EngineLayout
 
 SUITE = "simulated"
 

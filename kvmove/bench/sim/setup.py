@@ -7,11 +7,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from kvmove.bench.sim.delta import DeltaFractions
+from kvmove.bench.sim.fractions import DeltaFractions
 from kvmove.bench.sim.hardware import Cluster
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models.config import ModelConfig
+from kvmove.models.layout import EngineLayout, TrainerLayout
 
 TRAINER_KINDS = ("megatron", "fsdp", "host")
 PLACEMENTS = ("disaggregated", "colocated")
@@ -280,7 +280,7 @@ class Spec:
 
     def build(self) -> SimSetup:
         """The validated setup (a KvmoveError names the first bad value)."""
-        from kvmove.bench.sim.delta import parse_fractions
+        from kvmove.bench.sim.fractions import parse_fractions
         from kvmove.bench.sim.models import sim_model
         from kvmove.models import parse_overrides, resolve_model
 

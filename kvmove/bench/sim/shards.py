@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models.checkpoint import is_block_quantized
 from kvmove.models.config import ModelConfig
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.quant.fp8 import scale_shape
 from kvmove.sync.planning.ownership import shard_rule
 
@@ -59,7 +59,7 @@ def wire_bytes(name: str, shape: tuple[int, ...], dtype: str, block: int = 128) 
     return numel + 4 * math.prod(scale_shape(shape, block))
 
 
-def megatron_split(cfg: ModelConfig, layout: TrainerLayout, name: str, layer: int | None, expert: int | None) -> Split:
+def trainer_split(cfg: ModelConfig, layout: TrainerLayout, name: str, layer: int | None, expert: int | None) -> Split:
     """The trainer's split as the planner states it (:func:`kvmove.sync.planning.ownership.shard_rule`), in the
     simulator's terms: TP (ETP for routed experts) parts along the rule's dim, the EP owner of ``expert``."""
     rule = shard_rule(cfg, layout, name)

@@ -1,7 +1,7 @@
 """Per-group traffic of one strategy on one setup: bytes and operations on every trainer and engine rank.
 
 Built (``kvmove.bench.sim.builder``) from the model's tensor table (``kvmove.models``), the layouts
-(``kvmove.layout``) and the split rules of ``kvmove.bench.sim.shards``; topology-free and cost-free (``pricing``
+(``kvmove.models.layout``) and the split rules of ``kvmove.bench.sim.shards``; topology-free and cost-free (``pricing``
 turns it into seconds). Engine arrays are for one replica's ranks (replicas are identical); trainer arrays hold
 what one replica's demand costs the trainer (the pricing multiplies by the replicas the trainer serves). Demands
 spread evenly over the ranks that can serve them (the project's router balances bytes; its dry run reports

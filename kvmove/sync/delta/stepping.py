@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from kvmove.models.config import ModelConfig
-from kvmove.models.tensors import TensorMeta, hf_tensors
-from kvmove.sync.verify import check_verifiable, seeded_tensor
+from kvmove.models.table import hf_tensors
+from kvmove.models.tensors import TensorMeta
+from kvmove.models.weights import check_verifiable, seeded_tensor
 
 
 @dataclass(frozen=True)

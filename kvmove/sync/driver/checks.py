@@ -14,7 +14,7 @@ from dataclasses import replace
 from kvmove.engines import get_engine
 from kvmove.errors import KvmoveError, MissingDependencyError
 from kvmove.memory import usable_memory
-from kvmove.models.tensors import model_totals
+from kvmove.models.totals import model_totals
 from kvmove.sync.config import Side, SyncConfig
 from kvmove.sync.launchers import get_launcher
 from kvmove.sync.strategies import Delivery, Gather
@@ -60,7 +60,7 @@ def delta_checked(config: SyncConfig) -> SyncConfig:
 def check_plannable(config: SyncConfig) -> None:
     """What a dry run (plans only: no rank, transport or fault) is refused for: the checks it shares with real
     syncs, and with --verify a checkpoint that can be materialized here."""
-    from kvmove.sync.verify import check_verifiable
+    from kvmove.models.weights import check_verifiable
 
     check_layouts(config)
     get_engine(config.engine_kind).check_dtype(config.model)
@@ -70,7 +70,7 @@ def check_plannable(config: SyncConfig) -> None:
 
 
 def check_layouts(config: SyncConfig) -> None:
-    """Trainer and engine layouts that tile the model (kvmove.layout names the violated constraint)."""
+    """Trainer and engine layouts that tile the model (kvmove.models.layout names the violated constraint)."""
     config.trainer.validate(config.model)
     config.engine.validate(config.model)
 

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from kvmove.engines import get_engine
 from kvmove.models.checkpoint import SCALE_SUFFIX, engine_tensors
-from kvmove.models.tensors import hf_tensors
+from kvmove.models.table import hf_tensors
 from kvmove.quant import FP8_DTYPE
 from kvmove.sync.config import SyncConfig
 from kvmove.sync.driver.checks import check_layouts, check_plannable

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvmove.layout import EngineLayout
+from kvmove.models.layout import EngineLayout
 from kvmove.sync.config import Fault, Side
 
 

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from kvmove.layout import EngineLayout
+from kvmove.models.layout import EngineLayout
 from kvmove.sync.delta.detect import summary
 from kvmove.sync.ranks.control import EngineStats, TrainerStats
 from kvmove.sync.strategies import Delivery, Strategy

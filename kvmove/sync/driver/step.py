@@ -12,9 +12,9 @@ from typing import Any, NamedTuple
 
 from kvmove.errors import JobFailed, KvmoveError
 from kvmove.sync.config import Side
-from kvmove.sync.driver.cluster import Cluster
 from kvmove.sync.driver.faults import FaultHooks
 from kvmove.sync.driver.result import SyncContext, SyncResult, Verification, build_result
+from kvmove.sync.driver.running import RunningRanks
 from kvmove.sync.launchers.base import Call, RankDied
 from kvmove.sync.planning.blueprint import TrainerSync
 from kvmove.sync.ranks.control import (
@@ -64,60 +64,60 @@ class Outcome:
         self.seconds = 0.0
 
 
-def run_sync(cluster: Cluster, hooks: FaultHooks, strategy: Strategy, index: int, sync_id: int) -> SyncResult:
+def run_sync(ranks: RunningRanks, hooks: FaultHooks, strategy: Strategy, index: int, sync_id: int) -> SyncResult:
     """Sync ``index`` (counted per strategy) of ``strategy``; ``sync_id`` counts every sync of the run."""
-    step = plan(cluster, hooks, strategy, index, sync_id)
-    outcome = transfer(cluster, step)
-    return commit(cluster, step, outcome)
+    step = plan(ranks, hooks, strategy, index, sync_id)
+    outcome = transfer(ranks, step)
+    return commit(ranks, step, outcome)
 
 
 # -- plan ------------------------------------------------------------------------------------------------------
-def plan(cluster: Cluster, hooks: FaultHooks, strategy: Strategy, index: int, sync_id: int) -> Step:
-    c = cluster.config
+def plan(ranks: RunningRanks, hooks: FaultHooks, strategy: Strategy, index: int, sync_id: int) -> Step:
+    c = ranks.config
     backend = "nccl" if c.placement.engine_device(0).startswith("cuda") else "gloo"
-    ctx = SyncContext(c.engine, c.trainer.world, c.transport, c.placement.launcher, cluster.link_gbps, backend)
-    ctx.notes += cluster.notes
-    split = cluster.blueprint.link_bytes(strategy.name, cluster.live_engines())
+    ctx = SyncContext(c.engine, c.trainer.world, c.transport, c.placement.launcher, ranks.link_gbps, backend)
+    ctx.notes += ranks.notes
+    split = ranks.blueprint.link_bytes(strategy.name, ranks.live_engines())
     ctx.link_bytes = split.as_json() if split is not None else {}
-    ctx.rejoined_replicas = tuple(sorted(cluster.dead_replicas()))
+    ctx.rejoined_replicas = tuple(sorted(ranks.dead_replicas()))
     for replica in ctx.rejoined_replicas:
-        cluster.restart_replica(replica)
+        ranks.restart_replica(replica)
         ctx.notes.append(f"replica {replica} restarted and rejoined")
     for replica in hooks.before(index, Side.ENGINE):
-        if replica not in cluster.dead_replicas():
-            cluster.kill_replica(replica)
+        if replica not in ranks.dead_replicas():
+            ranks.kill_replica(replica)
             ctx.notes.append(f"replica {replica} killed before sync {index}")
     for rank in hooks.before(index, Side.TRAINER):
-        cluster.trainers[rank].kill()
-    step = Step(strategy, index, sync_id, sync_id, ctx, live=cluster.live_engines())
-    _trainer_calls(cluster, step, StepWeights(step.version))
-    _plan_work(cluster, hooks, step)
+        ranks.trainers[rank].kill()
+    step = Step(strategy, index, sync_id, sync_id, ctx, live=ranks.live_engines())
+    _trainer_calls(ranks, step, StepWeights(step.version))
+    _plan_work(ranks, hooks, step)
     return step
 
 
-def _plan_work(cluster: Cluster, hooks: FaultHooks, step: Step) -> None:
+def _plan_work(ranks: RunningRanks, hooks: FaultHooks, step: Step) -> None:
     """Each trainer rank's loop (pull strategies) and where mid-sync faults strike (half of each rank's work)."""
-    c, bp, name = cluster.config, cluster.blueprint, step.strategy.name
+    c, bp, name = ranks.config, ranks.blueprint, step.strategy.name
     if step.strategy.pulls:
         step.loops = bp.trainer_syncs(step.strategy, step.sync_id, step.version, set(step.live))
         if c.delta:
-            bases = delta_bases(cluster, step)
+            bases = delta_bases(ranks, step)
             step.loops = [replace(loop, delta=bases) for loop in step.loops]
         trainer_work = {t: len(loop.groups) for t, loop in enumerate(step.loops)}
         engine_work = {e: len(bp.pulls[name][e].pulls) for e in step.live}
     else:  # broadcast: every trainer rank takes part in every tensor's gather
-        trainer_work, engine_work = dict.fromkeys(range(c.trainer.world), len(cluster.tensors)), {}
+        trainer_work, engine_work = dict.fromkeys(range(c.trainer.world), len(ranks.tensors)), {}
     step.engine_deaths = hooks.engine_deaths(step.index, set(step.live), engine_work)
     step.trainer_deaths = hooks.trainer_deaths(step.index, trainer_work)
 
 
 # -- transfer --------------------------------------------------------------------------------------------------
-def transfer(cluster: Cluster, step: Step) -> Outcome:
+def transfer(ranks: RunningRanks, step: Step) -> Outcome:
     """Start every rank's part of the sync, then collect it (see ``_collect``)."""
     outcome = Outcome()
     start = time.perf_counter()
-    trainer_calls, engine_calls = LAUNCH[step.strategy.delivery](cluster, step)
-    _collect(cluster, step, outcome, start, trainer_calls, engine_calls)
+    trainer_calls, engine_calls = LAUNCH[step.strategy.delivery](ranks, step)
+    _collect(ranks, step, outcome, start, trainer_calls, engine_calls)
     outcome.seconds = time.perf_counter() - start
     return outcome
 
@@ -129,27 +129,27 @@ class Launched(NamedTuple):
     engines: dict[int, Call]
 
 
-def _launch_pulls(cluster: Cluster, step: Step) -> Launched:
-    c = cluster.config
+def _launch_pulls(ranks: RunningRanks, step: Step) -> Launched:
+    c = ranks.config
     trainer_calls = [
         t.submit(RunSync(loop, step.trainer_deaths.get(r)))
-        for r, (t, loop) in enumerate(zip(cluster.trainers, step.loops, strict=True))
+        for r, (t, loop) in enumerate(zip(ranks.trainers, step.loops, strict=True))
     ]
     delays = dict(c.slow_replicas)
     engine_calls = {}
     for e in step.live:
         delay = delays.get(c.engine.coord(e).replica, 0.0)
         command = RunPulls(step.sync_id, step.strategy, delay, step.engine_deaths.get(e))
-        engine_calls[e] = cluster.engines[e].submit(command)
+        engine_calls[e] = ranks.engines[e].submit(command)
     return Launched(trainer_calls, engine_calls)
 
 
-def _launch_broadcast(cluster: Cluster, step: Step) -> Launched:
-    c = cluster.config
-    (store,) = cluster.launcher.call(cluster.trainers[:1], PickAddress(), c.deadline_s)
+def _launch_broadcast(ranks: RunningRanks, step: Step) -> Launched:
+    c = ranks.config
+    (store,) = ranks.launcher.call(ranks.trainers[:1], PickAddress(), c.deadline_s)
     group = BroadcastGroup(store, 1 + len(step.live), f"bcast-{step.sync_id}")
-    trainer_calls = [t.submit(SendBroadcast(group, step.trainer_deaths.get(r))) for r, t in enumerate(cluster.trainers)]
-    engine_calls = {e: cluster.engines[e].submit(ReceiveBroadcast(group, 1 + i)) for i, e in enumerate(step.live)}
+    trainer_calls = [t.submit(SendBroadcast(group, step.trainer_deaths.get(r))) for r, t in enumerate(ranks.trainers)]
+    engine_calls = {e: ranks.engines[e].submit(ReceiveBroadcast(group, 1 + i)) for i, e in enumerate(step.live)}
     return Launched(trainer_calls, engine_calls)
 
 
@@ -158,147 +158,147 @@ LAUNCH = {Delivery.PULL: _launch_pulls, Delivery.BROADCAST: _launch_broadcast}
 
 
 def _collect(
-    cluster: Cluster, step: Step, outcome: Outcome, start: float, trainers: list[Call], engines: dict[int, Call]
+    ranks: RunningRanks, step: Step, outcome: Outcome, start: float, trainers: list[Call], engines: dict[int, Call]
 ) -> None:
     """Wait for every rank at once. A trainer rank's failure ends the run at once; an engine rank's failure (or
     missed deadline) takes its replica out of the sync; every wait ends at the deadline."""
-    launcher, deadline_s = cluster.launcher, cluster.config.deadline_s
+    launcher, deadline_s = ranks.launcher, ranks.config.deadline_s
     pending: dict[Call, tuple[Side, int]] = {call: (Side.TRAINER, r) for r, call in enumerate(trainers)}
     pending |= {call: (Side.ENGINE, e) for e, call in engines.items()}
     deadline = time.monotonic() + deadline_s
     while pending:
         ready = launcher.wait(list(pending), max(0.0, deadline - time.monotonic()))
         if not ready:
-            _missed_deadline(cluster, step, pending)
+            _missed_deadline(ranks, step, pending)
             return
         for call in ready:
             side, rank = pending.pop(call)
             if side is Side.TRAINER:
-                outcome.trainers[rank] = _trainer_result(cluster, step, call)
+                outcome.trainers[rank] = _trainer_result(ranks, step, call)
                 continue
             try:
                 outcome.engines[rank] = launcher.result(call)
                 outcome.done_at[rank] = time.perf_counter() - start
             except KvmoveError as exc:
-                _engine_failed(cluster, step, rank, exc)
-    for e in cluster.dead:  # a replica taken out after one of its ranks finished is out of this sync's results
+                _engine_failed(ranks, step, rank, exc)
+    for e in ranks.dead:  # a replica taken out after one of its ranks finished is out of this sync's results
         outcome.engines.pop(e, None)
         outcome.done_at.pop(e, None)
 
 
-def _trainer_result(cluster: Cluster, step: Step, call: Call) -> Any:
+def _trainer_result(ranks: RunningRanks, step: Step, call: Call) -> Any:
     try:
-        return cluster.launcher.result(call)
+        return ranks.launcher.result(call)
     except KvmoveError as exc:
-        raise _fatal(cluster, step, call.rank.spec.rank, exc) from None
+        raise _fatal(ranks, step, call.rank.spec.rank, exc) from None
 
 
-def _fatal(cluster: Cluster, step: Step, rank: int, exc: BaseException) -> RunFailed:
-    faulted = any(f.side is Side.TRAINER and f.target == rank and f.sync == step.index for f in cluster.config.faults)
+def _fatal(ranks: RunningRanks, step: Step, rank: int, exc: BaseException) -> RunFailed:
+    faulted = any(f.side is Side.TRAINER and f.target == rank and f.sync == step.index for f in ranks.config.faults)
     return RunFailed(
         f"trainer rank {rank} {'killed by a fault' if faulted else 'failed'} at {step.strategy.name} sync "
         f"{step.index} ({exc}); a sync needs every trainer rank, so the run ends here"
     )
 
 
-def _trainer_calls(cluster: Cluster, step: Step, command: Any) -> list[Any]:
+def _trainer_calls(ranks: RunningRanks, step: Step, command: Any) -> list[Any]:
     """``command`` to every trainer rank; a dead or failing trainer rank ends the run in one line."""
     calls = []
-    for rank, t in enumerate(cluster.trainers):
+    for rank, t in enumerate(ranks.trainers):
         try:
             calls.append(t.submit(command))
         except KvmoveError as exc:
-            raise _fatal(cluster, step, rank, exc) from None
-    deadline = time.monotonic() + cluster.config.deadline_s
+            raise _fatal(ranks, step, rank, exc) from None
+    deadline = time.monotonic() + ranks.config.deadline_s
     out = []
     for call in calls:
-        if not cluster.launcher.wait([call], max(0.0, deadline - time.monotonic())):
-            raise RunFailed(f"{call.label} did not answer within {cluster.config.deadline_s:.0f} s")
-        out.append(_trainer_result(cluster, step, call))
+        if not ranks.launcher.wait([call], max(0.0, deadline - time.monotonic())):
+            raise RunFailed(f"{call.label} did not answer within {ranks.config.deadline_s:.0f} s")
+        out.append(_trainer_result(ranks, step, call))
     return out
 
 
-def _engine_failed(cluster: Cluster, step: Step, rank: int, exc: KvmoveError) -> None:
+def _engine_failed(ranks: RunningRanks, step: Step, rank: int, exc: KvmoveError) -> None:
     if rank in step.engine_deaths:
-        n, total = step.engine_deaths[rank], _pull_count(cluster, step, rank)
+        n, total = step.engine_deaths[rank], _pull_count(ranks, step, rank)
         step.ctx.pulls_before_kill[rank] = n
-        replica = cluster.config.engine.coord(rank).replica
+        replica = ranks.config.engine.coord(rank).replica
         why = f"replica {replica} killed during sync {step.index}: engine rank {rank} after {n} of {total} pulls"
     else:
         why = f"engine rank {rank} failed: {str(exc).splitlines()[0][:300]}"
-    _drop_replica(cluster, step, rank, why)
+    _drop_replica(ranks, step, rank, why)
 
 
-def _pull_count(cluster: Cluster, step: Step, rank: int) -> int:
-    pulls = cluster.blueprint.pulls.get(step.strategy.name)
+def _pull_count(ranks: RunningRanks, step: Step, rank: int) -> int:
+    pulls = ranks.blueprint.pulls.get(step.strategy.name)
     return len(pulls[rank].pulls) if pulls else 0
 
 
-def _missed_deadline(cluster: Cluster, step: Step, pending: dict[Call, tuple[Side, int]]) -> None:
+def _missed_deadline(ranks: RunningRanks, step: Step, pending: dict[Call, tuple[Side, int]]) -> None:
     late = sorted(rank for side, rank in pending.values() if side is Side.ENGINE)
     for e in late:
-        _drop_replica(cluster, step, e, f"engine rank {e} missed the {cluster.config.deadline_s:.0f} s deadline")
+        _drop_replica(ranks, step, e, f"engine rank {e} missed the {ranks.config.deadline_s:.0f} s deadline")
     trainers = sorted(rank for side, rank in pending.values() if side is Side.TRAINER)
     if trainers:
         raise RunFailed(f"trainer rank {trainers[0]} did not finish sync {step.index} within the deadline")
 
 
-def _drop_replica(cluster: Cluster, step: Step, engine: int, why: str) -> None:
+def _drop_replica(ranks: RunningRanks, step: Step, engine: int, why: str) -> None:
     """Take ``engine``'s whole replica out of this sync: kill what is left of it, tell every trainer rank."""
-    replica = cluster.config.engine.coord(engine).replica
+    replica = ranks.config.engine.coord(engine).replica
     if replica in step.dropped:
         return
     step.dropped.add(replica)
     step.ctx.notes.append(why + f"; replica {replica} dropped from this sync")
-    cluster.kill_replica(replica)
-    for e in cluster.replica_ranks(replica):
-        for t in cluster.trainers:
+    ranks.kill_replica(replica)
+    for e in ranks.replica_ranks(replica):
+        for t in ranks.trainers:
             with contextlib.suppress(RankDied):  # a dead trainer rank is reported by its own call
                 step.background.append(t.submit(EngineGone(step.sync_id, e)))
 
 
 # -- commit ----------------------------------------------------------------------------------------------------
-def commit(cluster: Cluster, step: Step, outcome: Outcome) -> SyncResult:
+def commit(ranks: RunningRanks, step: Step, outcome: Outcome) -> SyncResult:
     """Verify the live engine ranks (if asked), then the result."""
-    c = cluster.config
+    c = ranks.config
     for call in step.background:  # notes to trainer ranks; their replies (None) only free the connections
-        if cluster.launcher.wait([call], c.deadline_s):
+        if ranks.launcher.wait([call], c.deadline_s):
             with contextlib.suppress(KvmoveError):
-                cluster.launcher.result(call)
-    verified = _verify(cluster, step) if c.verify else None
-    _record_synced(cluster, step, outcome, verified)
-    step.ctx.dead_replicas = tuple(sorted(cluster.dead_replicas()))
+                ranks.launcher.result(call)
+    verified = _verify(ranks, step) if c.verify else None
+    _record_synced(ranks, step, outcome, verified)
+    step.ctx.dead_replicas = tuple(sorted(ranks.dead_replicas()))
     trainers = [outcome.trainers[r] for r in sorted(outcome.trainers)]
     return build_result(
         step.ctx, step.strategy, step.index, outcome.seconds, verified, outcome.engines, trainers, outcome.done_at
     )
 
 
-def delta_bases(cluster: Cluster, step: Step) -> dict[int, int]:
+def delta_bases(ranks: RunningRanks, step: Step) -> dict[int, int]:
     """Delta syncs: the live engine ranks a pull may be encoded against, with the sync whose weights each holds
     (none in a full sync: every ``full_every``-th of the strategy)."""
-    every = cluster.config.full_every
+    every = ranks.config.full_every
     if every and step.index % every == 0:
         step.ctx.notes.append(f"full sync (every {every}th): dense, images refreshed")
         return {}
-    return {e: cluster.synced[e] for e in step.live if e in cluster.synced}
+    return {e: ranks.synced[e] for e in step.live if e in ranks.synced}
 
 
-def _record_synced(cluster: Cluster, step: Step, outcome: Outcome, verified: Verification | None) -> None:
+def _record_synced(ranks: RunningRanks, step: Step, outcome: Outcome, verified: Verification | None) -> None:
     """Which sync's weights each engine rank holds now: this one for those that finished it (and verified, where
     checked); unknown for the rest (dropped, dead, mismatched), whose next sync is then dense."""
     bad = set(verified.ranks) if verified is not None else set()
-    for e in range(cluster.config.engine.world):
-        if e in outcome.engines and e not in cluster.dead and e not in bad:
-            cluster.synced[e] = step.sync_id
+    for e in range(ranks.config.engine.world):
+        if e in outcome.engines and e not in ranks.dead and e not in bad:
+            ranks.synced[e] = step.sync_id
         else:
-            cluster.synced.pop(e, None)
+            ranks.synced.pop(e, None)
 
 
-def _verify(cluster: Cluster, step: Step) -> Verification:
-    live = cluster.live_engines()
-    calls = [cluster.engines[e].submit(VerifyWeights(step.version, cluster.config.seed)) for e in live]
-    results = cluster.launcher.gather(calls, cluster.config.deadline_s + 300)
+def _verify(ranks: RunningRanks, step: Step) -> Verification:
+    live = ranks.live_engines()
+    calls = [ranks.engines[e].submit(VerifyWeights(step.version, ranks.config.seed)) for e in live]
+    results = ranks.launcher.gather(calls, ranks.config.deadline_s + 300)
     bad = tuple(f"engine rank {e}: {m}" for e, r in zip(live, results, strict=True) for m in r.mismatches[:3])
-    ranks = tuple(e for e, r in zip(live, results, strict=True) if not r.ok)
-    return Verification(not ranks if live else None, ranks, bad)
+    differing = tuple(e for e, r in zip(live, results, strict=True) if not r.ok)
+    return Verification(not differing if live else None, differing, bad)

@@ -8,5 +8,5 @@ derives the blueprint from the registered plans, exactly as init steps 3-5 do, a
 ``PullerInit`` and pulls. A framework's weights reach kvmove through its own source (:mod:`.source` adapts a
 re-iterable ``(name, tensor)`` source such as vLLM's ``ModuleSource``) or through a kvmove ``WeightSource``.
 
-Nothing here imports an inference engine: ``kvmove.engines.vllm`` puts vLLM's weight-transfer API on top.
+Nothing here imports an inference engine: ``kvmove.vllm`` puts vLLM's weight-transfer API on top.
 """

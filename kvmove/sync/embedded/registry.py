@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout
 from kvmove.models.config import ModelConfig
+from kvmove.models.layout import EngineLayout
 from kvmove.sync.planning.plan import ShardingPlan
 from kvmove.sync.ranks.control import Address, Command, PullerInit
 from kvmove.sync.ranks.wire import ControlServer

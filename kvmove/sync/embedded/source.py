@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from kvmove.errors import KvmoveError
-from kvmove.layout import TrainerLayout
 from kvmove.models.config import ModelConfig
-from kvmove.models.tensors import TensorMeta, hf_tensors
+from kvmove.models.layout import TrainerLayout
+from kvmove.models.table import hf_tensors
+from kvmove.models.tensors import TensorMeta
 from kvmove.sync.planning.plan import Box
 from kvmove.sync.ranks.source import Gathered, WeightSource
 from kvmove.sync.strategies import Gather

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvmove.errors import KvmoveError
-from kvmove.layout import TrainerLayout
+from kvmove.models.layout import TrainerLayout
 from kvmove.sync.config import Side, SyncConfig, SyncOptions
 from kvmove.sync.driver.checks import delta_checked
-from kvmove.sync.driver.cluster import check_ownership
+from kvmove.sync.driver.running import check_ownership
 from kvmove.sync.embedded.group import TrainerGroup
 from kvmove.sync.embedded.member import JoinInfo, check_transport
 from kvmove.sync.embedded.registry import EngineRegistry, Fleet

@@ -12,9 +12,10 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models.config import ModelConfig
-from kvmove.models.tensors import TensorMeta, hf_tensors
+from kvmove.models.layout import EngineLayout, TrainerLayout
+from kvmove.models.table import hf_tensors
+from kvmove.models.tensors import TensorMeta
 from kvmove.sync.config import SyncOptions
 from kvmove.sync.planning.ceiling import LinkBytes, link_bytes
 from kvmove.sync.planning.direct import ArenaLayout, DirectPlanner

@@ -29,7 +29,8 @@ from typing import NamedTuple
 import torch
 
 from kvmove.errors import PlanError
-from kvmove.models.tensors import TensorMeta, hf_tensors
+from kvmove.models.table import hf_tensors
+from kvmove.models.tensors import TensorMeta
 from kvmove.sync.planning.direct import DirectPlanner, Piece
 from kvmove.sync.planning.ownership import Owners, Ownership
 from kvmove.sync.planning.plan import Box, Region, ShardingPlan

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from kvmove.errors import KvmoveError, ModelError
-from kvmove.layout import TrainerLayout
 from kvmove.models import megatron
 from kvmove.models.config import ModelConfig
-from kvmove.models.tensors import TensorMeta, hf_tensors
+from kvmove.models.layout import TrainerLayout
+from kvmove.models.table import hf_tensors
+from kvmove.models.tensors import TensorMeta
 from kvmove.sync.planning.ownership import Ownership, megatron_rule
 from kvmove.sync.planning.plan import SourceTensors
 

@@ -18,8 +18,8 @@ from functools import lru_cache
 from typing import NamedTuple, Protocol
 
 from kvmove.errors import ModelError, PlanError
-from kvmove.layout import TrainerLayout
 from kvmove.models.config import ModelConfig
+from kvmove.models.layout import TrainerLayout
 from kvmove.models.megatron import megatron_split
 from kvmove.models.roles import check_classified, role_of
 from kvmove.models.tensors import TensorMeta, expert_of, layer_of
@@ -75,7 +75,7 @@ Rule = Callable[[ModelConfig, TrainerLayout, str], ShardRule]
 
 @lru_cache(maxsize=256)
 def _stage_of_layer(num_layers: int, pp: int, layer: int) -> int:
-    from kvmove.layout import split_layers
+    from kvmove.models.layout import split_layers
 
     for stage, layers in enumerate(split_layers(num_layers, pp, extra_first=True)):
         if layer in layers:

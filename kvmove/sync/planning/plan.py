@@ -17,9 +17,10 @@ import torch
 
 from kvmove.engines import EngineAdapter, get_engine
 from kvmove.errors import PlanError
-from kvmove.layout import EngineCoord, EngineLayout
 from kvmove.models.checkpoint import engine_tensors
 from kvmove.models.config import ModelConfig
+from kvmove.models.layout import EngineCoord, EngineLayout
+from kvmove.models.table import layer_kind
 from kvmove.models.tensors import TensorMeta, layer_of
 from kvmove.sync.planning.recording import Capture, Op, StridedView, dry_run
 
@@ -173,7 +174,7 @@ class ShardingPlan:
     regions: tuple[Region, ...]
     params: tuple[ParamMeta, ...]
     staged: frozenset[str] = frozenset()
-    """Parameters the engine stages and processes before they serve (kvmove.engines.vllm.staging): they receive
+    """Parameters the engine stages and processes before they serve (kvmove.vllm.staging): they receive
     packed pulls only, never direct reads into their memory."""
 
     @property
@@ -215,7 +216,7 @@ def plan_rank(
     held = list(layout.stage_layers(cfg)[coord.pp])
     templates: dict[str, int] = {}
     for i in held:
-        templates.setdefault(cfg.layer_kind(i), i)
+        templates.setdefault(layer_kind(cfg, i), i)
     run_layers = sorted(templates.values()) if reuse else held
     model = engine.build(cfg, layout, coord, layers=run_layers, device="meta")
     tensors = source.tensors(run_layers)
@@ -229,13 +230,20 @@ def plan_rank(
     return ShardingPlan(coord, tuple(regions), tuple(params))
 
 
+class Expanded(NamedTuple):
+    """A rank's regions and parameters over every layer it holds, from one recorded layer of each kind."""
+
+    regions: list[Region]
+    params: list[ParamMeta]
+
+
 def _expand(
     cfg: ModelConfig,
     held: list[int],
     templates: dict[str, int],
     regions: list[Region],
     params: list[ParamMeta],
-) -> tuple[list[Region], list[ParamMeta]]:
+) -> Expanded:
     by_layer: dict[int | None, list[Region]] = defaultdict(list)
     for r in regions:
         by_layer[layer_of(r.hf_name)].append(r)
@@ -244,10 +252,10 @@ def _expand(
         params_by_layer[_param_layer(p.name)].append(p)
     out_r, out_p = list(by_layer[None]), list(params_by_layer[None])
     for i in held:
-        t = templates[cfg.layer_kind(i)]
+        t = templates[layer_kind(cfg, i)]
         out_r += [r._replace(hf_name=_rename(r.hf_name, t, i), param=_rename(r.param, t, i)) for r in by_layer[t]]
         out_p += [p._replace(name=_rename(p.name, t, i)) for p in params_by_layer[t]]
-    return out_r, out_p
+    return Expanded(out_r, out_p)
 
 
 def _param_layer(name: str) -> int | None:

@@ -18,10 +18,11 @@ from typing import NamedTuple
 import torch
 
 from kvmove.errors import PlanError
-from kvmove.layout import EngineLayout
 from kvmove.models.checkpoint import SCALE_SUFFIX
 from kvmove.models.config import ModelConfig
-from kvmove.models.tensors import TensorMeta, hf_tensors
+from kvmove.models.layout import EngineLayout
+from kvmove.models.table import hf_tensors
+from kvmove.models.tensors import TensorMeta
 from kvmove.quant import BLOCK, FP8_DTYPE, covering_blocks, quantize, scale_shape, scale_to_weight_box
 from kvmove.sync.planning.ownership import Owners, Ownership
 from kvmove.sync.planning.plan import Box, Region, ShardingPlan, relative_view

@@ -64,7 +64,14 @@ _PROPERTIES = (
 )
 
 
-def _function_table() -> tuple[dict[Callable[..., Any], str], set[Callable[..., Any]]]:
+class FunctionTable(NamedTuple):
+    """torch's view functions by op name, and the functions that only read metadata."""
+
+    views: dict[Callable[..., Any], str]
+    meta: set[Callable[..., Any]]
+
+
+def _function_table() -> FunctionTable:
     views: dict[Callable[..., Any], str] = {}
     for name in VIEW_OPS:
         views[getattr(torch.Tensor, name)] = name
@@ -73,7 +80,7 @@ def _function_table() -> tuple[dict[Callable[..., Any], str], set[Callable[..., 
     views[torch.Tensor.T.__get__] = "t"  # type: ignore[attr-defined]
     meta = {getattr(torch.Tensor, n) for n in _METADATA}
     meta |= {getattr(torch.Tensor, n).__get__ for n in _PROPERTIES if n != "T"}
-    return views, meta
+    return FunctionTable(views, meta)
 
 
 _VIEW_FUNCS, _META_FUNCS = _function_table()
@@ -277,7 +284,14 @@ REFINE_LIMIT = 1 << 26
 """Source tensors with more elements than this are not searched for a strided view after a copying op."""
 
 
-def refine(shape: tuple[int, ...], chain: tuple[Op, ...], dst: StridedView) -> tuple[StridedView, StridedView] | None:
+class Refined(NamedTuple):
+    """One copy as two strided views over a common finer shape: where it reads (``src``) and writes (``dst``)."""
+
+    src: StridedView
+    dst: StridedView
+
+
+def refine(shape: tuple[int, ...], chain: tuple[Op, ...], dst: StridedView) -> Refined | None:
     """(src, dst) over a common finer shape when the elements ``chain`` picks out of a tensor of ``shape`` form
     one strided view of it, else None. Found by replaying the chain on the tensor's element offsets and
     splitting each dim of the result into (size, stride) factors; checked exactly against the replay."""
@@ -309,7 +323,7 @@ def refine(shape: tuple[int, ...], chain: tuple[Op, ...], dst: StridedView) -> t
     src = StridedView(base, tuple(sizes), tuple(src_strides))
     if not torch.equal(src.apply(torch.arange(numel, dtype=torch.int64)), x.view(src.shape)):
         return None
-    return src, StridedView(dst.offset, tuple(sizes), tuple(dst_strides))
+    return Refined(src, StridedView(dst.offset, tuple(sizes), tuple(dst_strides)))
 
 
 def _factors(line: list[int]) -> list[tuple[int, int]] | None:

@@ -15,7 +15,7 @@ import heapq
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvmove.layout import EngineLayout
+from kvmove.models.layout import EngineLayout
 from kvmove.models.tensors import TensorMeta
 from kvmove.sync.planning.direct import DirectPlanner
 from kvmove.sync.planning.entries import EntryPlan, plan_entries

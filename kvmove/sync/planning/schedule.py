@@ -15,9 +15,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models.config import ModelConfig
-from kvmove.models.tensors import TensorMeta, hf_tensors, layer_of
+from kvmove.models.layout import EngineLayout, TrainerLayout
+from kvmove.models.table import hf_tensors
+from kvmove.models.tensors import TensorMeta, layer_of
 from kvmove.sync.config import SyncOptions
 from kvmove.sync.planning.direct import DirectPlanner
 from kvmove.sync.planning.entries import PLAIN, EntryPlan

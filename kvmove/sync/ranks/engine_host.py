@@ -17,7 +17,8 @@ from torch import nn
 from kvmove.engines import get_engine
 from kvmove.errors import KvmoveError
 from kvmove.models.checkpoint import engine_checkpoint, engine_tensors
-from kvmove.models.tensors import model_totals
+from kvmove.models.totals import model_totals
+from kvmove.models.weights import VERIFY_LIMIT_BYTES, saved_checkpoint, seeded_checkpoint
 from kvmove.sync.planning.formats import get_format
 from kvmove.sync.planning.plan import ShardingPlan, plan_rank
 from kvmove.sync.ranks.broadcast import open_group, receive_all
@@ -34,7 +35,7 @@ from kvmove.sync.ranks.control import (
 )
 from kvmove.sync.ranks.host import Host, RankSpec, die_after, handles, release_freed_memory, rss_bytes
 from kvmove.sync.ranks.puller import Puller, open_puller
-from kvmove.sync.verify import VERIFY_LIMIT_BYTES, bits_equal, saved_checkpoint, seeded_checkpoint, verify_streaming
+from kvmove.sync.verify import bits_equal, verify_streaming
 from kvmove.transport import EndpointInfo
 from kvmove.transport.bandwidth import copy_ceiling
 

@@ -16,16 +16,17 @@ from typing import Any, NamedTuple
 import torch
 
 from kvmove.errors import KvmoveError
-from kvmove.layout import TrainerLayout
 from kvmove.models.config import ModelConfig
-from kvmove.models.tensors import TensorMeta, hf_tensors
+from kvmove.models.layout import TrainerLayout
+from kvmove.models.table import hf_tensors
+from kvmove.models.tensors import TensorMeta
+from kvmove.models.weights import seeded_tensor
 from kvmove.sync.planning.direct import ArenaLayout, arena_layout, shard_views
 from kvmove.sync.planning.formats import get_format
 from kvmove.sync.planning.plan import Box
 from kvmove.sync.ranks.collectives import Collectives
 from kvmove.sync.ranks.control import Address
 from kvmove.sync.strategies import Gather
-from kvmove.sync.verify import seeded_tensor
 
 
 class SourceContext(NamedTuple):

@@ -75,11 +75,18 @@ def local_box(param: torch.Tensor) -> Box:
     return Box(tuple(offset), tuple(o + n for o, n in zip(offset, shape, strict=True)))
 
 
+class Local(NamedTuple):
+    """A tensor as this rank holds it after its gather (None: this rank keeps none) and whether it is a copy."""
+
+    tensor: torch.Tensor | None
+    copied: bool
+
+
 class FsdpSource(WeightSource):
     """A live FSDP2/DTensor model's weights as a sync sees them (see module docstring).
 
     ``group`` is the process group of the model's mesh (its ranks in order: the trainer ranks); ``order`` names
-    every checkpoint tensor in checkpoint order (``kvmove.models.tensors.hf_tensors``); ``on_step(version)``
+    every checkpoint tensor in checkpoint order (``kvmove.models.table.hf_tensors``); ``on_step(version)``
     runs in ``step`` before the weights are taken (a training step, a checkpoint save); ``on_train(batch)``
     is ``train`` (a training step on data the driver hands this rank: an RL loop's rollouts). ``image_dtype``
     (e.g. BF16 over FP32 master parameters, as mixed precision trains): what the sync serves, each tensor rounded
@@ -219,24 +226,24 @@ class FsdpSource(WeightSource):
                     tensor, copied = tensor.to(self.image_dtype), True
                 yield Gathered(name, tensor, copied)
 
-    def _materialize(self, name: str, scope: Gather) -> tuple[torch.Tensor | None, bool]:
+    def _materialize(self, name: str, scope: Gather) -> Local:
         piece = self.pieces[name]
         keep = scope is not Gather.ROOT or self.rank == 0
         if piece.expert is None:
             param = self.params[piece.param]  # NOTE: the checkpoint may rename it (Mixtral's block_sparse_moe.gate)
             if not hasattr(param, "full_tensor"):
-                return param.detach(), False
+                return Local(param.detach(), False)
             self._collectives += 1
             full = param.full_tensor()
-            return (full, True) if keep else (None, False)
+            return Local(full, True) if keep else Local(None, False)
         owner = self._owner[name]
         if scope is Gather.STAGE:
             if owner != self.rank:
                 raise KvmoveError(f"trainer rank {self.rank} does not hold {name} (rank {owner} does)")
-            return self._local(name), False
+            return Local(self._local(name), False)
         return self._broadcast(name, owner, keep)
 
-    def _broadcast(self, name: str, owner: int, keep: bool) -> tuple[torch.Tensor | None, bool]:
+    def _broadcast(self, name: str, owner: int, keep: bool) -> Local:
         import torch.distributed as dist
 
         meta = next(m for m in self._metas if m.name == name)
@@ -245,8 +252,8 @@ class FsdpSource(WeightSource):
         dist.broadcast(buf, dist.get_global_rank(self.group, owner), group=self.group)
         self._collectives += 1
         if not keep:
-            return None, False
-        return buf, not mine or self.image_dtype is not None
+            return Local(None, False)
+        return Local(buf, not mine or self.image_dtype is not None)
 
 
 def _layout(metas: Sequence[TensorMeta], shards: Mapping[str, Box]) -> ArenaLayout:

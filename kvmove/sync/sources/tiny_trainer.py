@@ -18,7 +18,7 @@ import torch
 
 from kvmove.errors import MissingDependencyError
 from kvmove.models.config import ModelConfig
-from kvmove.models.tensors import hf_tensors
+from kvmove.models.table import hf_tensors
 from kvmove.sync.ranks.source import SourceContext
 from kvmove.sync.sources.fsdp import FsdpSource
 
@@ -35,7 +35,7 @@ def import_transformers() -> Any:
 
 def hf_model(cfg: ModelConfig, seed: int, device: str = "cpu") -> torch.nn.Module:
     """A randomly initialized transformers model of ``cfg`` in bf16 (the same on every rank for one seed)."""
-    from kvmove.engines.vllm.checkpoint import hf_config
+    from kvmove.models.directory import hf_config
 
     transformers = import_transformers()
     config = transformers.AutoConfig.for_model(**hf_config(cfg))

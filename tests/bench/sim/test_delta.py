@@ -8,15 +8,15 @@ import pytest
 
 from kvmove.bench.results import Labels, Row, append_rows, load_results
 from kvmove.bench.sim.costs import default_book
-from kvmove.bench.sim.delta import measured_fractions, parse_fractions
+from kvmove.bench.sim.fractions import measured_fractions, parse_fractions
 from kvmove.bench.sim.hardware import Cluster
 from kvmove.bench.sim.measure import costs_from_rows
 from kvmove.bench.sim.predict import simulate
 from kvmove.bench.sim.setup import SimSetup, TrainerSpec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout
 from kvmove.sync.delta.encoding import delta_bytes
 
 BOOK = default_book()

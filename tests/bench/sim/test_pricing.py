@@ -8,14 +8,14 @@ import itertools
 import pytest
 
 from kvmove.bench.sim.costs import default_book
+from kvmove.bench.sim.fractions import parse_fractions
 from kvmove.bench.sim.hardware import Cluster
 from kvmove.bench.sim.predict import simulate
-from kvmove.bench.sim.delta import parse_fractions
 from kvmove.bench.sim.setup import CONSTRAINTS, PUBLISHED, SimSetup, TrainerSpec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout
 
 BOOK = default_book()
 ALL = list(SIM_STRATEGIES.values())

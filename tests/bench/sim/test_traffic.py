@@ -17,9 +17,9 @@ from kvmove.bench.sim.setup import SimSetup, TrainerSpec
 from kvmove.bench.sim.shards import wire_bytes
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
 from kvmove.cli.main import app
-from kvmove.layout import EngineLayout
 from kvmove.models import model_totals, resolve_model
-from kvmove.models.tensors import hf_tensors
+from kvmove.models.layout import EngineLayout
+from kvmove.models.table import hf_tensors
 
 
 def _setup(model: str, trainer: str, engine: str, replicas: int = 1, **kw: object) -> SimSetup:

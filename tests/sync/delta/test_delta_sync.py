@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvmove.cli.main import main
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import Fault, Placement, SyncConfig
 from kvmove.sync.delta.stepping import AdamwStep, SteppedSource
 from kvmove.sync.driver.run import run_syncs

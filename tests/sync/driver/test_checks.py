@@ -72,8 +72,8 @@ def test_a_dry_run_of_an_fp8_vllm_engine_is_refused_for_fp8(monkeypatch: pytest.
 
 
 def _colocated_on_gpu(transport: str):  # type: ignore[no-untyped-def]
-    from kvmove.layout import EngineLayout, TrainerLayout
     from kvmove.models import resolve_model
+    from kvmove.models.layout import EngineLayout, TrainerLayout
     from kvmove.sync.config import Placement, SyncConfig
     from kvmove.sync.strategies import parse_strategies
 
@@ -117,9 +117,9 @@ def test_colocated_gpu_ranks_are_checked_on_their_gpu_not_the_unused_engine_devi
 def test_fp8_engines_sync_only_from_hf_tensors() -> None:
     """Quantizing is no view op: an FP8 engine's regions cannot name megatron-core's tensors."""
     from kvmove.errors import KvmoveError
-    from kvmove.layout import EngineLayout, TrainerLayout
     from kvmove.models import resolve_model
     from kvmove.models.checkpoint import with_engine_dtype
+    from kvmove.models.layout import EngineLayout, TrainerLayout
     from kvmove.sync.config import SyncConfig
     from kvmove.sync.driver.checks import check_format
     from kvmove.sync.strategies import parse_strategies

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import SyncConfig
 from kvmove.sync.driver.dryrun import build_plans, dry_run_sync
 from kvmove.sync.planning.ownership import Ownership

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import Fault, Placement, Side, SyncConfig
 from kvmove.sync.driver.faults import FaultHooks
 from kvmove.sync.driver.run import run_syncs

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
 from kvmove.models.checkpoint import with_engine_dtype
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import Placement, SyncConfig
 from kvmove.sync.driver.dryrun import dry_run_sync
 from kvmove.sync.driver.run import run_syncs

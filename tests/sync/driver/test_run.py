@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import Fault, SyncConfig
 from kvmove.sync.driver.run import run_syncs
 from kvmove.sync.strategies import parse_strategies

@@ -11,8 +11,8 @@ import pytest
 
 from kvmove.bench.results import COLUMNS, append_rows, load_results
 from kvmove.bench.syncs import sync_row
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import Placement, SyncConfig, SyncOptions
 from kvmove.sync.driver.run import run_syncs
 from kvmove.sync.strategies import parse_strategies

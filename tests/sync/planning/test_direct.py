@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
-from kvmove.models.tensors import hf_tensors
+from kvmove.models.layout import EngineLayout, TrainerLayout
+from kvmove.models.table import hf_tensors
 from kvmove.sync.config import SyncOptions
 from kvmove.sync.planning.blueprint import Blueprint
 from kvmove.sync.planning.direct import ARENA_ALIGN, DirectPlanner, arena_layout, arena_layouts, byte_spans, shard_views

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from kvmove.engines import get_engine, reference_models
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import hf_tensors, resolve_model
 from kvmove.models.checkpoint import engine_checkpoint, with_engine_dtype
+from kvmove.models.layout import EngineLayout, TrainerLayout
+from kvmove.models.weights import seeded_checkpoint
 from kvmove.quant import FP8_DTYPE
 from kvmove.sync.planning.ownership import Ownership
 from kvmove.sync.planning.plan import plan_engine
@@ -23,7 +24,7 @@ from kvmove.sync.planning.quantization import (
     straddling_share,
 )
 from kvmove.sync.planning.recording import replay
-from kvmove.sync.verify import apply_regions, bits_equal, seeded_checkpoint
+from kvmove.sync.verify import apply_regions, bits_equal
 
 LAYOUTS = [
     ("qwen3-moe-fp8-tiny", "tp=2"),

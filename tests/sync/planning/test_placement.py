@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import Placement, SyncOptions
 from kvmove.sync.planning.blueprint import Blueprint
 from kvmove.sync.planning.ceiling import LinkBytes, ceiling_seconds, link_bytes

@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from kvmove.engines import EngineAdapter, get_engine
 from kvmove.errors import PlanError, UnrecordableOpError
-from kvmove.layout import EngineLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout
 from kvmove.sync.planning.plan import Box, plan_engine, plan_rank, relative_view, view_box
 from kvmove.sync.planning.recording import StridedView
 

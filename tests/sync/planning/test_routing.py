@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
-from kvmove.models.tensors import hf_tensors
+from kvmove.models.layout import EngineLayout, TrainerLayout
+from kvmove.models.table import hf_tensors
 from kvmove.sync.planning.ownership import Ownership, shard_rule
 from kvmove.sync.planning.plan import plan_engine
 from kvmove.sync.planning.routing import route

@@ -10,8 +10,8 @@ import pytest
 import torch.multiprocessing as mp
 
 from kvmove.engines import get_engine
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import Placement, SyncConfig, SyncOptions
 from kvmove.sync.driver.run import start
 from kvmove.sync.ranks.control import PullerInit, RunSync, StepWeights
@@ -48,23 +48,23 @@ def test_a_puller_from_init_info_pulls_without_a_launcher() -> None:
         placement=Placement("processes"),
         deadline_s=60.0,
     )
-    cluster = start(config)
+    ranks = start(config)
     try:
-        init: PullerInit = cluster.puller_init(0)
+        init: PullerInit = ranks.puller_init(0)
         assert pickle.loads(pickle.dumps(init)) == init  # plain data: addresses, endpoints, plans
-        cluster.launcher.call(cluster.trainers, StepWeights(1), 60)
-        loops = cluster.blueprint.trainer_syncs(STRATEGIES["v3"], 1, 1, {0})
-        serving = [t.submit(RunSync(loop)) for t, loop in zip(cluster.trainers, loops, strict=True)]
+        ranks.launcher.call(ranks.trainers, StepWeights(1), 60)
+        loops = ranks.blueprint.trainer_syncs(STRATEGIES["v3"], 1, 1, {0})
+        serving = [t.submit(RunSync(loop)) for t, loop in zip(ranks.trainers, loops, strict=True)]
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
-        worker = ctx.Process(target=_pull_elsewhere, args=(cluster.config, pickle.dumps(init), out))
+        worker = ctx.Process(target=_pull_elsewhere, args=(ranks.config, pickle.dumps(init), out))
         worker.start()
         stats, ok, bad, nbytes = out.get(timeout=300)
         worker.join(60)
-        trainer_stats = cluster.launcher.gather(serving, 60)  # every group released: the notes arrived
-        memory = cluster.memory()  # what a soak records: every rank's resident memory
+        trainer_stats = ranks.launcher.gather(serving, 60)  # every group released: the notes arrived
+        memory = ranks.memory()  # what a soak records: every rank's resident memory
     finally:
-        cluster.close()
+        ranks.close()
     assert ok, bad[:5]
     assert stats.bytes_received >= nbytes and stats.pulls == len(init.pulls["v3"].pulls) > 1
     assert sum(t.pulls_served for t in trainer_stats) == stats.pulls

@@ -13,17 +13,18 @@ import torch
 import torch.distributed as dist
 
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
-from kvmove.models.tensors import TensorMeta, hf_tensors
+from kvmove.models.layout import EngineLayout, TrainerLayout
+from kvmove.models.table import hf_tensors
+from kvmove.models.tensors import TensorMeta
+from kvmove.models.weights import seeded_tensor
 from kvmove.sync.config import Placement, SyncConfig
-from kvmove.sync.driver.cluster import check_ownership
 from kvmove.sync.driver.run import run_syncs
+from kvmove.sync.driver.running import check_ownership
 from kvmove.sync.planning.plan import Box
 from kvmove.sync.ranks.control import Address, TrainerHello
 from kvmove.sync.ranks.source import Gathered, SourceContext, WeightSource
 from kvmove.sync.strategies import Gather, parse_strategies
-from kvmove.sync.verify import seeded_tensor
 
 COLUMNS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 ROWS = ("o_proj", "down_proj")

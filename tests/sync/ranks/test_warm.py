@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvmove.layout import TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import TrainerLayout
 from kvmove.ports import free_port
 from kvmove.sync.planning.schedule import Pull
 from kvmove.sync.ranks.control import Address
@@ -73,7 +73,7 @@ def test_trainer_builds_and_runs_its_pack_programs_at_init() -> None:
     the warm-up run): every cover quantizes straight into the slot, a few launches for a whole layer's experts."""
     import torch
 
-    from kvmove.layout import EngineLayout
+    from kvmove.models.layout import EngineLayout
     from kvmove.sync.config import SyncConfig
     from kvmove.sync.driver.dryrun import build_plans
     from kvmove.sync.planning.blueprint import Blueprint
@@ -100,7 +100,7 @@ def test_trainer_builds_and_runs_its_pack_programs_at_init() -> None:
 
 # -- a first sync does no init work: every program and read it runs ran (or was prepared) at init ----------------
 def _fp8_blueprint() -> Any:
-    from kvmove.layout import EngineLayout
+    from kvmove.models.layout import EngineLayout
     from kvmove.sync.config import SyncConfig
     from kvmove.sync.driver.dryrun import build_plans
     from kvmove.sync.planning.blueprint import Blueprint

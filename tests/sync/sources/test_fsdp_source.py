@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from kvmove.errors import KvmoveError
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
+from kvmove.models.weights import saved_checkpoint
 from kvmove.sync.config import Placement, SyncConfig
 from kvmove.sync.driver.faults import FaultHooks
 from kvmove.sync.driver.run import start
 from kvmove.sync.driver.step import run_sync
 from kvmove.sync.strategies import parse_strategies
-from kvmove.sync.verify import bits_equal, saved_checkpoint
+from kvmove.sync.verify import bits_equal
 
 pytest.importorskip("transformers", reason="the FSDP2 trainer builds transformers models (kvmove[train])")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvmove.layout import EngineLayout, TrainerLayout
 from kvmove.models import resolve_model
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import Placement, SyncConfig
 from kvmove.sync.driver.faults import FaultHooks
 from kvmove.sync.driver.run import start
