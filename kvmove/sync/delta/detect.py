@@ -148,9 +148,10 @@ class Images:
             steps = slot_steps(buf, pw.words)
         changes = diff(steps, kept.image, pw.words, pw.limit)
         kept.sync_id = sync_id
-        if changes is None:
+        if changes is None:  # more changed than an encoding carries: pack, and the image takes the payload
             if not steps.packed:
                 program.run()
+            kept.image.copy_(buf[: pw.words.dense_bytes])
             kept.dense_runs += 1
             kept.wait = min(2 ** (kept.dense_runs - 1), MAX_WAIT)
             self._add("pulls.dense_by_size", 1)

@@ -7,15 +7,17 @@ each copy's slot view, placed on the image instead, is where the image holds wha
 already moves elements as the widest integer words the views allow, ``kvmove.sync.programs.as_words``: mostly
 int64), so the payload is never packed densely:
 
-1. ``ne`` over the source and the image view, then ``nonzero``: the elements that changed;
-2. their new values gathered from the source's storage and their old ones from the image, and only those
+1. ``ne`` over the source and the image view, and the changed elements counted;
+2. if they hold no more words than an encoding carries in fewer bytes than dense (``limit``; where they could,
+   the changed words are counted by one more streaming pass), ``nonzero``: the elements that changed;
+3. their new values gathered from the source's storage and their old ones from the image, and only those
    elements written into the image (``index_select``, ``index_copy_``);
-3. each changed element split into its words (int16, or bytes): the changed words, their positions in the
+4. each changed element split into its words (int16, or bytes): the changed words, their positions in the
    payload and their values.
 
 That is two reads of the pull's bytes and work proportional to the changes, where a dense pack reads and
-writes every byte. As soon as more elements changed than an encoding could carry in fewer bytes than dense
-(``limit``), the comparison stops and the rest of the image is copied from the sources: the pull goes dense.
+writes every byte. Where too many words changed, nothing is gathered: the pull goes dense (the caller packs it
+and refreshes the image from the slot).
 
 Where the program quantizes (FP8 computed on the trainer) there is no source of the payload's bytes to compare:
 the payload is packed into the slot first and the slot is compared instead (:func:`slot_steps`); the alignment
@@ -167,22 +169,32 @@ def slot_steps(buf: torch.Tensor, words: Words) -> Steps:
 
 def diff(steps: Steps, image: torch.Tensor, words: Words, limit: int) -> Changes | None:
     """The words of the new payload (read by ``steps``) that differ from ``image`` (uint8, laid out as the
-    slot), which takes the new payload's values. None where more than ``limit`` words changed (the encodings
-    would be no smaller than dense): the image is then brought up to date by copies."""
-    found: list[Changes] = []
-    elements = 0
-    for i, step in enumerate(steps.steps):
-        index = torch.ne(step.src, step.on(image)).view(-1).nonzero().flatten()
-        elements += index.numel()
-        if elements > limit:  # every changed element holds at least one changed word
-            for rest in steps.steps[i:]:
-                rest.on(image).copy_(rest.src)
-            return None
-        found.append(_changed(step, image.view(step.src.dtype), index, words))
-    if sum(c.positions.numel() for c in found) > limit:
+    slot), which then takes the new payload's values. None, the image left as it was, where more than ``limit``
+    words changed (no encoding would be smaller than dense)."""
+    masks = [torch.ne(step.src, step.on(image)).view(-1) for step in steps.steps]
+    elements = [int(torch.count_nonzero(m)) for m in masks]
+    if sum(elements) > limit:  # each changed element holds at least one changed word
         return None
+    most = sum(n * step.ratio for n, step in zip(elements, steps.steps, strict=True))
+    if most > limit and _words(steps, image) > limit:
+        return None
+    found = [
+        _changed(step, image.view(step.src.dtype), m.nonzero().flatten(), words)
+        for step, m in zip(steps.steps, masks, strict=True)
+    ]
     changes = _concat(found) if steps.order is None else _in_order(steps, found)
     return _live(changes, words) if steps.packed else changes
+
+
+def _words(steps: Steps, image: torch.Tensor) -> int:
+    """How many words of the new payload differ from ``image``, by one more streaming pass: for when the changed
+    elements could hold too many changed words between them (near dense, where gathering them all to find out
+    would cost more than packing)."""
+    total = 0
+    for step in steps.steps:
+        w = INTS[step.src.element_size() // step.ratio]
+        total += int(torch.count_nonzero(torch.ne(step.src.view(w), step.on(image).view(w))))
+    return total
 
 
 def _changed(step: Step, image: torch.Tensor, index: torch.Tensor, words: Words) -> Changes:

@@ -1,6 +1,6 @@
 """The trainer's comparison straight from a pull's sources: every changed word found, in ascending positions,
 where the program's batched copies interleave in the slot, where a packed slot is compared instead, and where
-more changed than an encoding carries (the comparison stops, the image is still brought up to date)."""
+more changed than an encoding carries (nothing gathered, the image left for the caller to refresh)."""
 
 from __future__ import annotations
 
@@ -85,14 +85,33 @@ def test_a_packed_slot_is_compared_without_its_padding() -> None:
     assert torch.equal(got.values, new.view(torch.int16)[got.positions])
 
 
-def test_past_the_limit_the_comparison_stops_and_the_image_is_still_the_new_payload() -> None:
+@pytest.mark.parametrize("spare", [0, -1])
+def test_near_the_limit_the_changed_words_are_counted_exactly(spare: int) -> None:
+    """Changed int64 elements could hold up to 4 changed words each: where that could pass the limit, the words
+    are counted; at the limit the pull is still a delta, one past it nothing is gathered, the image untouched."""
     pull = Interleaved()
     image = pull.payload()
     steps = program_steps(pull.program, pull.slot, pull.words)
     assert steps is not None
+    old = image.clone()
+    pull.change(4, 5)
+    changed = _expected(old, pull.payload()).numel()
+    got = diff(steps, image, pull.words, limit=changed + spare)
+    if spare == 0:
+        assert got is not None and got.positions.numel() == changed and torch.equal(image, pull.payload())
+    else:
+        assert got is None and torch.equal(image, old)
+
+
+def test_past_the_limit_nothing_is_gathered_and_the_image_is_left_as_it_was() -> None:
+    pull = Interleaved()
+    image = pull.payload()
+    old = image.clone()
+    steps = program_steps(pull.program, pull.slot, pull.words)
+    assert steps is not None
     pull.change(40, 3)
     assert diff(steps, image, pull.words, limit=4) is None
-    assert torch.equal(image, pull.payload())
+    assert torch.equal(image, old)
 
 
 def test_a_program_that_quantizes_or_moves_narrow_elements_is_compared_packed() -> None:
