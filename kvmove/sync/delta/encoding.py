@@ -162,11 +162,10 @@ def write(buf: torch.Tensor, words: Words, encoding: Encoding, positions: torch.
         at = align(2 * k)
     else:
         nbits = -(-words.words // 8)
-        bits = buf[:nbits]
-        bits.zero_()
-        one = torch.ones((), dtype=torch.uint8, device=buf.device)
+        bits = torch.zeros(nbits, dtype=torch.int32, device=buf.device)  # int32: index_add_ on every device
         # NOTE: the bits of one byte are distinct, so summing them is or-ing them
-        bits.index_put_((positions >> 3,), one.bitwise_left_shift((positions & 7).to(torch.uint8)), accumulate=True)
+        bits.index_add_(0, positions >> 3, torch.ones_like(positions, dtype=torch.int32) << (positions & 7).int())
+        buf[:nbits].copy_(bits)
         at = align(nbits)
     buf[at : at + k * words.word_bytes].view(words.dtype).copy_(values)
     return at + k * words.word_bytes
