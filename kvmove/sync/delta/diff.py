@@ -133,13 +133,15 @@ def offsets(index: torch.Tensor, shape: Sequence[int], stride: Sequence[int]) ->
 
 
 def program_steps(program: Program, buf: torch.Tensor, words: Words) -> Steps | None:
-    """The copies of ``program`` (packing into ``buf``) as steps; None where it quantizes, copies elements
-    narrower than a word or into views that are not stacks of whole parts (then compare the packed slot:
-    :func:`slot_steps`)."""
+    """The copies of ``program`` (packing into ``buf``) as steps; None where it quantizes, converts, copies
+    elements narrower than a word or into views that are not stacks of whole parts (then compare the packed
+    slot: :func:`slot_steps`)."""
     if program.quantize:
         return None
     steps = []
     for c in program.copies:
+        if c.src.dtype != c.dst.dtype:  # a copy that converts: its bytes exist only once packed
+            return None
         size = c.dst.element_size()
         rel = c.dst.data_ptr() - buf.data_ptr()
         dst, src = c.dst.view(INTS[size]), c.src.view(INTS[size])

@@ -114,12 +114,15 @@ def test_past_the_limit_nothing_is_gathered_and_the_image_is_left_as_it_was() ->
     assert torch.equal(image, old)
 
 
-def test_a_program_that_quantizes_or_moves_narrow_elements_is_compared_packed() -> None:
+def test_a_program_that_quantizes_converts_or_moves_narrow_elements_is_compared_packed() -> None:
     words = payload_words([64])
     slot = torch.zeros(64, dtype=torch.uint8)
     narrow = ProgramBuilder()
     narrow.copy(slot[:63].view(3, 21)[:, :1], torch.zeros(3, 1, dtype=torch.uint8))  # bytes, under int16 words
     assert program_steps(narrow.build(persistent=True), slot, words) is None
+    converts = ProgramBuilder()
+    converts.copy(slot[:32].view(torch.bfloat16), torch.ones(16))  # FP32 -> BF16
+    assert program_steps(converts.build(persistent=True), slot, words) is None
     quantizes = ProgramBuilder()
     quantizes.quantize(torch.ones(128, 128, dtype=torch.bfloat16), "w")
     assert program_steps(quantizes.build(persistent=False), slot, words) is None
