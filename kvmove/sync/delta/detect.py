@@ -106,8 +106,11 @@ class Images:
         return sum(k.image.numel() * k.image.element_size() for k in list(self._kept.values()))
 
     def forget(self, engine: int) -> None:
+        """Drop what is kept for engine rank ``engine`` (it left: it registers its pulls again if it rejoins)."""
         for key in [k for k in self._kept if k[1] == engine]:
             del self._kept[key]
+        for key in [k for k in self._words if k[1] == engine]:
+            del self._words[key]
 
     def take_counts(self) -> dict[str, int]:
         with self._lock:
