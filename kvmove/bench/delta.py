@@ -4,10 +4,11 @@ A slice of a model (default: Qwen3-235B-A22B at full layer width, 8 decoder laye
 42.3 GB of BF16) is stepped by the realistic rule of ``kvmove.sync.delta.stepping`` (FP32 master, AdamW at an RL
 learning rate, BF16 image), one pull at a time so that only one layer's optimizer state is resident. For each
 of ``steps`` steps and each pull (the tensors of one decoder layer, as a v3 pull of one block carries them; every
-other tensor alone) it runs the sync's own code, on the device: the dense pack of the new image into
-a slot, the trainer's detection and encoding against the image last served (``Images.encode``), and the engine's
-patch and landing (``Patch.apply`` and the landing program) into a parameter that holds the previous image; each
-landed tensor is checked bit-exact. One row per step: the changed fraction per region class, delta bytes against
+other tensor alone) it runs the sync's own code, on the device: the trainer's detection and encoding of the new
+image (updated in place, as an optimizer step writes it) against the image last served, straight from the
+tensors into the slot (``Images.serve``), and the engine's scatter of the delta into parameters that hold the
+previous image (``Patch.apply``); each landed tensor is checked bit-exact. For comparison, the same pull's dense
+pack and dense landing are timed too. One row per step: the changed fraction per region class, delta bytes against
 dense, and detection + encoding + apply in GB/s of model as a fraction of the same run's device-copy rate.
 
 On a CPU device the same code is its own CI twin (a small model).
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,7 @@ from kvmove.sync.delta.stepping import AdamwStep, SteppedWeights
 from kvmove.sync.planning.entries import PLAIN
 from kvmove.sync.planning.packing import PartSpec, ServeSpec, pack_layout
 from kvmove.sync.planning.plan import Box
-from kvmove.sync.programs import ProgramBuilder
+from kvmove.sync.programs import Program, ProgramBuilder
 from kvmove.sync.verify import bits_equal
 
 Say = Callable[[str], None]
@@ -88,7 +89,8 @@ def device_copy_gbps(device: str, nbytes: int, repeats: int = 5) -> float:
 
 class _Pull:
     """One pull's two sides (the tensors of one decoder layer, as a v3 pull of one block carries them): the
-    trainer's slot with every tensor packed, the engine's parameters, the landing program between them."""
+    trainer's sources (the BF16 image, updated in place each step) and slot, the engine's receive slot and
+    parameters, and the programs between them."""
 
     def __init__(self, metas: list[TensorMeta], device: str) -> None:
         self.metas = metas
@@ -96,15 +98,22 @@ class _Pull:
         self.layout = pack_layout(self.sizes)
         self.slot = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=device)
         self.recv = torch.empty_like(self.slot)
+        self.sources = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas]
         self.params = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas]
         self.specs = [
             ServeSpec(PLAIN, m.name, m.shape, Box.full(m.shape), True, (PartSpec("data", None, (), m.dtype, n),))
             for m, n in zip(metas, self.sizes, strict=True)
         ]
+        self.serve = self._program(zip(self.views(self.slot), self.sources, strict=True))
+        self.dense_pack = self._program(zip(self.views(self.recv), self.sources, strict=True))
+        self.land = self._program(zip(self.params, self.views(self.recv), strict=True))
+
+    @staticmethod
+    def _program(copies: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Program:
         b = ProgramBuilder()
-        for param, view in zip(self.params, self.views(self.recv), strict=True):
-            b.copy(param, view)
-        self.program = b.build(persistent=True)
+        for dst, src in copies:
+            b.copy(dst, src)
+        return b.build(persistent=True)
 
     def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """Each tensor's part of ``buf``, typed and shaped."""
@@ -113,12 +122,8 @@ class _Pull:
             for m, n, o in zip(self.metas, self.sizes, self.layout.offsets, strict=True)
         ]
 
-    def pack(self, images: list[torch.Tensor]) -> None:
-        for view, image in zip(self.views(self.slot), images, strict=True):
-            view.copy_(image)
-
-    def landed(self, images: list[torch.Tensor]) -> bool:
-        return all(bits_equal(p, i) for p, i in zip(self.params, images, strict=True))
+    def landed(self) -> bool:
+        return all(bits_equal(p, i) for p, i in zip(self.params, self.sources, strict=True))
 
 
 def pulls(metas: list[TensorMeta]) -> list[list[TensorMeta]]:
@@ -148,6 +153,7 @@ def delta_bench(bench: DeltaBench, say: Say) -> list[Row]:
     for step, (timer, c) in enumerate(zip(timers, counts, strict=True), start=1):
         s = summary(c)
         work = sum(timer.seconds[p] for p in ("detect_encode", "apply"))
+        dense = timer.seconds["pack"] + timer.seconds["dense_land"]
         rows.append(
             Row(
                 kind="measured",
@@ -172,11 +178,16 @@ def delta_bench(bench: DeltaBench, say: Say) -> list[Row]:
                     "device_copy_gbps": copy,
                     "fraction_of_device_copy": total / work / 1e9 / copy,
                     "dense_land_gbps": total / timer.seconds["dense_land"] / 1e9,
+                    "dense_seconds": dense,
+                    "seconds_vs_dense": work / dense,
                 },
             )
         )
         frac, ratio = s["changed_fraction_all"], s["ratio"]
-        say(f"step {step}: {frac:.4f} changed, {ratio:.3f}x dense bytes, {rows[-1].gbps:.1f} GB/s of model")
+        say(
+            f"step {step}: {frac:.4f} changed, {ratio:.3f}x dense bytes, {rows[-1].gbps:.1f} GB/s of model, "
+            f"{work / dense:.2f}x the seconds of a dense pack and landing"
+        )
     return rows
 
 
@@ -186,26 +197,30 @@ def _pull_steps(
     """Every step of one pull: its masters stepped, packed, detected and encoded, applied on the engine side."""
     weights = SteppedWeights(AdamwStep(lr=bench.lr), bench.seed, bench.device)
     t, images, key = _Pull(metas, bench.device), Images(), ("delta", 0, 0)
-    image = [weights.tensor(m, 0) for m in metas]
-    for param, i in zip(t.params, image, strict=True):
-        param.copy_(i)  # the engine holds version 0, and so does the trainer's image
-    t.pack(image)
-    images.encode(key, t.slot, t.specs, 0, None)
+    for m, src, param in zip(metas, t.sources, t.params, strict=True):
+        src.copy_(weights.tensor(m, 0))
+        param.copy_(src)  # the engine holds version 0, and so will the trainer's image
+    images.serve(key, t.serve, t.slot, t.specs, 0, None)
     images.take_counts()
+    target = None
     for step, timer in enumerate(timers, start=1):
-        image = [weights.tensor(m, step) for m in metas]
-        with timer.phase("pack"):  # the dense pack a sync runs either way
-            t.pack(image)
+        for m, src in zip(metas, t.sources, strict=True):  # the optimizer's step writes the image in place
+            src.copy_(weights.tensor(m, step))
         with timer.phase("detect_encode"):
-            coded = images.encode(key, t.slot, t.specs, step, step - 1)
+            coded = images.serve(key, t.serve, t.slot, t.specs, step, step - 1)
         t.recv[: coded.nbytes].copy_(t.slot[: coded.nbytes])  # the colocated read (not part of the delta's work)
         patch = Patch.of(str(coded.encoding), coded.changed, t.sizes)
+        if patch is not None and target is None:
+            target = patch.target(t.params)  # built once per pull, as an engine's lander keeps it
         with timer.phase("apply"):
-            if patch is not None:
-                patch.apply(t.program, t.recv)
-            t.program.run()
-        if not t.landed(image):
+            if patch is None:
+                t.land.run()
+            elif target is not None:
+                patch.apply(target, t.recv)
+        if not t.landed():
             raise KvmoveError(f"delta step {step}: {metas[0].name} (and its pull) landed differently from the image")
         counts[step - 1].append(images.take_counts())
-        with timer.phase("dense_land"):  # the receive slot holds the whole new payload: a dense landing
-            t.program.run()
+        with timer.phase("pack"):  # what a dense sync does instead: pack every byte, land every byte
+            t.dense_pack.run()
+        with timer.phase("dense_land"):
+            t.land.run()

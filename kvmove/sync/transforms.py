@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -98,9 +98,12 @@ def _serve_box(b: ProgramBuilder, spec: ServeSpec, held: Held, dsts: list[torch.
 
 # -- engine halves -----------------------------------------------------------------------------------------------
 class Patch(Protocol):
-    """What turns a delta-encoded pull in a receive slot into its whole payload (``kvmove.sync.delta.apply``)."""
+    """A delta-encoded pull in a receive slot (``kvmove.sync.delta.apply``): written straight into the
+    parameters through a target built once per pull from its parts' destinations."""
 
-    def apply(self, program: Program, buf: torch.Tensor) -> None: ...
+    def target(self, dsts: Sequence[torch.Tensor]) -> Any: ...
+
+    def apply(self, target: Any, buf: torch.Tensor) -> None: ...
 
 
 class Lander:
@@ -117,6 +120,7 @@ class Lander:
         self._staged: dict[int, _Staged] = {}
         self._ready: list[int] = []
         self._programs: dict[Hashable, Program] = {}
+        self._targets: dict[Hashable, Any] = {}
 
     @property
     def pending_covers(self) -> int:
@@ -139,19 +143,39 @@ class Lander:
     def land(
         self, entries: Sequence[Entry], buf: torch.Tensor, key: Hashable | None = None, patch: Patch | None = None
     ) -> None:
-        """Land ``entries`` (one pull's, packed as :func:`pack` packs them) from ``buf``; a ``patch``
-        (kvmove.sync.delta.apply) first turns the delta in ``buf`` into the pull's whole payload."""
-        program = self._programs.get(key) if key is not None else None
-        if program is None:
-            program = self._program(entries, buf)
-            if key is not None and program.persistent:
-                self._programs[key] = program
+        """Land ``entries`` (one pull's, packed as :func:`pack` packs them) from ``buf``; with a ``patch``
+        (kvmove.sync.delta.apply), ``buf`` holds a delta of them, written into the parameters it changes."""
         if patch is not None:
-            patch.apply(program, buf)
-        program.run()
-        self._quantize_ready()
+            target = self._targets.get(key) if key is not None else None
+            if target is None:
+                target = patch.target(self.destinations(entries))
+                if key is not None:
+                    self._targets[key] = target
+            patch.apply(target, buf)
+        else:
+            program = self._programs.get(key) if key is not None else None
+            if program is None:
+                program = self._program(entries, buf)
+                if key is not None and program.persistent:
+                    self._programs[key] = program
+            program.run()
+            self._quantize_ready()
         if buf.is_cuda:  # the slot is reusable, and the time real, only once the copies ran
             torch.cuda.current_stream(buf.device).synchronize()
+
+    def destinations(self, entries: Sequence[Entry]) -> list[torch.Tensor]:
+        """Each part of ``entries`` (in payload order) as the parameter view it lands in: what a delta of them is
+        written into. Refused for entries the engine stages (a delta is never taken of those)."""
+        out = []
+        for entry in entries:
+            if TRANSFORMS[entry.transform].stages:
+                raise ValueError(f"a delta lands only through copies; {entry.tensor} is staged")
+            for i in entry.regions:
+                dst = self._dst(self.regions[i])
+                if dst.dtype != self.regions[i].dtype:
+                    raise ValueError(f"a delta lands only byte copies; {entry.tensor} lands converted")
+                out.append(dst)
+        return out
 
     def _program(self, entries: Sequence[Entry], buf: torch.Tensor) -> Program:
         builder, persistent = ProgramBuilder(), True

@@ -1,13 +1,14 @@
-"""The engine's side of a delta sync: a patch decoded from the receive slot, applied through the pull's landing
-program.
+"""The engine's side of a delta sync: the changed words of a pull scattered straight into the parameters.
 
-A packed pull lands by a program of byte copies from the receive slot into parameter regions
-(``kvmove.sync.transforms.Lander``). For a delta the engine first reads the changed words and their positions out
-of the slot, then runs that program backwards (every region's current bytes copied into the slot: the payload as
-the engine holds it, which is the trainer's image of it), scatters the changed words into it in one indexed copy
-and runs the program forwards: every region then holds the new payload, bit for bit, whatever its layout (fused,
-strided, FP8 weights and scales). Parameters not touched by the pull are never read. All of it is batched torch
-work on the slot's device (CUDA: no host synchronization before the landing's own).
+A packed pull's parts land in parameter regions (``kvmove.sync.transforms.Lander``): part ``i`` holds, row-major,
+the elements of one strided view of one parameter. A :class:`Scatter`, built once per pull from those views, maps
+a position of the payload to its place in its parameter's storage (the part holding it by a search over the
+parts' first positions, then the view's strides), and :meth:`Scatter.put` writes a delta's values there with
+one indexed copy per run of parts that share a storage. Only the changed words are read or written: no dense
+payload is assembled, and parameters outside the pull are never touched. All of it is batched torch work on the
+slot's device (CUDA: no host synchronization but reading a bitmap's positions and the runs' bounds).
+
+Where a part's element is narrower than a word (FP8 weights under int16 words) the words are split into bytes.
 """
 
 from __future__ import annotations
@@ -17,8 +18,102 @@ from typing import NamedTuple
 
 import torch
 
-from kvmove.sync.delta.encoding import Encoding, Words, payload_words, positions, read
-from kvmove.sync.programs import Program
+from kvmove.sync.delta.diff import merged
+from kvmove.sync.delta.encoding import Encoding, Words, payload_words, read
+
+
+class Scatter(NamedTuple):
+    """Where each position of one pull's payload lives in the engine's parameters (built once, replayed)."""
+
+    unit: torch.dtype
+    """What it writes: the payload's word, or bytes where a part's element is narrower."""
+    split: int
+    """Units per word (2: int16 words written as bytes)."""
+    bounds: torch.Tensor
+    """Each part's first position, then the payload's end, in units (int64, ascending)."""
+    shifts: torch.Tensor
+    """Per part: its first unit in its storage less its first position (contiguous parts: position + shift)."""
+    geometry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    """Strided parts: each part's units per element, and its merged shape and strides (padded to one rank); None
+    where every part is contiguous."""
+    storages: tuple[torch.Tensor, ...]
+    """Every storage the pull lands in, as one flat tensor of units."""
+    runs: tuple[int, ...]
+    """The storage of each run of consecutive parts that share one."""
+    run_starts: torch.Tensor
+    """Each run's first position, in units."""
+
+    @classmethod
+    def of(cls, dsts: Sequence[torch.Tensor], words: Words) -> Scatter:
+        """The scatter of a pull whose parts with bytes land in ``dsts`` (in payload order)."""
+        narrow = any(d.element_size() % words.word_bytes for d in dsts)
+        unit, split = (torch.uint8, words.word_bytes) if narrow else (words.dtype, 1)
+        size = unit.itemsize
+        flats: dict[int, int] = {}
+        storages: list[torch.Tensor] = []
+        runs: list[int] = []
+        run_starts: list[int] = []
+        for d, span in zip(dsts, words.parts, strict=True):
+            storage = d.untyped_storage()
+            s = flats.setdefault(storage.data_ptr(), len(storages))
+            if s == len(storages):
+                n = storage.nbytes() // size
+                storages.append(torch.empty(0, dtype=unit, device=d.device).set_(storage, 0, (n,), (1,)))
+            if not runs or runs[-1] != s:
+                runs.append(s)
+                run_starts.append(span.start * split)
+        device = dsts[0].device
+        starts = [p.start * split for p in words.parts]
+        bounds = torch.tensor([*starts, words.words * split], dtype=torch.int64, device=device)
+        bases = [d.storage_offset() * d.element_size() // size for d in dsts]
+        shifts = torch.tensor([b - a for a, b in zip(starts, bases, strict=True)], dtype=torch.int64, device=device)
+        geometry = None if all(d.is_contiguous() for d in dsts) else _geometry(dsts, size)
+        run_at = torch.tensor(run_starts, dtype=torch.int64, device=device)
+        return cls(unit, split, bounds, shifts, geometry, tuple(storages), tuple(runs), run_at)
+
+    def put(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values`` (words) at ``positions`` (int64, ascending) of the payload into the parameters."""
+        if self.split > 1:
+            positions = positions.unsqueeze(1) * self.split + torch.arange(self.split, device=positions.device)
+            positions = positions.flatten()
+        values, k = values.view(self.unit), positions.numel()
+        counts = torch.diff(torch.searchsorted(positions, self.bounds))  # positions are ascending: per part
+        if self.geometry is None:
+            at = positions + torch.repeat_interleave(self.shifts, counts, output_size=k)
+        else:
+            part = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=k)
+            start = self.bounds[part]
+            at = start + self.shifts[part] + _strided(positions - start, part, *self.geometry)
+        if len(self.runs) == 1:
+            self.storages[self.runs[0]].index_copy_(0, at, values)
+            return
+        bounds = [*torch.searchsorted(positions, self.run_starts).tolist(), positions.numel()]
+        for s, lo, hi in zip(self.runs, bounds, bounds[1:], strict=False):
+            if hi > lo:
+                self.storages[s].index_copy_(0, at[lo:hi], values[lo:hi])
+
+
+def _geometry(dsts: Sequence[torch.Tensor], size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    shapes = [merged(d.shape, d.stride()) for d in dsts]
+    rank = max(len(s) for s, _ in shapes)
+    pad = [((1,) * (rank - len(s)) + s, (0,) * (rank - len(t)) + t) for s, t in shapes]
+    device = dsts[0].device
+    per = torch.tensor([d.element_size() // size for d in dsts], device=device)
+    return per, torch.tensor([s for s, _ in pad], device=device), torch.tensor([t for _, t in pad], device=device)
+
+
+def _strided(
+    rel: torch.Tensor, part: torch.Tensor, per: torch.Tensor, shape: torch.Tensor, stride: torch.Tensor
+) -> torch.Tensor:
+    """Units from a part's start (row-major in the payload) -> units from its view's first element."""
+    per = per[part]
+    element, within = rel // per, rel % per
+    out, rest = torch.zeros_like(rel), element
+    for d in range(shape.shape[1] - 1, -1, -1):
+        n = shape[part, d]
+        out += (rest % n) * stride[part, d]
+        rest = rest // n
+    return out * per + within
 
 
 class Patch(NamedTuple):
@@ -36,12 +131,11 @@ class Patch(NamedTuple):
             return None
         return cls(Encoding(encoding), changed, payload_words(sizes))
 
-    def apply(self, program: Program, buf: torch.Tensor) -> None:
-        """Turn the delta in ``buf`` into the pull's full new payload, ready for ``program`` to land."""
-        if program.quantize:
-            raise ValueError("a delta lands only through copies; this pull's program quantizes")
-        index, values = read(buf, self.words, self.encoding, self.changed)
-        for c in program.copies:  # the payload as the parameters hold it now
-            c.src.copy_(c.dst, non_blocking=True)
-        flat = buf[: self.words.dense_bytes].view(self.words.dtype)
-        flat.index_put_((positions(self.words, index),), values)
+    def target(self, dsts: Sequence[torch.Tensor]) -> Scatter:
+        """Where this pull's words land, given each part's destination."""
+        return Scatter.of([d for d in dsts if d.numel()], self.words)
+
+    def apply(self, target: Scatter, buf: torch.Tensor) -> None:
+        """Write the delta in ``buf`` into the parameters ``target`` maps the payload to."""
+        delta = read(buf, self.words, self.encoding, self.changed)
+        target.put(delta.positions, delta.values)

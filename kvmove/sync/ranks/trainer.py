@@ -234,10 +234,9 @@ class TrainerRank:
         try:
             packing = self._programs.get((strategy, engine, pull_id, slot)) or pack_program(buf, specs, held)
             with self._streams.on(buf, slot) as stream:  # one stream per slot: packs of two slots overlap
-                packing.program.run()  # its one synchronization, if it quantized
-                if stream is not None and not packing.program.quantize:  # a reader elsewhere sees finished bytes
-                    stream.synchronize()
-            coded = self._encode(state, (strategy, engine, pull_id), buf, specs)
+                coded = self._serve(state, (strategy, engine, pull_id), packing, buf, specs)
+                if stream is not None and (coded is not None or not packing.program.quantize):
+                    stream.synchronize()  # a reader elsewhere sees finished bytes
         except Exception:
             self.release_slot(strategy, slot)
             raise
@@ -245,24 +244,27 @@ class TrainerRank:
             self._pack_seconds += time.perf_counter() - t0
             self._served += sum(n for s in specs for n in s.sizes) if coded is None else coded.nbytes
             self._pulls_served += 1
+            if coded is not None:  # images live as long as the rank: they count toward its extra memory
+                self._peak_extra = max(self._peak_extra, self._extra + self.images.nbytes)
         if coded is None:
             return Packed(slot, packing.nbytes)
         return Packed(slot, coded.nbytes, str(coded.encoding), coded.changed)
 
-    def _encode(
-        self, state: _State, key: tuple[str, int, int], buf: torch.Tensor, specs: Sequence[ServeSpec]
+    def _serve(
+        self,
+        state: _State,
+        key: tuple[str, int, int],
+        packing: PackProgram,
+        buf: torch.Tensor,
+        specs: Sequence[ServeSpec],
     ) -> Coded | None:
-        """Delta syncs: the dense payload in ``buf`` encoded against ``key``'s image (kvmove.sync.delta.detect),
-        written over it in place; None when the sync is dense."""
+        """Pack pull ``key`` into ``buf``: densely (its program's one synchronization, if it quantized), or in a
+        delta sync as ``kvmove.sync.delta.detect`` chooses (None: the sync is dense)."""
         sync = state.sync
         if sync.delta is None:
+            packing.program.run()
             return None
-        coded = self.images.encode(key, buf, specs, sync.sync_id, sync.delta.get(key[1]))
-        if buf.is_cuda:  # the engine reads the slot from another process: the encoding must be in place
-            torch.cuda.current_stream(buf.device).synchronize()
-        with self._cond:  # images live as long as the rank: they count toward its extra memory
-            self._peak_extra = max(self._peak_extra, self._extra + self.images.nbytes)
-        return coded
+        return self.images.serve(key, packing.program, buf, specs, sync.sync_id, sync.delta.get(key[1]))
 
     def _held(self, state: _State, group: int, spec: ServeSpec) -> Held:
         """What ``spec`` is served from: this rank's raw shard, or the tensor it materialized for ``group``."""

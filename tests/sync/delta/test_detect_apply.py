@@ -7,22 +7,23 @@ import pytest
 import torch
 
 from kvmove.quant import FP8_DTYPE
+from kvmove.sync.delta import detect
 from kvmove.sync.delta.apply import Patch
 from kvmove.sync.delta.detect import Images, region_class, summary
 from kvmove.sync.delta.encoding import Encoding
 from kvmove.sync.planning.entries import ENGINE, PLAIN, TRAINER
 from kvmove.sync.planning.packing import PartSpec, ServeSpec, pack_layout
 from kvmove.sync.planning.plan import Box
-from kvmove.sync.programs import ProgramBuilder
+from kvmove.sync.programs import Program, ProgramBuilder
 from kvmove.sync.verify import bits_equal
 
 NAMES = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.3.up_proj.weight", "model.norm.weight")
 
 
 class Pull:
-    """Trainer tensors served by one pull, the engine's parameters they land in, and the landing program."""
+    """Trainer tensors served by one pull, the engine's parameters they land in, and the programs between them."""
 
-    def __init__(self) -> None:
+    def __init__(self, parts: int = 4) -> None:
         g = torch.Generator().manual_seed(0)
         self.src = [
             torch.randn(8, 4, generator=g).to(torch.bfloat16),  # lands in columns 1:5 of an (8, 6) parameter
@@ -32,36 +33,42 @@ class Pull:
         ]
         self.params = [torch.zeros(8, 6, dtype=torch.bfloat16), torch.zeros(4, 16, dtype=FP8_DTYPE)]
         self.params += [torch.zeros(1, 1), torch.zeros(3, dtype=torch.bfloat16)]
+        self.src, self.params = self.src[:parts], self.params[:parts]
         self.sizes = [t.numel() * t.element_size() for t in self.src]
         self.layout = pack_layout(self.sizes)
         self.slot = torch.zeros(self.layout.nbytes + 64, dtype=torch.uint8)
         self.recv = torch.full_like(self.slot, 0xAB)
-        transforms = (PLAIN, TRAINER, TRAINER, PLAIN)
-        tensors = (NAMES[0], NAMES[1], NAMES[1], NAMES[2])
+        transforms = (PLAIN, TRAINER, TRAINER, PLAIN)[:parts]
+        tensors = (NAMES[0], NAMES[1], NAMES[1], NAMES[2])[:parts]
         self.specs = [
             ServeSpec(
                 tr, name, tuple(t.shape), Box.full(tuple(t.shape)), True, (PartSpec("data", None, (), t.dtype, n),)
             )
             for tr, name, t, n in zip(transforms, tensors, self.src, self.sizes, strict=True)
         ]
+        self.pack = self._program(self.slot, lambda dst, t: (dst, t))
+        self.program = self._program(self.recv, lambda view, _: (_, view))  # landing: slot views into regions
+
+    def _program(self, buf: torch.Tensor, pair) -> Program:
         b = ProgramBuilder()
-        for dst, t, off in zip(self.regions(), self.src, self.layout.offsets, strict=True):
-            b.copy(dst, self.recv[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
-        self.program = b.build(persistent=True)
+        for region, t, off in zip(self.regions(), self.src, self.layout.offsets, strict=True):
+            view = buf[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            dst, src = pair(view, t) if buf is self.slot else (region, view)
+            b.copy(dst, src)
+        return b.build(persistent=True)
 
     def regions(self) -> list[torch.Tensor]:
-        return [self.params[0][:, 1:5], self.params[1], self.params[2], self.params[3]]
+        return [self.params[0][:, 1:5], *self.params[1:]]
 
     def sync(self, images: Images, sync_id: int, base: int | None) -> Encoding:
-        """Pack densely, encode, 'read' the slot's bytes into the receive slot, land."""
-        for t, off in zip(self.src, self.layout.offsets, strict=True):
-            self.slot[off : off + t.numel() * t.element_size()].copy_(t.contiguous().view(-1).view(torch.uint8))
-        coded = images.encode(("v1", 0, 7), self.slot, self.specs, sync_id, base)
+        """Serve (dense or delta), 'read' the slot's bytes into the receive slot, land."""
+        coded = images.serve(("v1", 0, 7), self.pack, self.slot, self.specs, sync_id, base)
         self.recv[: coded.nbytes].copy_(self.slot[: coded.nbytes])
         patch = Patch.of(coded.encoding, coded.changed, self.sizes)
-        if patch is not None:
-            patch.apply(self.program, self.recv)
-        self.program.run()
+        if patch is None:
+            self.program.run()
+        else:
+            patch.apply(patch.target(self.regions()), self.recv)
         return coded.encoding
 
     def landed(self) -> bool:
@@ -91,7 +98,7 @@ def test_a_sequence_of_delta_syncs_lands_every_change_bit_exact() -> None:
     counts = images.take_counts()
     assert counts["pulls.index"] == 1 and counts["changed.attention"] == 1 and counts["changed.other"] == 1
     pull.src[2] *= 2.0  # an FP8 block's new scale, and every weight quantized with it
-    pull.src[1] = (pull.src[1].float() * 0.5).to(FP8_DTYPE)
+    pull.src[1].copy_((pull.src[1].float() * 0.5).to(FP8_DTYPE))  # in place, as an optimizer steps
     assert pull.sync(images, 6, 5) is not Encoding.DENSE and pull.landed()
 
 
@@ -109,6 +116,44 @@ def test_everything_changed_costs_no_more_than_dense_and_a_missed_sync_goes_dens
     assert pull.sync(images, 4, 2) is Encoding.DENSE and pull.landed()  # it holds sync 2, the image is of 3
     pull.src[0][0, 2] += 1.0
     assert pull.sync(images, 5, 4) is Encoding.INDEX and pull.landed()
+
+
+def test_a_pull_with_more_changed_than_an_encoding_carries_goes_dense_and_waits_to_be_compared_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The per-pull fallback: dense where no encoding is smaller, found as soon as the comparison passes the
+    limit; then dense up front, without comparing, for 1, then 2, ... syncs; the image refreshed only for the
+    sync that compares next."""
+    pull, images = Pull(parts=1), Images()  # no padding: with every word changed, every encoding is larger
+    compared: list[int] = []
+    real = detect.diff
+
+    def counted(*args: object) -> object:
+        compared.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(detect, "diff", counted)
+    pull.sync(images, 1, None)
+
+    def everything() -> None:
+        for t in pull.src:
+            t.view(-1).view(torch.uint8).add_(1)
+
+    kinds = []
+    for sync in range(2, 7):
+        everything()
+        kinds.append((pull.sync(images, sync, sync - 1), len(compared), pull.landed()))
+        if sync == 2:
+            assert images.take_counts()["pulls.dense_by_size"] == 1
+    assert kinds == [
+        (Encoding.DENSE, 1, True),  # compared: dense by size, compare again after 1 sync
+        (Encoding.DENSE, 1, True),  # dense up front, image refreshed
+        (Encoding.DENSE, 2, True),  # compared: dense by size again, wait 2
+        (Encoding.DENSE, 2, True),  # dense up front, image not refreshed
+        (Encoding.DENSE, 2, True),  # dense up front, image refreshed
+    ]
+    pull.src[0][1, 1] += 1.0
+    assert pull.sync(images, 7, 6) is Encoding.INDEX and pull.landed() and len(compared) == 3
 
 
 def test_pulls_the_engine_quantizes_always_go_dense() -> None:
@@ -140,5 +185,5 @@ def test_summary_adds_up_every_trainer_rank() -> None:
     a = {"dense_bytes": 100, "sent_bytes": 10, "pulls.index": 1, "changed.experts": 3, "words.experts": 50}
     b = {"dense_bytes": 100, "sent_bytes": 30, "pulls.dense": 1, "changed.experts": 2, "words.experts": 50}
     s = summary([a, b])
-    assert s["ratio"] == 0.2 and s["pulls"] == {"dense": 1, "index": 1, "bitmap": 0}
+    assert s["ratio"] == 0.2 and s["pulls"] == {"dense": 1, "index": 1, "gaps": 0, "bitmap": 0}
     assert s["changed_fraction"] == {"experts": 0.05} and summary([{}]) == {}
