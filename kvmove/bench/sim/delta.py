@@ -1,15 +1,16 @@
 """Delta syncs priced: the changed fraction per region class as a parameter, the bytes from the encoding's owner.
 
-A delta sync (``kvmove sync-weights --delta``, ``docs/delta-sync.md``) packs every packed pull densely as usual,
-compares it with the image the trainer last served (a device-memory pass over the payload), sends the smallest
-encoding of the changed words, and the engine applies it through the pull's landing program (one more pass over
-the pull's bytes). So the traffic of a delta sync is the dense traffic with, per engine rank and group:
+A delta sync (``kvmove sync-weights --delta``, ``docs/delta-sync.md``) compares each packed pull's source regions
+with the image the trainer last served (a device-memory pass over the pull's bytes, its source and the image),
+sends the smallest encoding of the changed words, and the engine scatters them straight into its parameters. So
+the traffic of a delta sync is the dense traffic with, per engine rank and group:
 
 - the wire bytes of its pulls from :func:`kvmove.sync.delta.encoding.delta_bytes` (the rule's owner: the smallest
   encoding, never more than dense) at the changed fraction of the words those pulls carry, the fraction weighted
   over the region classes of ``kvmove.sync.delta.detect.region_class`` that make up the pulls;
-- a detection pass over every byte the trainer packs (``detect``), paid whatever encoding wins;
-- an apply pass over the bytes of every pull that went as a delta (``apply``), none for pulls that went dense.
+- a detection pass over every byte the trainer would pack (``detect``), paid whatever encoding wins;
+- an apply pass for every pull that went as a delta (``apply``), priced over the pull's bytes at the rate the
+  delta suite measures; none for pulls that went dense.
 
 Which pulls can go as a delta is the sync's rule: packed pulls only (direct reads are planned packed under
 ``--delta``), never a broadcast, never pulls the engine quantizes itself. The rates of the two passes are costs

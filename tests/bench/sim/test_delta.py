@@ -49,10 +49,11 @@ def test_delta_bytes_come_from_the_encodings_owner_and_never_exceed_dense() -> N
         p = _at(f)
         assert p.bytes_moved <= dense.bytes_moved * (1 + 1e-12), f
         assert p.seconds >= p.speed_of_light_seconds * (1 - 1e-9)
-    # one region of a pull's size at 2%: the owner's smallest encoding (index list: 3 bytes per changed 2-byte word)
+    # one region of a pull's size at 2%: the owner's smallest encoding (gaps: a 16-bit gap and the 2-byte word per
+    # changed word)
     each = 2 * 10**6
-    assert delta_bytes(each, 0.02) == pytest.approx(0.06 * each, rel=1e-3)
-    assert _at(0.02).bytes_moved == pytest.approx(0.06 * dense.bytes_moved, rel=0.02)
+    assert delta_bytes(each, 0.02) == pytest.approx(0.04 * each, rel=1e-3)
+    assert _at(0.02).bytes_moved == pytest.approx(0.04 * dense.bytes_moved, rel=0.02)
 
 
 def test_monotone_in_the_changed_fraction_and_within_five_percent_of_dense_where_the_link_binds() -> None:
