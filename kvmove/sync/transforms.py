@@ -121,6 +121,7 @@ class Lander:
         self._ready: list[int] = []
         self._programs: dict[Hashable, Program] = {}
         self._targets: dict[Hashable, Any] = {}
+        self._accepts: dict[Hashable, bool] = {}
 
     @property
     def pending_covers(self) -> int:
@@ -162,6 +163,20 @@ class Lander:
             self._quantize_ready()
         if buf.is_cuda:  # the slot is reusable, and the time real, only once the copies ran
             torch.cuda.current_stream(buf.device).synchronize()
+
+    def accepts_delta(self, entries: Sequence[Entry], key: Hashable | None = None) -> bool:
+        """Whether a delta of ``entries`` (one pull's; ``key`` caches the answer) can be written into the
+        parameters: every part lands by a byte copy into a parameter that holds the last synced bytes."""
+        if key is not None and key in self._accepts:
+            return self._accepts[key]
+        try:
+            self.destinations(entries)
+            ok = True
+        except ValueError:
+            ok = False
+        if key is not None:
+            self._accepts[key] = ok
+        return ok
 
     def destinations(self, entries: Sequence[Entry]) -> list[torch.Tensor]:
         """Each part of ``entries`` (in payload order) as the parameter view it lands in: what a delta of them is

@@ -165,6 +165,11 @@ class StagedLander(Lander):
         super().reset()
         self.stager.begin(self.expected)
 
+    def accepts_delta(self, entries: Sequence[Entry], key: Hashable | None = None) -> bool:
+        """A delta lands only in parameters vLLM serves as loaded (no unit): a staged unit's window does not hold
+        the live bytes a delta patches, so such pulls are asked for whole."""
+        return all(self.unit_of(e) is None for e in entries) and super().accepts_delta(entries, key)
+
     def _chunks(self, entries: Sequence[Entry], buf: torch.Tensor) -> list[tuple[str | None, list[Any]]]:
         views = iter(part_views(buf, [n for e in entries for n in e.sizes]))
         chunks: list[tuple[str | None, list[Any]]] = []
@@ -191,8 +196,13 @@ class StagedLander(Lander):
     def land(
         self, entries: Sequence[Entry], buf: torch.Tensor, key: Hashable | None = None, patch: object | None = None
     ) -> None:
-        if patch is not None:  # a delta (kvmove.sync.delta) patches a whole pull; staging lands it unit by unit
-            raise KvmoveError("kvmove staging: delta pulls (--delta) do not land through the vLLM backend yet")
+        if patch is not None:  # a delta (kvmove.sync.delta): asked for only where no part is staged (accepts_delta)
+            if not self.accepts_delta(entries):
+                raise KvmoveError(
+                    "kvmove staging: a delta of a pull with staged parameters cannot land (it is asked dense)"
+                )
+            super().land(entries, buf, key, patch)  # type: ignore[arg-type]
+            return
         for k, (unit, items) in enumerate(self._chunks(entries, buf)):
             program = self._programs.get((key, k)) if key is not None else None
             if program is None:

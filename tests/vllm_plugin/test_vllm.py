@@ -254,3 +254,21 @@ def _layer_bytes(cfg: Any) -> dict[int, int]:
         if (layer := layer_of(t.name)) is not None:
             out[layer] = out.get(layer, 0) + t.nbytes
     return out
+
+
+def test_delta_syncs_into_vllm_verify_with_staged_pulls_asked_for_whole(vllm_ray: Any) -> None:
+    # AdamW at an RL learning rate between syncs: after the first (dense) sync, pulls whose parameters vLLM serves
+    # as loaded may come as deltas; pulls landing in staged units (packed on CPU) are asked for whole. Every sync
+    # is verified against vLLM's own loader fed the stepped checkpoint.
+    from kvmove.sync.delta.stepping import AdamwStep, SteppedSource
+    from kvmove.sync.driver.run import run_syncs
+
+    config = _config("qwen2-vllm", "v3", syncs=3, delta=True, source=SteppedSource(AdamwStep(lr=1e-6)))
+    results = list(run_syncs(config))
+    assert [r.verified for r in results] == [True, True, True], [r.mismatches for r in results]
+    assert results[0].delta["ratio"] == 1.0
+    for r in results[1:]:
+        assert 0 < r.delta["ratio"] <= 1.0, r.delta
+        pulls = r.delta["pulls"]
+        # on CPU vLLM packs almost every parameter (staged: whole); the ones it serves as loaded came as deltas
+        assert pulls["dense"] >= 1 and pulls["index"] + pulls["gaps"] + pulls["bitmap"] >= 1, r.delta

@@ -35,8 +35,10 @@ class Trainer:
     def __init__(self, specs: dict[int, Any], weights: dict[str, torch.Tensor]) -> None:
         self.specs, self.weights, self.slots = specs, weights, {}
         self.recv: list[torch.Tensor] = []
+        self.dense: dict[int, bool] = {}
 
-    def request(self, trainer: int, sync_id: int, pull_id: int) -> Any:
+    def request(self, trainer: int, sync_id: int, pull_id: int, dense: bool = False) -> Any:
+        self.dense[pull_id] = dense
         return trainer, pull_id
 
     def wait(self, handle: Any) -> Packed:
@@ -94,7 +96,27 @@ def _sync(strategy: str, trainer: str = "tp=1", budget: int = 0) -> Any:
     want = {p.name: torch.zeros(p.shape, dtype=p.dtype) for p in plan.params}
     for r in plan.regions:
         r.dst.apply(want[r.param]).copy_(replay(r.ops, weights[r.hf_name]))
+    _SEEN.update(requested=client.dense, pulls=bp.pulls[s.name][0], plan=plan)
     return live, want, committed, units, stager
+
+
+_SEEN: dict[str, Any] = {}
+
+
+def test_pulls_with_staged_parameters_are_asked_for_whole_and_the_rest_may_come_as_deltas() -> None:
+    # a delta patches the bytes a parameter holds; a staged unit's window does not hold the live bytes, so the
+    # engine asks the trainer for those pulls whole (the trainer then refreshes its image of them)
+    _sync("v1")
+    pulls, plan, requested = _SEEN["pulls"], _SEEN["plan"], _SEEN["requested"]
+    assert pulls.plan is not None
+    staged_pull = {}
+    for i, pull in enumerate(pulls.pulls):
+        if not pull.direct:
+            regions = [r for k in pull.entries for r in pulls.plan.entries[k].regions]
+            staged_pull[i] = any(plan.regions[r].param in plan.staged for r in regions)
+    assert set(requested) == set(staged_pull)
+    assert requested == staged_pull, "dense exactly where a pull lands in a staged unit"
+    assert any(staged_pull.values()) and not all(staged_pull.values()), "the model has both kinds"
 
 
 @pytest.mark.parametrize("strategy", ["v1", "v3"])

@@ -185,6 +185,9 @@ class Pack(Command):
     engine: int
     pull_id: int
     timeout_s: float
+    dense: bool = False
+    """Serve the whole payload, whatever a delta sync would choose: the engine cannot land a delta of this pull
+    (``kvmove.sync.transforms.Lander.accepts_delta``); the trainer's image of it is refreshed."""
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,9 @@ from kvmove.sync.transforms import Lander
 class TrainerClient(Protocol):
     """How an engine rank reaches trainer ranks: control by address (pack, finish), bytes by the transport."""
 
-    def request(self, trainer: int, sync_id: int, pull_id: int) -> Any:
-        """Ask ``trainer`` to pack pull ``pull_id``; returns a handle for :meth:`wait` (does not block)."""
+    def request(self, trainer: int, sync_id: int, pull_id: int, dense: bool = False) -> Any:
+        """Ask ``trainer`` to pack pull ``pull_id`` (``dense``: whole, even in a delta sync); returns a handle for
+        :meth:`wait` (does not block)."""
 
     def wait(self, handle: Any) -> Packed:
         """The slot and size of a requested pull, once the trainer has packed it."""
@@ -160,7 +161,13 @@ class _PullLoop:
         self.pending = deque((i, self._request(i)) for i in self.packed[: self.depth])
 
     def _request(self, i: int) -> Any:
-        return self.client.request(self.pulls.pulls[i].trainer, self.sync_id, i)
+        pull = self.pulls.pulls[i]
+        dense = not self.lander.accepts_delta(self._entries(pull), key=i)
+        return self.client.request(pull.trainer, self.sync_id, i, dense)
+
+    def _entries(self, pull: Pull) -> list[Entry]:
+        assert self.pulls.plan is not None
+        return [self.pulls.plan.entries[k] for k in pull.entries]
 
     def _direct(self, i: int) -> tuple[int, Sequence[tuple[str, Any]]]:
         return self.pulls.pulls[i].trainer, self.pulls.pulls[i].direct
@@ -188,8 +195,7 @@ class _PullLoop:
         # NOTE: pulls are bucketed by (group, trainer), so this one pull is all of the group from it
         self.client.finish(pull.trainer, self.sync_id, pull.group, packed.slot)
         self.received += packed.nbytes
-        assert self.pulls.plan is not None
-        entries = [self.pulls.plan.entries[k] for k in pull.entries]
+        entries = self._entries(pull)
         patch = Patch.of(packed.encoding, packed.changed, [n for e in entries for n in e.sizes])
         if patch is not None and not patch.changed:  # nothing changed: the parameters hold this payload already
             return

@@ -46,8 +46,8 @@ class TrainerLinks:
             self.close()
             raise
 
-    def request(self, trainer: int, sync_id: int, strategy: str, pull_id: int) -> int:
-        self.packs[trainer].send(Pack(sync_id, strategy, self.engine, pull_id, self.timeout_s))
+    def request(self, trainer: int, sync_id: int, strategy: str, pull_id: int, dense: bool = False) -> int:
+        self.packs[trainer].send(Pack(sync_id, strategy, self.engine, pull_id, self.timeout_s, dense))
         return trainer
 
     def wait(self, handle: int) -> Packed:
@@ -138,8 +138,8 @@ class _Client:
     def __init__(self, links: TrainerLinks, reader: ByteReader, strategy: str) -> None:
         self.links, self.reader, self.strategy = links, reader, strategy
 
-    def request(self, trainer: int, sync_id: int, pull_id: int) -> Any:
-        return self.links.request(trainer, sync_id, self.strategy, pull_id)
+    def request(self, trainer: int, sync_id: int, pull_id: int, dense: bool = False) -> Any:
+        return self.links.request(trainer, sync_id, self.strategy, pull_id, dense)
 
     def wait(self, handle: Any) -> Packed:
         return self.links.wait(handle)

@@ -205,8 +205,11 @@ class TrainerRank:
             state.released.add(group)
 
     # -- called by engine ranks (other threads) -------------------------------------------------------------
-    def pack(self, sync_id: int, strategy: str, engine: int, pull_id: int, timeout_s: float = 60.0) -> Packed:
-        """Pack pull ``pull_id`` of ``engine`` into a free slot once its group is materialized."""
+    def pack(
+        self, sync_id: int, strategy: str, engine: int, pull_id: int, timeout_s: float = 60.0, dense: bool = False
+    ) -> Packed:
+        """Pack pull ``pull_id`` of ``engine`` into a free slot once its group is materialized (``dense``: the whole
+        payload even in a delta sync)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             key = (strategy, engine, pull_id)
@@ -234,7 +237,7 @@ class TrainerRank:
         try:
             packing = self._programs.get((strategy, engine, pull_id, slot)) or pack_program(buf, specs, held)
             with self._streams.on(buf, slot) as stream:  # one stream per slot: packs of two slots overlap
-                coded = self._serve(state, (strategy, engine, pull_id), packing, buf, specs)
+                coded = self._serve(state, (strategy, engine, pull_id), packing, buf, specs, dense)
                 if stream is not None and (coded is not None or not packing.program.quantize):
                     stream.synchronize()  # a reader elsewhere sees finished bytes
         except Exception:
@@ -257,14 +260,17 @@ class TrainerRank:
         packing: PackProgram,
         buf: torch.Tensor,
         specs: Sequence[ServeSpec],
+        dense: bool = False,
     ) -> Coded | None:
         """Pack pull ``key`` into ``buf``: densely (its program's one synchronization, if it quantized), or in a
-        delta sync as ``kvmove.sync.delta.detect`` chooses (None: the sync is dense)."""
+        delta sync as ``kvmove.sync.delta.detect`` chooses (None: the sync is dense). A pull the engine asked for
+        ``dense`` is served against no base: whole, its image refreshed."""
         sync = state.sync
         if sync.delta is None:
             packing.program.run()
             return None
-        return self.images.serve(key, packing.program, buf, specs, sync.sync_id, sync.delta.get(key[1]))
+        base = None if dense else sync.delta.get(key[1])
+        return self.images.serve(key, packing.program, buf, specs, sync.sync_id, base)
 
     def _held(self, state: _State, group: int, spec: ServeSpec) -> Held:
         """What ``spec`` is served from: this rank's raw shard, or the tensor it materialized for ``group``."""

@@ -139,7 +139,7 @@ class TrainerHost(Host):
     @handles(Pack)
     def pack(self, command: Pack) -> Packed:
         c = command
-        return self.serving.pack(c.sync_id, c.strategy, c.engine, c.pull_id, c.timeout_s)
+        return self.serving.pack(c.sync_id, c.strategy, c.engine, c.pull_id, c.timeout_s, c.dense)
 
     @handles(Finish)
     def finish(self, command: Finish) -> None:
