@@ -14,7 +14,7 @@ from typing import Annotated, NamedTuple
 import typer
 
 from kvmove import __version__
-from kvmove.cli import bench, migrate, models, serve, streams, sync
+from kvmove.cli import bench, check, migrate, models, serve, streams, sync
 from kvmove.errors import JobFailed, KvmoveError
 
 OK, FAILED, USAGE, INTERRUPTED, BROKEN_PIPE = 0, 1, 2, 130, 141
@@ -30,6 +30,7 @@ app.command("sync-weights")(streams.owns_stdout(sync.sync_weights))
 app.add_typer(bench.app, name="bench")
 app.command("serve")(streams.owns_stdout(serve.serve))
 app.command("migrate")(streams.owns_stdout(migrate.migrate))
+app.add_typer(check.app, name="check")
 
 
 def _print_version(value: bool) -> None:

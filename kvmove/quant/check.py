@@ -1,7 +1,7 @@
 """Cross-backend check of the block-FP8 quantizer: the same bits from every backend on hard inputs, and speed.
 
-``python -m kvmove.quant`` runs it (on a GPU machine: CPU torch vs CUDA torch vs Triton; no Ray, no pytest) and
-prints one JSON object; ``tests/quant`` runs the same cases.
+``kvmove check quant`` (or ``python -m kvmove.quant``, a thin call into it) runs it (on a GPU machine: CPU torch vs
+CUDA torch vs Triton; no Ray, no pytest) and prints one JSON object; ``tests/quant`` runs the same cases.
 """
 
 from __future__ import annotations
@@ -142,3 +142,48 @@ def check_backends() -> list[BackendCheck]:
                 got = quantize_triton(x.to(device), BLOCK, variant)
                 rows.append(BackendCheck(case, f"triton:{variant}", device, same_bits(got, want)))
     return rows
+
+
+class QuantReport(NamedTuple):
+    """``kvmove check quant``: every comparison with the CPU bits, the fast variant's proofs (on a GPU) and speeds."""
+
+    torch: str
+    device: str
+    backends: list[str]
+    checks: list[dict[str, object]]
+    all_equal: bool
+    proofs: list[dict[str, object]]
+    proven: bool
+    copy_gbps: float
+    """The same run's device-copy rate (GB/s read + written); 0 without a GPU."""
+    throughput: list[dict[str, object]]
+    """Each backend and variant's GB/s and fraction of ``copy_gbps`` (``kvmove.quant.speed.Throughput``)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.all_equal and self.proven
+
+
+def report() -> QuantReport:
+    """The whole check: every backend and variant against the CPU bits, on a GPU the exhaustive proofs of the fast
+    Triton variant's shortcuts, and the quantizer's GB/s against the same run's device-copy rate."""
+    from kvmove.quant.speed import measure
+
+    checks = check_backends()
+    proofs = []
+    if torch.cuda.is_available() and ("triton", "cuda") in available_backends():
+        from kvmove.quant.exhaustive import prove_all
+
+        proofs = [p._asdict() for p in prove_all()]
+    copy, throughput = measure()
+    return QuantReport(
+        torch.__version__,
+        torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        [f"{b}/{d}" for b, d in available_backends()],
+        [c._asdict() for c in checks],
+        all(c.equal for c in checks),
+        proofs,
+        all(p["mismatches"] == 0 for p in proofs),
+        copy,
+        [t._asdict() for t in throughput],
+    )

@@ -1,12 +1,12 @@
 """Micro-check of the CUDA copy executors on a pipeline-stage -> tensor-parallel shaped plan (GPU, < 1 minute).
 
-``python -m kvmove.transport.copy_check`` builds what an engine
-tp=2 rank reads from a pp=2 trainer's arena for one MoE layer's down projections: each expert's ``(4096, 1536)``
-bf16 matrix split on its columns, so 4096 rows of 1536 bytes at a 3072-byte pitch per expert (128 experts: 0.8
-GB in narrow rows), plus whole-tensor 1-D copies (0.5 GB). Each executor of ``kvmove.transport.executors`` runs
-it inside one GPU (and, with two GPUs, from the other one: a peer read), and so does the split the executor rule
-makes (what cuda-ipc runs), each checked equal to torch's strided copies and timed over a few runs; a plain
-contiguous device copy of as many bytes is the ceiling. Prints one line each, then ``all_equal``.
+``kvmove check copy`` builds what an engine tp=2 rank reads from a pp=2 trainer's arena for one MoE layer's down
+projections: each expert's ``(4096, 1536)`` bf16 matrix split on its columns, so 4096 rows of 1536 bytes at a
+3072-byte pitch per expert (128 experts: 0.8 GB in narrow rows), plus whole-tensor 1-D copies (0.5 GB). Each
+executor of ``kvmove.transport.executors`` runs it inside one GPU (and, with two GPUs, from the other one: a peer
+read), and so does the split the executor rule makes (what cuda-ipc runs), each checked equal to torch's strided
+copies and timed over a few runs; a plain contiguous device copy of as many bytes is the ceiling. Prints one line
+each, then ``all_equal``.
 """
 
 from __future__ import annotations
@@ -116,18 +116,3 @@ def plan_summary() -> str:
     spans, _, _ = stage_to_tp_spans()
     plan: CopyPlan = plan_copies(spans)
     return f"{len(spans)} spans -> {plan.ncopies} copies ({len(plan.strided)} 2-D), {plan.nbytes / 1e9:.2f} GB"
-
-
-def main() -> None:
-    if not torch.cuda.is_available():
-        raise SystemExit("the copy check needs a CUDA GPU")
-    print(f"pp=2 -> tp=2 shaped plan: {plan_summary()}")
-    pairs = [("cuda:0", "cuda:0")] + ([("cuda:1", "cuda:0")] if torch.cuda.device_count() > 1 else [])
-    rows = [r for s, d in pairs for r in check(s, d)]
-    for r in rows:
-        print(f"{r.where} {r.executor}: {r.seconds * 1e3:.2f} ms, {r.gbps:.1f} GB/s, equal={r.equal}")
-    print(f"all_equal={all(r.equal for r in rows)}")
-
-
-if __name__ == "__main__":
-    main()

@@ -9,7 +9,7 @@ tensor; unified addressing lets a program read a peer GPU's memory as well, wher
 launch serves every read of a batch, whatever buffers they touch. Descriptor tables are uploaded once per plan
 (:class:`TritonCopies` is built at warm start) and each run is just the launches.
 
-Imported lazily (kvmove works without triton). ``python -m kvmove.transport.copy_check`` runs a micro-check on a
+Imported lazily (kvmove works without triton). ``kvmove check copy`` runs a micro-check on a
 GPU: a pp=2 -> tp=2 shaped plan (row-parallel halves of MoE down projections) by the driver's copy engine and by
 this kernel, each checked equal to torch's copy, with their GB/s.
 """

@@ -203,7 +203,8 @@ def test_rounding_is_to_nearest_even() -> None:
 
 
 def test_check_command_runs_on_cpu(capsys) -> None:
-    """``python -m kvmove.quant`` (the GPU check) on a CPU-only machine: torch/cpu only, nothing to compare."""
+    """``kvmove check quant`` (the GPU check; ``python -m kvmove.quant`` calls it) on a CPU-only machine: torch/cpu
+    only, nothing to compare, one JSON line."""
     import json
 
     from kvmove.quant.__main__ import main
@@ -211,5 +212,16 @@ def test_check_command_runs_on_cpu(capsys) -> None:
     if torch.cuda.is_available():
         pytest.skip("on a GPU the command compares real backends (tests/quant/test_fp8_gpu.py)")
     assert main() == 0
-    report = json.loads(capsys.readouterr().out)
+    (line,) = capsys.readouterr().out.splitlines()
+    report = json.loads(line)
     assert report["backends"] == ["torch/cpu"] and report["checks"] == [] and report["throughput"] == []
+    assert report["ok"] is True
+
+
+def test_the_copy_check_refuses_a_machine_without_a_gpu_in_one_line(capsys) -> None:
+    from kvmove.cli.main import run
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the copy check runs (tests/transport/test_cuda_copies.py)")
+    assert run(["check", "copy"]) == 2
+    assert capsys.readouterr().err.strip() == "kvmove: error: kvmove check copy needs a CUDA GPU"
