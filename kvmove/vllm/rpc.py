@@ -8,17 +8,20 @@ cross vLLM's msgpack: a NamedTuple arrives as a plain list (the caller rebuilds 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from kvmove.vllm.verify import Checked
 
 
 def verify_worker(worker: Any, seed: int, version: int) -> list[str]:
     """The keys where what the live model computes with differs from vLLM's own loader and processing fed
     kvmove's seeded checkpoint of ``version`` (``kvmove.models.weights.seeded_checkpoint``; what ``--verify``
     checks); empty when bit-exact."""
-    return list(verify_report(worker, seed, version)[0])
+    return list(verify_report(worker, seed, version).bad)
 
 
-def verify_report(worker: Any, seed: int, version: int) -> tuple[list[str], int]:
+def verify_report(worker: Any, seed: int, version: int) -> Checked:
     """:func:`verify_worker`'s keys and how many keys were compared."""
     from kvmove.models.weights import seeded_checkpoint
     from kvmove.vllm.join import served_model
@@ -27,7 +30,7 @@ def verify_report(worker: Any, seed: int, version: int) -> tuple[list[str], int]
     return worker.weight_transfer_engine.check(weights)
 
 
-def verify_saved(worker: Any, directory: str) -> tuple[list[str], int]:
+def verify_saved(worker: Any, directory: str) -> Checked:
     """The keys where what the live model computes with differs from vLLM's own loader and processing fed the
     checkpoint a trainer saved in ``directory`` (``save_pretrained``'s safetensors), and how many were compared."""
     from kvmove.models.weights import saved_checkpoint
@@ -37,7 +40,7 @@ def verify_saved(worker: Any, directory: str) -> tuple[list[str], int]:
     return worker.weight_transfer_engine.check(weights)
 
 
-def check_weights(worker: Any, checkpoint: bytes) -> tuple[list[str], int]:
+def check_weights(worker: Any, checkpoint: bytes) -> Checked:
     """:func:`verify_saved` against a full HF checkpoint sent along, in safetensors' bytes (:func:`pack`: tensors
     in a ``collective_rpc`` argument do not survive vLLM's msgpack as tensors)."""
     from safetensors.torch import load

@@ -44,7 +44,7 @@ from kvmove.vllm.join import join, served_model
 from kvmove.vllm.session import BackendError, Session, close_session, open_session, session, staging_plan
 from kvmove.vllm.stage import Staging, staged_params
 from kvmove.vllm.staging import Budget
-from kvmove.vllm.verify import computed_state, mismatches
+from kvmove.vllm.verify import Checked, computed_state, mismatches
 
 
 @dataclass
@@ -223,7 +223,7 @@ class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo
         s.memory = staging.memory(recv)
         s.finish_seconds = time.perf_counter() - start
 
-    def check(self, weights: dict[str, torch.Tensor]) -> tuple[list[str], int]:
+    def check(self, weights: dict[str, torch.Tensor]) -> Checked:
         """Keys where the live model computes with other bits than vLLM's loader and processing make of
         ``weights`` on a fresh model (kvmove.vllm.verify), and how many keys were compared."""
         s = self._session()
@@ -231,7 +231,7 @@ class KvmoveTransferEngine(WeightTransferEngine[KvmoveInitInfo, KvmoveUpdateInfo
         assert s.reference is not None
         with torch.no_grad():
             got = computed_state(live)
-            return mismatches(got, computed_state(s.reference(weights.items()))), len(got)
+            return Checked(mismatches(got, computed_state(s.reference(weights.items()))), len(got))
 
     def current(self) -> Session:
         """This engine's session (a RuntimeError before init or after shutdown)."""

@@ -12,7 +12,7 @@ the weight's dtype, which is lossless). The same read-back runs on the engine's 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -61,6 +61,16 @@ def computed_state(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, module, width in linear_modules(model):
         out[name + READ_SUFFIX] = read_back(module, width)
     return out
+
+
+class Checked(NamedTuple):
+    """A worker's check of its live model against vLLM's loader and processing of a checkpoint (crosses vLLM's
+    msgpack as a plain list: unpack it positionally or rebuild it with ``Checked(*reply)``)."""
+
+    bad: list[str]
+    """Keys computed with other bits (or present on one side only); empty when bit-exact."""
+    compared: int
+    """Keys compared."""
 
 
 def mismatches(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:

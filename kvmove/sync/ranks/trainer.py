@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -51,14 +52,23 @@ def open_trainer_rank(
     rank: int,
     deadline_s: float = 60.0,
     device: str = "cpu",
-) -> tuple[TrainerRank, TrainerEndpoint]:
+) -> OpenedTrainer:
     """Init step 5 on the trainer side, once: allocate and register ``count`` serve slots of ``nbytes`` per
     strategy, and the source's arena (if it has one) for direct pulls."""
     slots = {s: [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(k)] for s, (k, n) in sizes.items()}
     descs = {s: [transport.register(t) for t in ts] for s, ts in slots.items()}
     arena = source.arena()
     arena_desc = transport.register(arena[0]) if arena is not None else None
-    return TrainerRank(source, slots, rank, deadline_s), TrainerEndpoint(transport.endpoint_info(), descs, arena_desc)
+    return OpenedTrainer(
+        TrainerRank(source, slots, rank, deadline_s), TrainerEndpoint(transport.endpoint_info(), descs, arena_desc)
+    )
+
+
+class OpenedTrainer(NamedTuple):
+    """A trainer rank's serving side and the endpoint engine ranks read it through."""
+
+    rank: TrainerRank
+    endpoint: TrainerEndpoint
 
 
 class TrainerRank:
