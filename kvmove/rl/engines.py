@@ -116,11 +116,12 @@ class VllmEngines:
 
     def close(self) -> None:
         """Release the weight-transfer side of every engine, then stop the engines; idempotent."""
+        for llm in self.llms:  # NOTE: the transfer sides first, while the trainer side they were joined to is up
+            with contextlib.suppress(Exception):  # an engine whose transfer side never started releases nothing
+                llm.shutdown_weight_transfer_engine()
         if getattr(self, "_server", None) is not None:
             self._server.close()
         for llm in self.llms:
-            with contextlib.suppress(Exception):  # an engine whose transfer side never started releases nothing
-                llm.shutdown_weight_transfer_engine()
             llm.llm_engine.engine_core.shutdown(timeout=ENGINE_SHUTDOWN_S)
         self.llms = []
         self._dir.cleanup()

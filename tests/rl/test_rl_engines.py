@@ -30,12 +30,28 @@ class _LLM:
         self.calls.append(("transfer",))
 
 
+class _Server:
+    def __init__(self, calls: list[Any]) -> None:
+        self.calls = calls
+
+    def close(self) -> None:
+        self.calls.append(("server",))
+
+
 def test_close_gives_each_engine_core_longer_than_its_worker_may_take() -> None:
+    # the transfer sides are released while the trainer side they joined is still served, then the cores stop
     calls: list[Any] = []
     engines = object.__new__(VllmEngines)
     engines.llms = [_LLM(calls), _LLM(calls)]
+    engines._server = _Server(calls)
     engines._dir = tempfile.TemporaryDirectory(prefix="kvmove-test-")
     engines.close()
-    assert calls == [("transfer",), ("core", ENGINE_SHUTDOWN_S)] * 2
+    assert calls == [
+        ("transfer",),
+        ("transfer",),
+        ("server",),
+        ("core", ENGINE_SHUTDOWN_S),
+        ("core", ENGINE_SHUTDOWN_S),
+    ]
     assert ENGINE_SHUTDOWN_S > VLLM_WORKER_GRACE_S + VLLM_SIGTERM_WAIT_S + 5
     assert engines.llms == []

@@ -13,6 +13,7 @@ import contextlib
 import os
 import weakref
 from collections.abc import Sequence
+from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_connections
 from typing import Any
@@ -39,6 +40,9 @@ def serve_rank(host_cls: type[Host], spec: RankSpec, pipe: Any) -> None:
     with contextlib.suppress(EOFError, OSError):
         pipe.recv()  # NOTE: returns (or raises EOFError) when the driver stops this rank or exits
     host.close()
+    # NOTE: os._exit skips interpreter shutdown, so run multiprocessing's finalizers first: they unlink what the rank's
+    # libraries registered with the resource tracker (a semaphore tqdm makes when save_pretrained shows progress)
+    mp_util._run_finalizers(0)  # type: ignore[attr-defined]
     os._exit(0)  # transport and process-group threads may still be blocked on peers that are gone
 
 

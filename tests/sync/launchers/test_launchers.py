@@ -138,3 +138,43 @@ def test_colocated_placement_syncs_verified_with_reads_on_and_off_the_device(
         assert r.link_bytes["local_bytes"] + r.link_bytes["cross_bytes"] == r.bytes
     row = sync_row(config, results[-1])
     assert row.extra["placement"] == "colocated" and row.extra["engine_devices"] == ["cpu"]
+
+
+_LOCK_HOLDING_RANK = '''
+import multiprocessing as mp
+from kvmove.sync.launchers.processes import serve_rank
+
+class LockHolder:
+    """A rank whose libraries made a tracked semaphore (as tqdm does in save_pretrained) and never freed it."""
+
+    address = ("127.0.0.1", 0)
+
+    def __init__(self, spec):
+        self.lock = mp.get_context("spawn").RLock()
+
+    def close(self):
+        pass
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    rank = ctx.Process(target=serve_rank, args=(LockHolder, None, child))
+    rank.start()
+    assert parent.recv() == ("127.0.0.1", 0)
+    parent.send("stop")
+    rank.join(60)
+    print(rank.exitcode)
+'''
+
+
+def test_a_rank_process_unlinks_what_it_registered_with_the_resource_tracker(tmp_path: Path) -> None:
+    # a rank ends with os._exit (its transport threads may be blocked on peers that are gone), which skips the
+    # finalizers that unlink semaphores and shared memory: the resource tracker would warn of leaks at exit
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank.py"
+    script.write_text(_LOCK_HOLDING_RANK)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "0", done.stderr[-2000:]
+    assert "leaked" not in done.stderr, done.stderr[-2000:]
