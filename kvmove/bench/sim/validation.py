@@ -128,4 +128,4 @@ def summary(checks: list[Check], own: list[OwnCheck] | None = None) -> dict[str,
 def orders(checks: list[Check]) -> list[tuple[str, str, bool]]:
     """Each published order (slower figure, faster figure) and whether the predictions keep it."""
     by_key = {c.figure.key: c.predicted for c in checks}
-    return [(a, b, by_key[a] > by_key[b]) for a, b in ORDERS if a in by_key and b in by_key]
+    return [(a, b, bool(by_key[a] > by_key[b])) for a, b in ORDERS if a in by_key and b in by_key]
