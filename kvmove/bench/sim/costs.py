@@ -88,6 +88,7 @@ SPECS: dict[str, CostSpec] = {
             "H200: 3.1 s / 48 decoder layers)",
         ),
         CostSpec("cold_s_per_byte", "s/B", "first (cold) sync: extra seconds per byte registered on a rank", 0.0),
+        CostSpec("sync_s", "s", "one sync's driver work outside every phase (commands out, results back)", 0.0),
         CostSpec(
             "nic_efficiency",
             "fraction",
