@@ -131,6 +131,11 @@ class Cluster:
         return self.nics_per_node * self.nic.nic_gbps / 8 * GB
 
     def label(self) -> str:
+        if self.gpu.name.rstrip("*") == "cpu":
+            return (
+                f"{self.gpus_per_node} CPU processes/node over loopback at {self.gpu.nvlink_gbps:.3g} GB/s, memory "
+                f"{self.gpu.hbm_gbps:.3g} GB/s"
+            )
         return (
             f"{self.gpus_per_node}x{self.gpu.name.upper()}/node, {self.nics_per_node}x{self.nic.nic_gbps:g} Gb/s NICs, "
             f"NVLink {self.gpu.nvlink_gbps:g} GB/s/dir, HBM {self.gpu.hbm_gbps:g} GB/s"

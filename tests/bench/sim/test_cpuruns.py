@@ -110,7 +110,7 @@ def test_a_cpu_host_needs_its_own_rates() -> None:
     with pytest.raises(KvmoveError, match="gpu=cpu has no vendor figures"):
         Cluster.parse("gpu=cpu")
     host = Cluster.parse("gpu=cpu,nvlink_gbps=3.5,hbm_gbps=7,pcie_gbps=3.5")
-    assert Cluster.parse(host.spec()) == host
+    assert Cluster.parse(host.spec()) == host and "CPU processes" in host.label()
 
 
 def test_repository_cpu_runs_are_judged(repo_validation) -> None:
