@@ -56,8 +56,9 @@ TRAINING: dict[str, tuple[str, ...]] = {
 }
 """Training figure (one per source) -> the parameters it informs: those that move its prediction by a factor of
 :data:`INFORMS` or more across their range (tests check both ways). Every other figure is held out. Three
-parameters move one source's figures only (the vLLM post's layer-wise reload, checkpoint-engine's loader, SkyRL's
-packed consumer): leaving that source out leaves them at their cited defaults."""
+parameters are informed by one training figure only (the vLLM post's layer-wise reload, checkpoint-engine's loader,
+SkyRL's packed consumer): leaving that source out leaves them at their cited defaults (``docs/simulator.md`` says
+what another choice of LMSYS's figure would give the loader)."""
 
 INFORMS = 3.0
 """A figure informs a parameter when its prediction at the parameter's high bound and at its low bound differ by
