@@ -221,7 +221,7 @@ def _damped_step(
     while damping < 1e8:
         lhs = a + damping * (np.diag(np.diag(a)) + 1e-9 * np.eye(len(a)))
         delta = np.zeros_like(x)
-        delta[movable] = np.linalg.solve(lhs, -grad[movable])
+        delta[movable] = np.linalg.lstsq(lhs, -grad[movable], rcond=None)[0]  # a flat direction moves nothing
         x_new = np.clip(x + delta, lo, hi)
         r_new = _residuals(_at(book, free, x_new), train)
         if float(r_new @ r_new) < loss:

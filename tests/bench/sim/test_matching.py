@@ -100,6 +100,7 @@ def test_validate_json_is_json_lines(monkeypatch, tmp_path) -> None:
     figures = [x for x in lines if x["kind"] == "figure"]
     assert [(x["figure"], x["role"]) for x in figures] == [("vllm-qwen3-v2", "training"), ("vllm-qwen3-v3", "held-out")]
     assert {x["kind"] for x in lines} == {"figure", "fitted", "order", "summary"}
+    assert all(x["kept"] is True for x in lines if x["kind"] == "order")  # JSON booleans, not strings
     assert lines[-1]["kind"] == "summary" and "held_out_median_abs_error_pct" in lines[-1]
 
 
