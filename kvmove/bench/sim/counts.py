@@ -20,7 +20,7 @@ from kvmove.models.layout import EngineLayout, TrainerLayout
 
 class Counts(NamedTuple):
     """Per sync, from the row's traffic: the busiest engine rank's pulls, the busiest trainer rank's served
-    pulls and yields, tensors in the checkpoint, and bytes one engine rank keeps."""
+    pulls, yields and collectives, tensors in the checkpoint, and bytes one engine rank keeps."""
 
     pulls: float
     calls: float
@@ -29,6 +29,9 @@ class Counts(NamedTuple):
     kept: float
     quant: float = 0.0
     """BF16 bytes the busiest trainer rank quantizes to FP8 (an FP8 engine, quantized on the trainer)."""
+    gathers: float = 0.0
+    """Collectives (all-gathers, broadcasts) the busiest trainer rank runs per sync, and the bytes they bring it."""
+    gathered: float = 0.0
 
 
 def row_counts(r: Any) -> Counts | None:
@@ -83,7 +86,15 @@ def _counts(
         tensors=float(model_totals(cfg).num_tensors),
         kept=float(t.total("engine", "kept").max()),
         quant=float(t.total("trainer", "quant").max()),
+        gathers=_busiest(t, 0),
+        gathered=_busiest(t, 1),
     )
+
+
+def _busiest(t: Traffic, which: int) -> float:
+    """The busiest trainer rank's collectives (``which`` 0) or collective bytes (1) over the sync."""
+    per_rank = [(pair[which] * t.count[:, None]).sum(axis=0) for pair in t.gather.values()]
+    return float(sum(per_rank).max()) if per_rank else 0.0
 
 
 def _layers_matching(cfg: Any, nbytes: int) -> Any:

@@ -27,6 +27,10 @@ _NV_HGX = "https://www.nvidia.com/en-us/data-center/hgx/"
 _H20 = "https://tweakers.net/nieuws/215984/nvidia-stelt-release-ai-chip-voor-chinese-markt-uit-naar-begin-2024.html"
 _H800 = "https://www.tomshardware.com/news/nvidia-gimps-h100-hopper-gpu-to-sell-as-h800-to-china"
 _CX7 = "https://docs.nvidia.com/networking/display/800GMMA4Z00NS/Overview"
+_HOST = (
+    "no vendor figures: ranks as processes of one host over loopback; its rates are its own run's, given as "
+    "nvlink_gbps (the link), hbm_gbps and pcie_gbps"
+)
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ GPUS: dict[str, Gpu] = {
         Gpu("h20", 4000, 450, 64, 96, f"{_H20} (96 GB HBM3, 4 TB/s; NVLink as H100's 900 GB/s)"),
         Gpu("h800", 3350, 200, 64, 80, f"{_H800} (H100 die, NVLink cut to 400 GB/s bidirectional)"),
         Gpu("b200", 8000, 900, 64, 180, f"{_NV_HGX}; {_MLC_B200} (180 GB HBM3e, NVLink5 1.8 TB/s per GPU)"),
+        Gpu("cpu", 0, 0, 0, 0, _HOST),
     )
 }
 
@@ -93,6 +98,11 @@ class Cluster:
         nic = _preset(NICS, values.pop("nic", "cx7-400"), "nic")
         numbers = {k: _number(text, k, v) for k, v in values.items()}
         gpu = _override(gpu, numbers, ("nvlink_gbps", "pcie_gbps", "hbm_gbps"))
+        if min(gpu.nvlink_gbps, gpu.pcie_gbps, gpu.hbm_gbps) <= 0:
+            raise KvmoveError(
+                f"cluster spec {text!r}: gpu={gpu.name.rstrip('*')} has no vendor figures: give nvlink_gbps, "
+                "hbm_gbps and pcie_gbps (its own measured rates)"
+            )
         nic = _override(nic, numbers, ("nic_gbps",))
         gpn = int(numbers.get("gpus_per_node", 8))
         return cls(gpu, nic, gpn, int(numbers.get("nics_per_node", gpn)))
@@ -121,6 +131,11 @@ class Cluster:
         return self.nics_per_node * self.nic.nic_gbps / 8 * GB
 
     def label(self) -> str:
+        if self.gpu.name.rstrip("*") == "cpu":
+            return (
+                f"{self.gpus_per_node} CPU processes/node over loopback at {self.gpu.nvlink_gbps:.3g} GB/s, memory "
+                f"{self.gpu.hbm_gbps:.3g} GB/s"
+            )
         return (
             f"{self.gpus_per_node}x{self.gpu.name.upper()}/node, {self.nics_per_node}x{self.nic.nic_gbps:g} Gb/s NICs, "
             f"NVLink {self.gpu.nvlink_gbps:g} GB/s/dir, HBM {self.gpu.hbm_gbps:g} GB/s"
@@ -145,6 +160,16 @@ def gpu_of_hardware(label: str) -> Gpu | None:
         if model.startswith(name) or model.endswith(name):
             return gpu
     return None
+
+
+def host_of_run(raw_gbps: float) -> Gpu:
+    """A CPU host as the sync suite measured it: its raw loopback read (``extra.raw_gbps``, GB/s) is the line rate
+    of its link and of a copy between its processes (a loopback read is that copy), so memory moves at twice it
+    (read plus write) and host<->"device" copies at it."""
+    host = GPUS["cpu"]
+    note = f"{host.source}; the run's raw loopback read: {raw_gbps:g} GB/s"
+    return dataclasses.replace(host, name="cpu*", hbm_gbps=2 * raw_gbps, nvlink_gbps=raw_gbps, pcie_gbps=raw_gbps,
+                               source=note)  # fmt: skip
 
 
 def _parse_pairs(text: str) -> dict[str, str]:

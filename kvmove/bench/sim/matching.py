@@ -10,7 +10,9 @@ Targets:
 - ``cluster``: the full-scale setups (GPUs of separate trainer and engine ranks, NVLink inside a node, NICs
   across): costs from disaggregated GPU rows (two GPUs), GPU ceilings and GPU micro-benchmarks;
 - ``one-gpu``: kvmove's own colocated syncs on one GPU (the matrix of ``kvmove bench run --suite gpu --gpus
-  1``): costs from colocated one-GPU rows, used to predict held-out one-GPU rows (``kvmove.bench.sim.ownruns``).
+  1``): costs from colocated one-GPU rows, used to predict held-out one-GPU rows (``kvmove.bench.sim.ownruns``);
+- ``cpu``: kvmove's syncs between CPU processes (``kvmove bench run --suite sync``): costs from CPU sync rows,
+  used to predict held-out CPU rows (``kvmove.bench.sim.cpuruns``).
 """
 
 from __future__ import annotations
@@ -160,10 +162,12 @@ CLUSTER: dict[str, Match] = {
     "broadcast_op_s": Match(("disaggregated",), ("nccl",)),
     "reload_layer_s": _NO_ROWS,
     "cold_s_per_byte": _DISAGG_SYNC,
+    "sync_s": _NO_ROWS,
 }
 """Full-scale targets: rows of separate GPUs only, and device-local passes measured on any GPU (FP8 quantization,
 delta detection and apply). The per-layer reload of a GPU engine is measured by no row of ours (the vLLM suite
-runs vLLM's CPU engine): it is fitted. The micro-benchmark's quantizer (``kvmove.bench.micro.quantize_blocks``,
+runs vLLM's CPU engine): it is fitted. A sync's driver work outside its phases (``sync_s``) is measured on CPU rows
+only so far, and kept at 0 for GPU targets. The micro-benchmark's quantizer (``kvmove.bench.micro.quantize_blocks``,
 pure torch) is not the sync's and sets nothing."""
 
 ONE_GPU: dict[str, Match] = {
@@ -182,4 +186,16 @@ ONE_GPU: dict[str, Match] = {
 }
 """kvmove's colocated one-GPU syncs: CUDA-IPC on one device is a device copy; costs from one-GPU rows."""
 
-TARGETS: dict[str, dict[str, Match]] = {"cluster": CLUSTER, "one-gpu": ONE_GPU}
+_CPU_SYNC = Match(PLACEMENTS, ("cpu",), gathers=("none", "host-gloo"), device="cpu")
+"""kvmove's syncs between CPU processes of one host: NIXL over loopback and gloo, the trainer's ranks gathering
+through gloo."""
+_CPU_COSTS = (
+    "pull_efficiency", "pack_efficiency", "load_efficiency", "request_s", "materialize_s", "pack_call_s",
+    "load_call_s", "pull_op_s", "collective_s", "broadcast_op_s", "cold_s_per_byte", "sync_s",
+)  # fmt: skip
+CPU: dict[str, Match] = {name: _CPU_SYNC if name in _CPU_COSTS else _NO_ROWS for name in CLUSTER}
+"""kvmove's CPU syncs (the sync suite, ``kvmove.bench.sim.cpuruns``): costs from CPU sync rows only, rates over the
+host's own loopback read (``kvmove.bench.sim.hardware.host_of_run``); no GPU row sets any of them, and no CPU row
+sets a GPU target's cost. No CPU row measures a copy, NCCL or pinned-copy ceiling: those keep their defaults."""
+
+TARGETS: dict[str, dict[str, Match]] = {"cluster": CLUSTER, "one-gpu": ONE_GPU, "cpu": CPU}

@@ -8,8 +8,9 @@ layouts, so rows of any layout are used as soon as they exist.
 
 Rows used: the GPU suite's ceilings and syncs (``kvmove.bench.gpu``, hardware ``gpu:...``; efficiencies are
 taken over the vendor figures of the GPU named there), its FP8 syncs (the quantize programs), the delta suite on a
-GPU (detection and apply over the run's own copy rate), the all-gather micro-benchmark (``kvmove.bench.micro``)
-and the CPU vLLM suite (per-layer reload of vLLM's post-processing, a host-side cost).
+GPU (detection and apply over the run's own copy rate), the all-gather micro-benchmark (``kvmove.bench.micro``),
+the CPU vLLM suite (per-layer reload of vLLM's post-processing, a host-side cost) and the CPU sync suite (rates over
+the host's own loopback read, ``kvmove.bench.sim.hardware.host_of_run``).
 """
 
 from __future__ import annotations
@@ -205,16 +206,28 @@ def _single_trainer_rank(r: Any) -> bool:
 
 
 def _broadcast_op(df: pd.DataFrame) -> list[Sample]:
-    """NCCL broadcast syncs: (transfer phase - bytes at the measured NCCL rate) / tensors broadcast."""
+    """Broadcast syncs: (transfer phase - the gather it waits for - bytes at the NCCL rate) / tensors broadcast.
+    An engine rank times its wait in each broadcast, which spans the trainer gathering that tensor first
+    (``kvmove.sync.ranks.broadcast``: ``receive_all`` and ``send_all``)."""
     out = []
     for _, r in syncs(df, None, ("broadcast",)).iterrows():
         counts = row_counts(r)
-        transfer = float(r["phases_d"].get("transfer", 0.0))
+        transfer = float(r["phases_d"].get("transfer", 0.0)) - float(r["phases_d"].get("gather", 0.0))
         if counts is None or transfer <= 0:
             continue
         rate = _line_gbps(r) * 1e9 * _median(df, "nccl_efficiency")
         out.append(Sample((transfer - r["bytes"] / rate) / counts.tensors, row_ref(r)))
     return out
+
+
+def _sync_fixed(df: pd.DataFrame) -> list[Sample]:
+    """Direct v2/v3 syncs (nothing runs but the engines' reads): seconds - transfer phase."""
+    rows = where(syncs(df, None, ("v2", "v3")), lambda e: bool(e.get("direct")))
+    return [
+        Sample(float(r["seconds"]) - float(r["phases_d"].get("transfer", 0.0)), row_ref(r))
+        for _, r in rows.iterrows()
+        if float(r["phases_d"].get("transfer", 0.0)) > 0
+    ]
 
 
 def _cold(df: pd.DataFrame) -> list[Sample]:
@@ -238,6 +251,21 @@ def _micro(name: str, value: Callable[[Any], float]) -> Extractor:
         return [Sample(value(r), row_ref(r)) for _, r in rows.iterrows() if r["seconds"] > 0]
 
     return extract
+
+
+def _collectives(df: pd.DataFrame) -> list[Sample]:
+    """The all-gather micro-benchmark (GPUs); v1 syncs whose trainer ranks gather every tensor (a CPU host's gloo
+    collectives): (gather phase - yields x materialize_s - gathered bytes at the link's NCCL rate) / collectives."""
+    out = _micro("nccl all_gather 4 KiB", lambda r: float(r["seconds"]))(df)
+    for _, r in syncs(df, None, ("v1",)).iterrows():
+        counts = row_counts(r)
+        seconds = float(r["phases_d"].get("gather", 0.0))
+        if counts is None or counts.gathers <= 0 or seconds <= 0:
+            continue
+        rate = _line_gbps(r) * 1e9 * _median(df, "nccl_efficiency")
+        seconds -= counts.yields * _median(df, "materialize_s") + counts.gathered / rate
+        out.append(Sample(seconds / counts.gathers, row_ref(r)))
+    return out
 
 
 def _quantize(df: pd.DataFrame) -> list[Sample]:
@@ -336,6 +364,7 @@ EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
     ),
     "broadcast_op_s": ("derived", _broadcast_op, "broadcast: (transfer phase - bytes at NCCL's rate) / tensors"),
     "cold_s_per_byte": ("derived", _cold, "first sync minus later ones, per byte an engine rank keeps"),
+    "sync_s": ("derived", _sync_fixed, "direct v2/v3 syncs: seconds - transfer phase"),
     "reload_layer_s": ("derived", _reload, "vLLM (CPU) load phase minus the reference engine's, per layer"),
     "quantize_efficiency": (
         "derived",
@@ -355,7 +384,7 @@ EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
     ),
     "collective_s": (
         "measured",
-        _micro("nccl all_gather 4 KiB", lambda r: float(r["seconds"])),
-        "micro-benchmark: one small NCCL all-gather between the two GPUs",
+        _collectives,
+        "micro-benchmark: one small NCCL all-gather between the two GPUs; CPU: v1's gather phase per collective",
     ),
 }

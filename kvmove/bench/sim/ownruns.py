@@ -27,7 +27,8 @@ ONE_GPU_CLUSTER = "gpu=h200,nic=cx7-400,gpus_per_node=1,nics_per_node=1"
 
 
 class OwnRun(NamedTuple):
-    """A held-out measured setup: the median of its warm syncs, the rows behind it, and the setup to predict."""
+    """A held-out measured setup: the median of its warm syncs, the rows behind it, the setup to predict, the cost
+    target that predicts it and what set that target's costs."""
 
     key: str
     what: str
@@ -35,6 +36,13 @@ class OwnRun(NamedTuple):
     rows: tuple[RowRef, ...]
     spec: Spec
     strategy: str
+    target: str = "one-gpu"
+    basis: str = f"costs from the {TRAIN_LAYERS}-layer one-GPU rows only (target one-gpu)"
+
+    @property
+    def role(self) -> str:
+        """Its role in the validation table: ``held-out (ours)``, or with the target (``held-out (ours, CPU)``)."""
+        return "held-out (ours)" if self.target == "one-gpu" else f"held-out (ours, {self.target.upper()})"
 
 
 class OwnCheck(NamedTuple):

@@ -92,6 +92,7 @@ def price(traffic: Traffic, s: SimSetup, book: CostBook, totals: Traffic | None 
         seconds = float((table.sum(axis=0) * steps.times).sum())
     if s.cold:
         seconds += book["cold_s_per_byte"] * float(whole.total("engine", "kept").max())
+    seconds += book["sync_s"]
     seconds += _host_rounds(whole, s, book)
     phases = _phase_sums(table, steps.times)
     whole_steps = _steps(whole, s)

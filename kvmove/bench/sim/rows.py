@@ -21,7 +21,7 @@ from kvmove.bench.sim.fractions import measured_fractions
 from kvmove.bench.sim.hardware import Cluster
 from kvmove.bench.sim.measure import costs_from_rows
 from kvmove.bench.sim.models import sim_model
-from kvmove.bench.sim.ownruns import TRAIN_LAYERS, OwnCheck
+from kvmove.bench.sim.ownruns import OwnCheck
 from kvmove.bench.sim.predict import simulate
 from kvmove.bench.sim.pricing import Prediction
 from kvmove.bench.sim.setup import SimSetup, Spec, TrainerSpec
@@ -156,11 +156,11 @@ def own_row(o: OwnCheck, book: CostBook) -> Row:
         "predicted": o.predicted,
         "error_pct": o.error_pct,
         "used_for_costs": False,
-        "role": "held-out (ours)",
+        "role": o.run.role,
         "loso_predicted": None,
         "loso_error_pct": None,
         "rows": [r.label() for r in o.run.rows],
-        "assumptions": f"costs from the {TRAIN_LAYERS}-layer one-GPU rows only (target one-gpu)",
+        "assumptions": o.run.basis,
     }
     return row
 
@@ -171,7 +171,7 @@ def simulated_rows(book: CostBook, judged: Validation | None = None, measured: p
     checks = judged.checks if judged else validate(book)
     rows = [prediction_row(c.prediction, figure_setup(c.figure), book, c.figure.key, c) for c in checks]
     if judged and judged.own:
-        rows += [own_row(o, judged.own_book) for o in judged.own]
+        rows += [own_row(o, judged.own_books[o.run.target]) for o in judged.own]
     for label, s in user_setups():
         for p in simulate(s, SIM_STRATEGIES.values(), book):
             rows.append(prediction_row(p, s, book, label))

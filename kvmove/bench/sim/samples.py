@@ -1,5 +1,6 @@
-"""Measured rows as cost samples: each row decorated with its parsed phases and extras, its GPU preset and its
-setup (``kvmove.bench.sim.matching``), and a reference naming it (commit, suite, name, setup, hardware)."""
+"""Measured rows as cost samples: each row decorated with its parsed phases and extras, its device preset (a GPU,
+or a CPU host at its run's own loopback rate), its setup (``kvmove.bench.sim.matching``), and a reference naming it
+(commit, suite, name, setup, hardware)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, NamedTuple
 import pandas as pd
 
 from kvmove.bench.sim.costs import RowRef
-from kvmove.bench.sim.hardware import gpu_of_hardware
+from kvmove.bench.sim.hardware import Gpu, gpu_of_hardware, host_of_run
 from kvmove.bench.sim.matching import TARGETS, Match, row_setup
 
 RowFilter = Callable[[Any], bool]
@@ -33,7 +34,7 @@ def decorate(rows: pd.DataFrame, matches: dict[str, Match], keep: RowFilter | No
     df["phases_d"] = df["phases"].map(_json)
     df["extra_d"] = df["extra"].map(_json)
     df["hardware"] = df["hardware"].fillna("").astype(str)
-    df["gpu"] = df["hardware"].map(gpu_of_hardware)
+    df["gpu"] = [_device(h, e) for h, e in zip(df["hardware"], df["extra_d"], strict=True)]
     for c in ("bytes", "seconds", "gbps"):
         df[c] = pd.to_numeric(df[c], errors="coerce").fillna(0.0)
     df["setup"] = [row_setup(r) for _, r in df.iterrows()] if len(df) else []
@@ -41,6 +42,15 @@ def decorate(rows: pd.DataFrame, matches: dict[str, Match], keep: RowFilter | No
     for name, match in matches.items():
         df[f"ok:{name}"] = df["setup"].map(match).astype(bool) & kept if len(df) else []
     return df
+
+
+def _device(hardware: str, extra: dict[str, Any]) -> Gpu | None:
+    """A row's device preset: the GPU its hardware label names, or a CPU host at the raw loopback read its run
+    measured (the sync suite's ``extra.raw_gbps``); None when neither is known."""
+    raw = extra.get("raw_gbps")
+    if gpu_of_hardware(hardware) is None and hardware.startswith("cpu:") and isinstance(raw, int | float) and raw > 0:
+        return host_of_run(float(raw))
+    return gpu_of_hardware(hardware)
 
 
 def _json(value: Any) -> dict[str, Any]:

@@ -72,7 +72,7 @@ def validation_records(v: Validation) -> list[dict[str, Any]]:
             {
                 "figure": o.run.key,
                 "setup": o.run.what,
-                "role": "held-out (ours)",
+                "role": o.run.role,
                 "strategy": o.run.strategy,
                 "metric": "seconds",
                 "published": o.run.measured,
@@ -114,8 +114,12 @@ def summary_line(v: Validation) -> str:
         f"{s.get('vllm_sharded_worst_abs_error_pct', float('nan')):.0f}%; published orders kept "
         f"{sum(k for _, _, k in kept)}/{len(kept)}"
     )
-    if v.own:
-        text += f"; our held-out runs worst |error| {s['own_worst_abs_error_pct']:.0f}% ({len(v.own)} runs)"
+    for prefix, what in (("own", "our held-out one-GPU runs"), ("cpu", "our held-out CPU runs")):
+        if f"{prefix}_runs" in s:
+            text += (
+                f"; {what} worst |error| {s[f'{prefix}_worst_abs_error_pct']:.0f}%, median "
+                f"{s[f'{prefix}_median_abs_error_pct']:.0f}% ({int(s[f'{prefix}_runs'])} runs)"
+            )
     return text
 
 

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import pandas as pd
 
 from kvmove.bench.sim.costs import CostBook
+from kvmove.bench.sim.cpuruns import TARGET, cpu_book, cpu_checks
 from kvmove.bench.sim.figures import FIGURES, ORDERS, Figure
 from kvmove.bench.sim.fitting import Fit, fit, leave_one_source_out
 from kvmove.bench.sim.ownruns import OwnCheck, one_gpu_book, own_checks
@@ -53,12 +54,13 @@ class Check(NamedTuple):
 
 
 class Validation(NamedTuple):
-    """The whole judgement: published figures (with the fit) and our own held-out runs."""
+    """The whole judgement: published figures (with the fit) and our own held-out runs (one-GPU and CPU), with the
+    cost book of each target that predicted them."""
 
     checks: list[Check]
     fit: Fit | None
     own: list[OwnCheck]
-    own_book: CostBook
+    own_books: dict[str, CostBook]
 
 
 def figure_setup(f: Figure) -> SimSetup:
@@ -84,9 +86,10 @@ def validate(
 
 def validate_all(measured: CostBook, rows: pd.DataFrame | None, figures: tuple[Figure, ...] = FIGURES) -> Validation:
     """Fit on the training figures, predict every figure (and leave each source out), judge our own runs."""
-    fitted, own_book = fit(measured, figures), one_gpu_book(rows)
+    fitted, books = fit(measured, figures), {"one-gpu": one_gpu_book(rows), TARGET: cpu_book(rows)}
     checks = validate(fitted.book, figures, leave_one_source_out(measured, figures, fitted))
-    return Validation(checks, fitted, own_checks(rows, own_book), own_book)
+    own = own_checks(rows, books["one-gpu"]) + cpu_checks(rows, books[TARGET])
+    return Validation(checks, fitted, own, books)
 
 
 def _median(values: list[float]) -> float:
@@ -95,7 +98,8 @@ def _median(values: list[float]) -> float:
 
 def summary(checks: list[Check], own: list[OwnCheck] | None = None) -> dict[str, float]:
     """Median |error| of training, held-out and leave-one-source-out time figures; the sharded vLLM figures'
-    worst |error|; our own held-out runs' worst |error|; counts within 25%/30% and 2x."""
+    worst |error|; our own held-out runs' worst and median |error| (one-GPU: ``own_``, CPU: ``cpu_``); counts
+    within 25%/30% and 2x."""
     timed = [c for c in checks if c.figure.metric == "seconds"]
     if not timed:
         return {}
@@ -119,13 +123,16 @@ def summary(checks: list[Check], own: list[OwnCheck] | None = None) -> dict[str,
     sharded = [abs(c.error_pct) for c in timed if c.figure.key in SHARDED]
     if sharded:
         out["vllm_sharded_worst_abs_error_pct"] = max(sharded)
-    if own:
-        out["own_runs"] = float(len(own))
-        out["own_worst_abs_error_pct"] = max(abs(o.error_pct) for o in own)
+    for prefix, runs in (("own", [o for o in own or [] if o.run.target != TARGET]),
+                         ("cpu", [o for o in own or [] if o.run.target == TARGET])):  # fmt: skip
+        if runs:
+            out[f"{prefix}_runs"] = float(len(runs))
+            out[f"{prefix}_worst_abs_error_pct"] = max(abs(o.error_pct) for o in runs)
+            out[f"{prefix}_median_abs_error_pct"] = _median([abs(o.error_pct) for o in runs])
     return out
 
 
 def orders(checks: list[Check]) -> list[tuple[str, str, bool]]:
     """Each published order (slower figure, faster figure) and whether the predictions keep it."""
     by_key = {c.figure.key: c.predicted for c in checks}
-    return [(a, b, by_key[a] > by_key[b]) for a, b in ORDERS if a in by_key and b in by_key]
+    return [(a, b, bool(by_key[a] > by_key[b])) for a, b in ORDERS if a in by_key and b in by_key]

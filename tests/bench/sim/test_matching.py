@@ -11,7 +11,7 @@ from kvmove.bench.results import Labels, Row, append_rows, load_results
 from kvmove.bench.sim import validation as sim_validation
 from kvmove.bench.sim.costs import default_book
 from kvmove.bench.sim.figures import FIGURES, ORDERS
-from kvmove.bench.sim.fitting import TRAINING, check_training, fit, training_keys
+from kvmove.bench.sim.fitting import check_training, fit, informing, training_keys
 from kvmove.bench.sim.measure import costs_from_rows
 from kvmove.bench.sim.models import sim_model
 from kvmove.bench.sim.validation import orders, validate_all
@@ -70,8 +70,9 @@ def test_fitted_values_are_labelled_with_their_training_figures() -> None:
     cost = result.book.costs["reload_layer_s"]
     assert cost.kind == "fitted" and [r.name for r in cost.rows] == ["vllm-qwen3-v2"]
     assert all(r.suite == "published" for r in cost.rows) and "training set" in cost.note
-    assert result.values["reload_layer_s"].figures == TRAINING["reload_layer_s"]
-    assert result.book.costs["nic_efficiency"].kind == "default"  # its training figure is not in this set
+    assert result.values["reload_layer_s"].figures == informing("reload_layer_s") == ("vllm-qwen3-v2",)
+    assert [r.name for r in result.book.costs["nic_efficiency"].rows] == ["vllm-qwen3-v2"]  # it informs both
+    assert result.book.costs["loader_tensor_s"].kind == "default"  # its training figure is not in this set
     (check,) = sim_validation.validate(result.book, wanted)
     assert check.role == "training" and abs(check.error_pct) < 5
 
@@ -99,6 +100,7 @@ def test_validate_json_is_json_lines(monkeypatch, tmp_path) -> None:
     figures = [x for x in lines if x["kind"] == "figure"]
     assert [(x["figure"], x["role"]) for x in figures] == [("vllm-qwen3-v2", "training"), ("vllm-qwen3-v3", "held-out")]
     assert {x["kind"] for x in lines} == {"figure", "fitted", "order", "summary"}
+    assert all(x["kept"] is True for x in lines if x["kind"] == "order")  # JSON booleans, not strings
     assert lines[-1]["kind"] == "summary" and "held_out_median_abs_error_pct" in lines[-1]
 
 

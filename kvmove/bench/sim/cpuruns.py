@@ -1,0 +1,148 @@
+"""The simulator judged on kvmove's CPU syncs: one run's rows set the ``cpu`` target's costs, the rows of the other
+setups (models or layouts) of the same commit are held out and predicted.
+
+The sync suite (``kvmove bench run --suite sync``, ``kvmove.bench.syncs``) syncs a model between CPU processes of
+one host (trainer and engine ranks as Ray actors; v1, v2 and v3 over NIXL on loopback, the broadcast over gloo) and
+measures the raw loopback read of the same run (``extra.raw_gbps``): the host's line rate for its link and its
+copies (``kvmove.bench.sim.hardware.host_of_run``). :func:`cpu_split` takes the newest commit whose CPU sync rows
+hold two setups (models or layouts); the rows of a run that measured its raw read (the one moving the most bytes,
+when several did) set the costs (``kvmove.bench.sim.matching.CPU``), every other setup's warm rows are predicted at
+that run's rates.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import NamedTuple
+
+import pandas as pd
+
+from kvmove.bench.sim.costs import CostBook
+from kvmove.bench.sim.measure import costs_from_rows
+from kvmove.bench.sim.ownruns import OwnCheck, OwnRun
+from kvmove.bench.sim.predict import simulate
+from kvmove.bench.sim.samples import decorated, row_ref
+from kvmove.bench.sim.setup import Spec
+from kvmove.bench.sim.strategies import SIM_STRATEGIES
+from kvmove.models.layout import TrainerLayout
+
+TARGET = "cpu"
+
+
+class Setup(NamedTuple):
+    """One CPU sync run's setup: model and layouts as the rows spell them."""
+
+    model: str
+    trainer: str
+    engine: str
+
+    def label(self) -> str:
+        return f"{self.model} {self.trainer} -> {self.engine}"
+
+
+class CpuSplit(NamedTuple):
+    """Which CPU rows of a commit set the costs (one run's setup) and which setups are predicted."""
+
+    commit: str
+    train: Setup
+    held: tuple[Setup, ...]
+    raw_gbps: float
+    """The training run's raw loopback read (GB/s): the line rate of every prediction."""
+
+
+def _cpu_syncs(rows: pd.DataFrame | None) -> pd.DataFrame | None:
+    """Decorated sync-suite rows of CPU processes, oldest first (every sync, cold ones included)."""
+    if rows is None or rows.empty:
+        return None
+    df = decorated(rows)
+    df = df[(df["suite"] == "sync") & (df["strategy"].fillna("") != "")]
+    df = df[df["setup"].map(lambda s: s.device == "cpu" and s.path == "cpu")]
+    df = df[df["extra_d"].map(lambda e: e.get("verified") is not False)]
+    return None if df.empty else df
+
+
+def _setup(r: pd.Series) -> Setup:
+    return Setup(str(r["model"]), str(r["trainer"]), str(r["engine"]))
+
+
+def cpu_split(rows: pd.DataFrame | None) -> CpuSplit | None:
+    """The newest commit whose CPU sync rows hold two setups (models or layouts), one of whose runs measured its
+    raw loopback read: that run (the one moving the most bytes, when several did) sets the costs, the other
+    setups are predicted. None when no commit has such rows."""
+    df = _cpu_syncs(rows)
+    if df is None:
+        return None
+    for commit in reversed(list(dict.fromkeys(df["git_commit"]))):
+        at = df[df["git_commit"] == commit]
+        runs = {_setup(g.iloc[0]): g for _, g in at.groupby(["model", "trainer", "engine"], sort=False)}
+        raw = {k: max(float(e.get("raw_gbps") or 0.0) for e in g["extra_d"]) for k, g in runs.items()}
+        measured = [k for k in runs if raw[k] > 0]
+        if len(runs) < 2 or not measured:
+            continue
+        train = max(measured, key=lambda k: float(runs[k]["bytes"].max()))
+        return CpuSplit(str(commit), train, tuple(k for k in runs if k != train), raw[train])
+    return None
+
+
+def cpu_book(rows: pd.DataFrame | None, split: CpuSplit | None = None) -> CostBook:
+    """The ``cpu`` target's costs from the training run's rows (defaults where none measure)."""
+    split = split or cpu_split(rows)
+
+    def keep(r: pd.Series) -> bool:
+        return split is not None and r["git_commit"] == split.commit and _setup(r) == split.train
+
+    return costs_from_rows(rows, TARGET, keep=keep)
+
+
+def cpu_cluster(trainer: str, raw_gbps: float) -> str:
+    """One host: every rank a process on it, its link and copies at the training run's raw loopback read."""
+    world = TrainerLayout.parse(trainer).world
+    return (
+        f"gpu=cpu,nic=cx7-400,gpus_per_node={world},nics_per_node=1,nvlink_gbps={raw_gbps!r},"
+        f"pcie_gbps={raw_gbps!r},hbm_gbps={2 * raw_gbps!r}"
+    )
+
+
+def cpu_runs(rows: pd.DataFrame | None, split: CpuSplit | None = None) -> list[OwnRun]:
+    """Every held-out setup's warm rows of the split's commit, one run per strategy (median seconds)."""
+    split = split or cpu_split(rows)
+    df = _cpu_syncs(rows)
+    if split is None or df is None:
+        return []
+    df = df[(df["git_commit"] == split.commit) & df["extra_d"].map(lambda e: int(e.get("sync", 2)) >= 2)]
+    basis = (
+        f"costs from the {split.train.label()} rows of {split.commit[:12]} only (target cpu), rates at that run's "
+        f"raw loopback read ({split.raw_gbps:.2f} GB/s)"
+    )
+    out = []
+    for (model, trainer, engine, strategy), g in df.groupby(["model", "trainer", "engine", "strategy"], sort=False):
+        held = Setup(str(model), str(trainer), str(engine))
+        if held not in split.held:
+            continue
+        layout, _, reps = held.engine.partition(" x")
+        direct = bool(g.iloc[0]["extra_d"].get("direct", False)) and strategy in ("v2", "v3")
+        spec = Spec(
+            held.model, held.trainer, layout, int(reps or 1), 1, 1, cpu_cluster(held.trainer, split.raw_gbps),
+            "colocated", "nccl" if strategy == "broadcast" else "pull", direct=direct,
+        )  # fmt: skip
+        layouts = (held.trainer, held.engine)
+        other = "" if layouts == (split.train.trainer, split.train.engine) else "-" + "-".join(layouts).replace(" ", "")
+        key = f"own-cpu-{held.model}-{strategy}{other}"
+        what = f"{held.label()} {strategy}, CPU processes of one host"
+        refs = tuple(row_ref(r) for _, r in g.iterrows())
+        out.append(OwnRun(key, what, statistics.median(g["seconds"]), refs, spec, str(strategy), TARGET, basis))
+    return out
+
+
+def cpu_checks(rows: pd.DataFrame | None, book: CostBook | None = None) -> list[OwnCheck]:
+    """Every held-out CPU run next to its prediction from the training model's costs (``book``, else
+    :func:`cpu_book`)."""
+    split = cpu_split(rows)
+    if split is None:
+        return []
+    book = book or cpu_book(rows, split)
+    out = []
+    for run in cpu_runs(rows, split):
+        (p,) = simulate(run.spec.build(), [SIM_STRATEGIES[run.strategy]], book)
+        out.append(OwnCheck(run, p.seconds))
+    return out

@@ -1,0 +1,121 @@
+"""kvmove's CPU syncs judged: one model's rows of a run set the cpu target's costs (rates over the run's own
+loopback read), another model's rows of the same commit and layout are predicted; CPU and GPU rows never set each
+other's costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmove.bench.results import Labels, Row, append_rows, load_results
+from kvmove.bench.sim.cpuruns import cpu_book, cpu_checks, cpu_runs, cpu_split
+from kvmove.bench.sim.hardware import Cluster
+from kvmove.bench.sim.measure import costs_from_rows
+from kvmove.bench.sim.models import sim_model
+from kvmove.errors import KvmoveError
+from kvmove.models import model_totals
+
+CPU = "cpu:AMD EPYC x2"
+TRAINER, ENGINE = "tp=2,pp=2,ep=2,etp=1,dp=1", "tp=2,dp=1,ep=2,pp=1 x2"
+
+
+def _sync(model: str, strategy: str, seconds: float, phases: dict[str, float], raw: float | None) -> Row:
+    nbytes = model_totals(sim_model(model)).total_bytes
+    extra: dict[str, object] = {"sync": 2, "verified": True, "direct": True, "transfer_gbps": 0.0}
+    if strategy in ("v2", "v3"):
+        extra["transfer_gbps"] = nbytes / phases["transfer"] / 1e9
+    if raw is not None:
+        extra["raw_gbps"] = raw
+    return Row(
+        kind="measured", suite="sync", name=f"sync {strategy}", model=model, trainer=TRAINER, engine=ENGINE,
+        strategy=strategy, transport="gloo-broadcast" if strategy == "broadcast" else "nixl",
+        bytes=nbytes, seconds=seconds, phases=phases, extra=extra,
+    )  # fmt: skip
+
+
+def _run(model: str, raw: float | None, scale: float) -> list[Row]:
+    v1 = {"gather": 2.0 * scale, "request": 2.3 * scale, "pack": 0.1 * scale, "load": 0.1, "transfer": 0.1}
+    bcast = {"gather": 1.0 * scale, "transfer": 1.05 * scale, "load": 0.05}
+    return [
+        _sync(model, "v1", 3.0 * scale, v1, raw),
+        _sync(model, "v2", 0.03 + 0.05 * scale, {"transfer": 0.05 * scale}, raw),
+        _sync(model, "v3", 0.03 + 0.04 * scale, {"transfer": 0.04 * scale}, raw),
+        _sync(model, "broadcast", 1.1 * scale, bcast, raw),
+    ]
+
+
+@pytest.fixture
+def cpu_rows(tmp_path):
+    append_rows(tmp_path, "sync", _run("qwen3-moe-small", 3.5, 1.0), Labels(CPU, {}, "c1"))
+    append_rows(tmp_path, "sync", _run("qwen3-moe-tiny", None, 0.3), Labels(CPU, {}, "c1"))
+    return load_results(tmp_path)
+
+
+def test_the_model_whose_run_measured_its_loopback_sets_the_cpu_costs(cpu_rows) -> None:
+    split = cpu_split(cpu_rows)
+    assert split is not None and (split.commit, split.train.model) == ("c1", "qwen3-moe-small")
+    assert [h.model for h in split.held] == ["qwen3-moe-tiny"]
+    assert split.raw_gbps == 3.5
+    book = cpu_book(cpu_rows, split)
+    for name in ("request_s", "pack_call_s", "collective_s", "pull_efficiency", "sync_s", "broadcast_op_s"):
+        cost = book.costs[name]
+        assert cost.kind in ("measured", "derived"), name
+        assert {r.commit for r in cost.rows} == {"c1"} and all("qwen3-moe-small" in r.setup for r in cost.rows), name
+    assert book["sync_s"] == pytest.approx(0.03)  # direct v2/v3: seconds - transfer
+    assert 0 < book["pull_efficiency"] <= 1  # over the run's own loopback read
+    assert book["broadcast_op_s"] < 1e-3  # the engine's transfer phase spans the gather it waits for
+
+
+def test_cpu_rows_never_set_a_gpu_targets_cost(cpu_rows) -> None:
+    for target in ("cluster", "one-gpu"):
+        book = costs_from_rows(cpu_rows, target)
+        for name in ("request_s", "collective_s", "pull_efficiency", "sync_s", "broadcast_op_s"):
+            assert book.costs[name].kind == "default", (target, name)
+
+
+def test_the_other_models_rows_are_predicted(cpu_rows) -> None:
+    runs = cpu_runs(cpu_rows)
+    assert sorted(r.strategy for r in runs) == ["broadcast", "v1", "v2", "v3"]
+    assert all(r.target == "cpu" and r.role == "held-out (ours, CPU)" and "qwen3-moe-tiny" in r.key for r in runs)
+    assert all(f"qwen3-moe-small {TRAINER} -> {ENGINE} rows of c1" in r.basis for r in runs)
+    cluster = Cluster.parse(runs[0].spec.cluster)
+    assert cluster.nvlink_rate == 3.5e9 and cluster.hbm_rate == 7e9
+    checks = cpu_checks(cpu_rows)
+    assert len(checks) == 4 and all(c.predicted > 0 for c in checks)
+    v2 = next(c for c in checks if c.run.strategy == "v2")
+    assert v2.predicted >= 0.03  # never below the driver's fixed work the training run measured
+
+
+def test_no_split_without_two_setups_at_a_commit_and_a_measured_loopback(tmp_path) -> None:
+    append_rows(tmp_path, "sync", _run("qwen3-moe-small", 3.5, 1.0), Labels(CPU, {}, "c1"))
+    assert cpu_split(load_results(tmp_path)) is None  # one setup only
+    append_rows(tmp_path, "sync", _run("qwen3-moe-tiny", None, 0.3), Labels(CPU, {}, "c2"))
+    assert cpu_split(load_results(tmp_path)) is None  # two setups, but at two commits
+    append_rows(tmp_path, "sync", _run("qwen3-moe-small", None, 1.0), Labels(CPU, {}, "c3"))
+    append_rows(tmp_path, "sync", _run("qwen3-moe-tiny", None, 0.3), Labels(CPU, {}, "c3"))
+    assert cpu_split(load_results(tmp_path)) is None  # two setups of one commit, no raw read measured
+    assert cpu_checks(load_results(tmp_path)) == [] and cpu_split(None) is None
+
+
+def test_another_layout_of_the_commit_is_predicted_too(tmp_path) -> None:
+    append_rows(tmp_path, "sync", _run("qwen3-moe-small", 3.5, 1.0), Labels(CPU, {}, "c1"))
+    other = [
+        r.__class__(**{**r.__dict__, "engine": "tp=1,dp=1,ep=1,pp=1 x1"}) for r in _run("qwen3-moe-small", None, 1)
+    ]
+    append_rows(tmp_path, "sync", other, Labels(CPU, {}, "c1"))
+    runs = cpu_runs(load_results(tmp_path))
+    assert len(runs) == 4 and all(r.key.endswith("x1") and r.spec.replicas == 1 for r in runs)
+
+
+def test_a_cpu_host_needs_its_own_rates() -> None:
+    with pytest.raises(KvmoveError, match="gpu=cpu has no vendor figures"):
+        Cluster.parse("gpu=cpu")
+    host = Cluster.parse("gpu=cpu,nvlink_gbps=3.5,hbm_gbps=7,pcie_gbps=3.5")
+    assert Cluster.parse(host.spec()) == host and "CPU processes" in host.label()
+
+
+def test_repository_cpu_runs_are_judged(repo_validation) -> None:
+    cpu = [o for o in repo_validation.own if o.run.target == "cpu"]
+    assert len(cpu) == 4 and {o.run.strategy for o in cpu} == {"v1", "v2", "v3", "broadcast"}
+    book = repo_validation.own_books["cpu"]
+    trained = {r.commit for c in book.costs.values() for r in c.rows}
+    assert len(trained) == 1 and all(o.run.rows[0].commit in trained for o in cpu)
