@@ -156,7 +156,8 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, View]:
     """Checkpoint name -> where it lies in ``model``'s parameters (tied ones once), by running transformers'
     own checkpoint conversion on stand-ins of the parameters: meta tensors for 1-D and 2-D ones (renamed at most),
     and for fused (3-D) ones a probe holding each (expert, row) index with the trailing dims collapsed, so the
-    checkpoint tensors the conversion cuts out say which rows of which expert they are. ModelError where a
+    checkpoint tensors the conversion cuts out say which rows of which expert they are (a probe it passes on
+    whole: a checkpoint that keeps the experts fused, gpt-oss and Llama 4). ModelError where a
     checkpoint tensor is no block of rows of one expert."""
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -170,17 +171,19 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, View]:
         bases[n] = sum(params[m].shape[0] * params[m].shape[1] for m in bases)
         rows = p.shape[0] * p.shape[1]
         stand_ins[n] = torch.arange(bases[n], bases[n] + rows).view(p.shape[0], p.shape[1], *([1] * (p.dim() - 2)))
-    storages = {t.untyped_storage()._cdata: n for n, t in stand_ins.items() if t.is_meta}
+    storages = {t.untyped_storage()._cdata: n for n, t in stand_ins.items()}
     with quiet_transformers():
         converted = revert_weight_conversion(model, stand_ins)  # type: ignore[arg-type]
     out: dict[str, View] = {}
     for name, t in converted.items():
-        param = storages.get(t.untyped_storage()._cdata) if t.is_meta else None
-        out[name] = (
-            View(param, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
-            if param is not None
-            else _probed(name, t, params, bases)
-        )
+        param = storages.get(t.untyped_storage()._cdata)
+        if param is not None and t.is_meta:
+            out[name] = View(param, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
+        elif param is not None and t.shape == stand_ins[param].shape:  # a fused parameter the checkpoint keeps
+            shape = tuple(params[param].shape)
+            out[name] = View(param, 0, shape, tuple(torch.empty(shape, device="meta").stride()))
+        else:
+            out[name] = _probed(name, t, params, bases)
     return out
 
 

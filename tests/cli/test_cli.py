@@ -167,3 +167,12 @@ def test_unrecordable_loader_is_exit_2(monkeypatch, capsys) -> None:
 def test_help_has_example(monkeypatch, capsys) -> None:
     code, out, _ = run(monkeypatch, capsys, "sync-weights", "--help")
     assert code == 0 and "Example:" in out
+
+
+def test_models_show_names_the_fused_expert_family_and_refuses_its_halves_over_etp(monkeypatch, capsys) -> None:
+    code, out, _ = run(monkeypatch, capsys, "models", "show", "llama4-tiny", "--json")
+    row = json.loads(out)
+    assert code == 0 and row["megatron_families"] == ["gqa-fused-moe"] and row["expert_params"] == 2 * 6 * 3 * 96 * 80
+    args = ["sync-weights", "--dry-run", "--model", "llama4-tiny", "--trainer", "tp=2,ep=2,etp=2", "--engine", "tp=2"]
+    code, _, err = run(monkeypatch, capsys, *args)
+    assert code == 2 and "keeps gate and up in two halves" in err and len(err.strip().splitlines()) == 1

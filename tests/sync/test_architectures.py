@@ -21,6 +21,8 @@ LAYOUTS = {  # (trainer, engine): MoE models over expert-parallel ranks on both 
     "gemma2-tiny": ("tp=2", "tp=1,pp=2"),
     "mixtral-tiny": ("tp=2,ep=2", "tp=2,ep=2"),
     "glm4-moe-tiny": ("tp=2,ep=2", "tp=2"),
+    "gpt-oss-tiny": ("tp=2,ep=2,etp=2", "tp=2"),  # fused experts cut over EP and ETP at once
+    "llama4-tiny": ("tp=2,ep=2", "tp=2,ep=2"),
 }
 
 
@@ -52,18 +54,21 @@ def _slow(*models: str) -> list[object]:
     return [m if i == 0 else pytest.param(m, marks=pytest.mark.slow) for i, m in enumerate(models)]
 
 
-@pytest.mark.parametrize("model", _slow("mixtral-tiny", "llama3-tiny", "mistral-tiny", "gemma2-tiny", "glm4-moe-tiny"))
+@pytest.mark.parametrize(
+    "model",
+    _slow("mixtral-tiny", "llama3-tiny", "mistral-tiny", "gemma2-tiny", "glm4-moe-tiny", "gpt-oss-tiny", "llama4-tiny"),
+)
 def test_megatron_style_source_through_processes(model: str) -> None:
     _check(_config(model, "processes"))
 
 
 @pytest.mark.usefixtures("ray_session")
-@pytest.mark.parametrize("model", _slow("gemma2-tiny", "mixtral-tiny"))
+@pytest.mark.parametrize("model", _slow("gemma2-tiny", "mixtral-tiny", "gpt-oss-tiny", "llama4-tiny"))
 def test_megatron_style_source_through_ray(model: str) -> None:
     _check(_config(model, "ray"))
 
 
-@pytest.mark.parametrize("model", _slow("mixtral-tiny", "llama3-tiny"))
+@pytest.mark.parametrize("model", _slow("mixtral-tiny", "llama3-tiny", "gpt-oss-tiny", "llama4-tiny"))
 def test_fsdp2_trainer_source(tmp_path: Path, model: str) -> None:
     pytest.importorskip("transformers")
     from kvmove.sync.sources.tiny_trainer import TinyFsdpTrainer

@@ -109,3 +109,11 @@ def test_groups_follow_the_strategy() -> None:
     assert sum(u.times for u in reps if u.items) == model_totals(cfg).num_tensors
     assert sum(u.times * u.layers for u in reps) == cfg.num_hidden_layers
     assert math.isclose(sum(u.times for u in reps if u.items and u.items[0].experts), 60 * 384 * 3)
+
+
+def test_checkpoints_with_fused_experts_are_refused_in_one_line() -> None:
+    """gpt-oss and Llama 4 hold every expert of a layer in one tensor: the simulator does not price its EP split."""
+    from kvmove.errors import KvmoveError
+
+    with pytest.raises(KvmoveError, match=r"holds every expert of a layer in one \(model\.layers\.0\.mlp\.experts\."):
+        _setup("gpt-oss-tiny", "tp=2,ep=2", "tp=2")
