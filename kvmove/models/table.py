@@ -187,6 +187,35 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, View]:
     return out
 
 
+class MemoryLayout(NamedTuple):
+    """The tensors a transformers model of a config holds in memory, and where each checkpoint tensor lies in
+    them."""
+
+    shapes: dict[str, tuple[int, ...]]
+    """In-memory name -> shape: parameters (tied ones once) and persistent buffers (a router's score bias)."""
+    views: dict[str, View]
+    """Checkpoint name -> its view of an in-memory tensor (:func:`checkpoint_views`; buffers whole)."""
+
+
+def memory_layout(cfg: ModelConfig) -> MemoryLayout:
+    """:class:`MemoryLayout` of transformers' model of ``cfg``, built on the meta device (e.g. Mixtral's experts
+    fused in memory, per expert in the checkpoint)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from kvmove.models.config import hf_dict
+
+    model: Any = meta_model(hf_dict(cfg))
+    memory = _in_memory(model)
+    params = dict(model.named_parameters())
+    buffers = {n: t for n, t in memory.items() if n not in params}
+    views = checkpoint_views(model)
+    with quiet_transformers():  # a buffer's checkpoint name, by the same conversion (renamed at most)
+        for name, t in revert_weight_conversion(model, buffers).items():
+            source = next(n for n, b in buffers.items() if b.untyped_storage()._cdata == t.untyped_storage()._cdata)
+            views[name] = View(source, 0, tuple(t.shape), tuple(t.stride()))
+    return MemoryLayout({n: tuple(t.shape) for n, t in memory.items()}, views)
+
+
 def _probed(name: str, t: torch.Tensor, params: Mapping[str, torch.Tensor], bases: Mapping[str, int]) -> View:
     """The View of checkpoint tensor ``name`` cut out of a probe (its values: the fused parameter's rows)."""
     if t.is_meta or t.dim() < 1 or t.numel() == 0 or any(s != 1 for s in t.shape[1:]):

@@ -114,7 +114,7 @@ def test_mixtral_experts_split_over_etp_and_router_replicated() -> None:
 
 
 def test_fused_experts_split_over_ep_on_dim_0_and_over_etp_on_their_intermediate_dim() -> None:
-    cfg = resolve_model("gpt-oss-tiny")  # gate_up_proj [6, 96, 160] (gate/up interleaved), down_proj [6, 80, 96]
+    cfg = resolve_model("gpt-oss-tiny")  # gate_up_proj [6, 96, 192] (gate/up interleaved), down_proj [6, 96, 96]
     layout = TrainerLayout.parse("tp=2,ep=2,etp=2")
     rules = {leaf: shard_rule(cfg, layout, f"model.layers.1.mlp.experts.{leaf}") for leaf in FUSED_LEAVES}
     assert {leaf: (r.fused, r.dim, r.group) for leaf, r in rules.items()} == {
@@ -126,12 +126,12 @@ def test_fused_experts_split_over_ep_on_dim_0_and_over_etp_on_their_intermediate
     attn = {leaf: shard_rule(cfg, layout, f"model.layers.1.self_attn.{leaf}").dim for leaf in ATTN_LEAVES}
     assert attn == {"sinks": 0, "q_proj.bias": 0, "o_proj.weight": 1, "o_proj.bias": None}
     assert shard_rule(cfg, layout, "model.layers.1.mlp.router.bias").dim is None
-    # rank 3 is EP rank 1, ETP rank 1: experts 3..5, columns 80..159 (intermediate units 40..79, gate and up)
+    # rank 3 is EP rank 1, ETP rank 1: experts 3..5, columns 96..191 (intermediate units 48..95, gate and up)
     own = Ownership(cfg, layout)
     by_name = {t.name: t for t in hf_tensors(cfg)}
     boxes = {leaf: dict(own.slices(by_name[f"model.layers.1.mlp.experts.{leaf}"]))[3] for leaf in FUSED_LEAVES}
-    assert boxes["gate_up_proj"] == Box((3, 0, 80), (6, 96, 160))
-    assert boxes["down_proj"] == Box((3, 40, 0), (6, 80, 96))
+    assert boxes["gate_up_proj"] == Box((3, 0, 96), (6, 96, 192))
+    assert boxes["down_proj"] == Box((3, 48, 0), (6, 96, 96))
     assert boxes["down_proj_bias"] == Box((3, 0), (6, 96))
 
 
@@ -150,7 +150,7 @@ def test_an_etp_split_of_gate_and_up_halves_is_refused() -> None:
 def test_a_split_that_does_not_divide_a_tensor_is_refused_by_name() -> None:
     pattern = r"etp=3 does not divide dim 2 \(160\) of tensor model\.layers\.0\.mlp\.experts\.gate_up_proj "
     with pytest.raises(PlanError, match=pattern):
-        Ownership(resolve_model("gpt-oss-tiny"), TrainerLayout.parse("tp=1,etp=3"))
+        Ownership(resolve_model("gpt-oss-tiny", {"intermediate_size": 80}), TrainerLayout.parse("tp=1,etp=3"))
 
 
 def test_a_tensor_no_megatron_rule_classifies_is_refused_by_name() -> None:

@@ -106,7 +106,7 @@ def test_fused_expert_checkpoints_load_gate_up_as_they_lie() -> None:
     cfg, full, ranks = _load("gpt-oss-tiny", "tp=2")
     p = "model.layers.2.mlp.experts."
     gate_up, bias = full[p + "gate_up_proj"], full[p + "gate_up_proj_bias"]
-    gate, up, n = gate_up[..., ::2], gate_up[..., 1::2], 40  # transformers' GptOssExperts reads them so
+    gate, up, n = gate_up[..., ::2], gate_up[..., 1::2], 48  # transformers' GptOssExperts reads them so
     for r, params in enumerate(ranks):
         w13, w2 = params[p + "w13_weight"], params[p + "w2_weight"]
         assert w13.shape == (6, 2 * n, cfg.hidden_size) and w2.shape == (6, cfg.hidden_size, n)
