@@ -126,7 +126,7 @@ def _config_table(frozen: tuple[tuple[str, Any], ...]) -> TensorTable:
     by_layer: dict[int, dict[str, torch.Tensor]] = {}
     outside: dict[str, torch.Tensor] = {}
     head_names: set[str] = set()
-    for name, t in _in_memory(model).items():
+    for name, t in memory_tensors(model).items():
         layer = layer_of(name)
         if layer is not None:
             by_layer.setdefault(layer, {})[name] = t
@@ -153,15 +153,15 @@ class View(NamedTuple):
 
 
 def checkpoint_views(model: torch.nn.Module) -> dict[str, View]:
-    """Checkpoint name -> where it lies in ``model``'s parameters (tied ones once), by running transformers'
-    own checkpoint conversion on stand-ins of the parameters: meta tensors for 1-D and 2-D ones (renamed at most),
-    and for fused (3-D) ones a probe holding each (expert, row) index with the trailing dims collapsed, so the
-    checkpoint tensors the conversion cuts out say which rows of which expert they are (a probe it passes on
-    whole: a checkpoint that keeps the experts fused, gpt-oss and Llama 4). ModelError where a
-    checkpoint tensor is no block of rows of one expert."""
+    """Checkpoint name -> where it lies in ``model``'s tensors (:func:`memory_tensors`: parameters, tied ones once,
+    and persistent buffers), by running transformers' own checkpoint conversion on stand-ins of them: meta tensors
+    for 1-D and 2-D ones (renamed at most), and for fused (3-D) ones a probe holding each (expert, row) index with
+    the trailing dims collapsed, so the checkpoint tensors the conversion cuts out say which rows of which expert
+    they are (a probe it passes on whole: a checkpoint that keeps the experts fused, gpt-oss and Llama 4).
+    ModelError where a checkpoint tensor is no block of rows of one expert."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    params = dict(model.named_parameters())
+    params = memory_tensors(model)
     stand_ins: dict[str, torch.Tensor] = {}
     bases: dict[str, int] = {}  # each fused parameter's probe counts on from the last one's: values name it
     for n, p in params.items():
@@ -192,28 +192,19 @@ class MemoryLayout(NamedTuple):
     them."""
 
     shapes: dict[str, tuple[int, ...]]
-    """In-memory name -> shape: parameters (tied ones once) and persistent buffers (a router's score bias)."""
+    """In-memory name -> shape (:func:`memory_tensors`)."""
     views: dict[str, View]
-    """Checkpoint name -> its view of an in-memory tensor (:func:`checkpoint_views`; buffers whole)."""
+    """Checkpoint name -> its view of an in-memory tensor (:func:`checkpoint_views`)."""
 
 
 def memory_layout(cfg: ModelConfig) -> MemoryLayout:
     """:class:`MemoryLayout` of transformers' model of ``cfg``, built on the meta device (e.g. Mixtral's experts
     fused in memory, per expert in the checkpoint)."""
-    from transformers.core_model_loading import revert_weight_conversion
-
     from kvmove.models.config import hf_dict
 
-    model: Any = meta_model(hf_dict(cfg))
-    memory = _in_memory(model)
-    params = dict(model.named_parameters())
-    buffers = {n: t for n, t in memory.items() if n not in params}
-    views = checkpoint_views(model)
-    with quiet_transformers():  # a buffer's checkpoint name, by the same conversion (renamed at most)
-        for name, t in revert_weight_conversion(model, buffers).items():
-            source = next(n for n, b in buffers.items() if b.untyped_storage()._cdata == t.untyped_storage()._cdata)
-            views[name] = View(source, 0, tuple(t.shape), tuple(t.stride()))
-    return MemoryLayout({n: tuple(t.shape) for n, t in memory.items()}, views)
+    model = meta_model(hf_dict(cfg))
+    shapes = {n: tuple(t.shape) for n, t in memory_tensors(model).items()}
+    return MemoryLayout(shapes, checkpoint_views(model))
 
 
 def _probed(name: str, t: torch.Tensor, params: Mapping[str, torch.Tensor], bases: Mapping[str, int]) -> View:
@@ -252,8 +243,9 @@ def _module_order(memory: Mapping[str, torch.Tensor], converted: Mapping[str, to
     return out + [n for n in made if n not in emitted]
 
 
-def _in_memory(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters (tied ones once) and persistent buffers, in module order."""
+def memory_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint of ``model`` is made from: parameters (tied ones once) and persistent buffers (a router's
+    score bias), in module order."""
     keys = set(model.state_dict(keep_vars=True))
     out: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
