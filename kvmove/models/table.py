@@ -99,7 +99,7 @@ def _config_table(frozen: tuple[tuple[str, Any], ...]) -> TensorTable:
     by_layer: dict[int, dict[str, torch.Tensor]] = {}
     outside: dict[str, torch.Tensor] = {}
     head_names: set[str] = set()
-    for name, t in _in_memory(model).items():
+    for name, t in memory_tensors(model).items():
         layer = layer_of(name)
         if layer is not None:
             by_layer.setdefault(layer, {})[name] = t
@@ -126,14 +126,15 @@ class View(NamedTuple):
 
 
 def checkpoint_views(model: torch.nn.Module) -> dict[str, View]:
-    """Checkpoint name -> where it lies in ``model``'s parameters (tied ones once), by running transformers'
-    own checkpoint conversion on stand-ins of the parameters: meta tensors for 1-D and 2-D ones (renamed at most),
-    and for fused (3-D) ones a probe holding each (expert, row) index with the trailing dims collapsed, so the
-    checkpoint tensors the conversion cuts out say which rows of which expert they are. ModelError where a
-    checkpoint tensor is no block of rows of one expert."""
+    """Checkpoint name -> where it lies in ``model``'s tensors (:func:`memory_tensors`: parameters, tied ones once,
+    and persistent buffers), by running transformers' own checkpoint conversion on stand-ins of them: meta tensors
+    for 1-D and 2-D ones (renamed at most), and for fused (3-D) ones a probe holding each (expert, row) index with
+    the trailing dims collapsed, so the checkpoint tensors the conversion cuts out say which rows of which expert
+    they are (a probe it passes on whole: a checkpoint that keeps the experts fused, gpt-oss and Llama 4).
+    ModelError where a checkpoint tensor is no block of rows of one expert."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    params = dict(model.named_parameters())
+    params = memory_tensors(model)
     stand_ins: dict[str, torch.Tensor] = {}
     bases: dict[str, int] = {}  # each fused parameter's probe counts on from the last one's: values name it
     for n, p in params.items():
@@ -143,18 +144,40 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, View]:
         bases[n] = sum(params[m].shape[0] * params[m].shape[1] for m in bases)
         rows = p.shape[0] * p.shape[1]
         stand_ins[n] = torch.arange(bases[n], bases[n] + rows).view(p.shape[0], p.shape[1], *([1] * (p.dim() - 2)))
-    storages = {t.untyped_storage()._cdata: n for n, t in stand_ins.items() if t.is_meta}
+    storages = {t.untyped_storage()._cdata: n for n, t in stand_ins.items()}
     with quiet_transformers():
         converted = revert_weight_conversion(model, stand_ins)  # type: ignore[arg-type]
     out: dict[str, View] = {}
     for name, t in converted.items():
-        param = storages.get(t.untyped_storage()._cdata) if t.is_meta else None
-        out[name] = (
-            View(param, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
-            if param is not None
-            else _probed(name, t, params, bases)
-        )
+        param = storages.get(t.untyped_storage()._cdata)
+        if param is not None and t.is_meta:
+            out[name] = View(param, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
+        elif param is not None and t.shape == stand_ins[param].shape:  # a fused parameter the checkpoint keeps
+            shape = tuple(params[param].shape)
+            out[name] = View(param, 0, shape, tuple(torch.empty(shape, device="meta").stride()))
+        else:
+            out[name] = _probed(name, t, params, bases)
     return out
+
+
+class MemoryLayout(NamedTuple):
+    """The tensors a transformers model of a config holds in memory, and where each checkpoint tensor lies in
+    them."""
+
+    shapes: dict[str, tuple[int, ...]]
+    """In-memory name -> shape (:func:`memory_tensors`)."""
+    views: dict[str, View]
+    """Checkpoint name -> its view of an in-memory tensor (:func:`checkpoint_views`)."""
+
+
+def memory_layout(cfg: ModelConfig) -> MemoryLayout:
+    """:class:`MemoryLayout` of transformers' model of ``cfg``, built on the meta device (e.g. Mixtral's experts
+    fused in memory, per expert in the checkpoint)."""
+    from kvmove.models.config import hf_dict
+
+    model = meta_model(hf_dict(cfg))
+    shapes = {n: tuple(t.shape) for n, t in memory_tensors(model).items()}
+    return MemoryLayout(shapes, checkpoint_views(model))
 
 
 def _probed(name: str, t: torch.Tensor, params: Mapping[str, torch.Tensor], bases: Mapping[str, int]) -> View:
@@ -193,8 +216,9 @@ def _module_order(memory: Mapping[str, torch.Tensor], converted: Mapping[str, to
     return out + [n for n in made if n not in emitted]
 
 
-def _in_memory(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters (tied ones once) and persistent buffers, in module order."""
+def memory_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint of ``model`` is made from: parameters (tied ones once) and persistent buffers (a router's
+    score bias), in module order."""
     keys = set(model.state_dict(keep_vars=True))
     out: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():

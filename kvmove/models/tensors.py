@@ -12,6 +12,8 @@ _LAYER_RE = re.compile(r"^(model|decoder)\.layers\.(\d+)\.")
 _EXPERT_RE = re.compile(r"\.experts\.(?:local_experts\.)?(\d+)\.|\.mlp\.experts\.linear_fc[12]\.weight(\d+)$")
 """Routed experts: HF ``mlp.experts.E.`` (Mixtral: ``block_sparse_moe.experts.E.``), megatron-core
 ``mlp.experts.local_experts.E.`` or grouped ``weightE``."""
+_FUSED_EXPERTS_RE = re.compile(r"\.experts\.[a-z_]+$")
+"""Every routed expert of a layer in one tensor: ``feed_forward.experts.gate_up_proj`` (kvmove.models.experts)."""
 
 
 class TensorMeta(NamedTuple):
@@ -39,6 +41,11 @@ class TensorMeta(NamedTuple):
     @property
     def expert(self) -> int | None:
         return expert_of(self.name)
+
+    @property
+    def routed(self) -> bool:
+        """Whether the tensor holds routed experts' weights (one expert's, or every expert's of a layer)."""
+        return self.expert is not None or _FUSED_EXPERTS_RE.search(self.name) is not None
 
 
 def layer_of(name: str) -> int | None:

@@ -39,7 +39,7 @@ def model_totals(cfg: ModelConfig) -> ModelTotals:
                 len(ts),
                 sum(t.numel for t in ts),
                 sum(t.nbytes for t in ts),
-                sum(t.numel for t in ts if t.expert is not None),
+                sum(t.numel for t in ts if t.routed),
             )
         c, p, b, e = kinds[kind]
         count, params, nbytes, expert = count + c, params + p, nbytes + b, expert + e

@@ -312,17 +312,32 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class FusedMoE(nn.Module):
-    """All experts of a layer in two fused tensors, vLLM's ``w13_weight`` [E, 2·I, h] and ``w2_weight`` [E, h, I].
+    """All experts of a layer in two fused tensors, vLLM's ``w13_weight`` [E, 2·I, h] and ``w2_weight`` [E, h, I]
+    (with ``bias``: ``w13_bias`` [E, 2·I] and ``w2_bias`` [E, h]).
 
     With ep > 1 a rank holds whole experts [ep_rank·E/ep, (ep_rank+1)·E/ep); with ep == 1 it holds every
-    expert, each split over tp (w1/w3 by rows, w2 by columns).
+    expert, each split over tp (w1/w3 by rows, w2 by columns; ``w2_bias`` whole, added once after the partial
+    sums). A checkpoint holds the experts one tensor per expert and projection (``weight_loader``) or one tensor
+    per layer and projection (``fused_loader``: ``[E, in, out]``); in ``w13``, gate and up lie as the checkpoint
+    has them (``interleaved``: gate0, up0, gate1, ...; else gate rows, then up rows).
     """
 
     w13_weight: nn.Parameter
     w2_weight: nn.Parameter
 
-    def __init__(self, ctx: RankContext, num_experts: int, hidden: int, inter: int) -> None:
+    def __init__(
+        self,
+        ctx: RankContext,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        *,
+        fused: bool = False,
+        bias: bool = False,
+        interleaved: bool = False,
+    ) -> None:
         super().__init__()
+        self.num_experts = num_experts
         if ctx.ep_size > 1:
             self.local_experts = num_experts // ctx.ep_size
             self.first_expert = ctx.ep_rank * self.local_experts
@@ -330,12 +345,17 @@ class FusedMoE(nn.Module):
         else:
             self.local_experts, self.first_expert = num_experts, 0
             self.tp_size, self.tp_rank = ctx.tp_size, ctx.tp_rank
-        self.inter = inter // self.tp_size
+        self.inter, self.interleaved = inter // self.tp_size, interleaved
+        if fused and ctx.weight_block:
+            raise LayoutError("the reference engine holds fused expert checkpoints (gpt-oss, Llama 4) in BF16 only")
         _check_blocks(ctx, "mlp.experts", "intermediate size", [self.inter])
         _weights(self, ctx, "w13_weight", self.local_experts, 2 * self.inter, hidden)
         _weights(self, ctx, "w2_weight", self.local_experts, hidden, self.inter)
+        if bias:
+            self.w13_bias = _param(ctx, self.local_experts, 2 * self.inter)
+            self.w2_bias = _param(ctx, self.local_experts, hidden)
         for p in self.parameters():
-            p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            p.weight_loader = self.fused_loader if fused else self.weight_loader  # type: ignore[attr-defined]
 
     def local_index(self, expert_id: int) -> int | None:
         local = expert_id - self.first_expert
@@ -353,3 +373,25 @@ class FusedMoE(nn.Module):
         _check_shape(dst, src, f"expert {expert_id} {shard_id}")
         dst.copy_(src)
         return True
+
+    def fused_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        """Load a tensor holding every expert (``[E, in, out]`` weight or ``[E, out]`` bias): this rank's experts,
+        each cut to its part of the intermediate dim, weights turned to ``[out, in]``."""
+        _check_dim(loaded, 0, self.num_experts, "fused experts")
+        experts = loaded.narrow(0, self.first_expert, self.local_experts)
+        weight = experts.dim() == 3
+        if shard_id == "w2":
+            src = experts.narrow(1, self.tp_rank * self.inter, self.inter).transpose(1, 2) if weight else experts
+            _check_shape(param.data, src, "fused experts w2")
+            param.data.copy_(src)
+            return
+        last, n = experts.dim() - 1, self.inter
+        if self.interleaved:  # the units a rank holds are one block of gate/up column pairs
+            pieces = [(experts.narrow(last, 2 * self.tp_rank * n, 2 * n), param.data)]
+        else:  # gate in the first half, up in the second: a block of each
+            halves = enumerate(experts.chunk(2, dim=last))
+            pieces = [(h.narrow(last, self.tp_rank * n, n), param.data.narrow(1, i * n, n)) for i, h in halves]
+        for src, dst in pieces:
+            src = src.transpose(1, 2) if weight else src
+            _check_shape(dst, src, "fused experts w13")
+            dst.copy_(src)

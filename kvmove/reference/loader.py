@@ -11,7 +11,7 @@ from torch import nn
 
 from kvmove.models.config import ModelConfig
 from kvmove.reference.layers import default_weight_loader
-from kvmove.reference.mapping import EXPERT_NAME, EXPERT_PARAMS, TIED, stacked_of
+from kvmove.reference.mapping import EXPERT_NAME, EXPERT_PARAMS, TIED, fused_expert_of, stacked_of
 
 
 class LoadableModel(Protocol):
@@ -54,6 +54,13 @@ def _load_one(params: dict[str, nn.Parameter], name: str, w: torch.Tensor) -> st
         param = params[param_name]
         held = param.weight_loader(param, w, shard_id=shard, expert_id=int(m["expert"]))  # type: ignore[attr-defined]
         return param_name if held else None
+    every = fused_expert_of(name)  # a tensor of every expert of the layer
+    if every is not None:
+        param_name = f"{every.prefix}.{every.target.param}"
+        if param_name not in params:
+            return None  # this rank does not hold the layer
+        params[param_name].weight_loader(params[param_name], w, every.target.shard)  # type: ignore[attr-defined]
+        return param_name
     path, _, leaf = name.rpartition(".")
     parent, _, module = path.rpartition(".")
     rule = stacked_of(module)

@@ -43,6 +43,26 @@ EXPERT_PARAMS: dict[str, str] = {
 }
 """Per-expert checkpoint projection -> the FusedMoE shard it fills (w1, w3 into ``w13_*``; w2 into ``w2_*``)."""
 
+
+class FusedExpert(NamedTuple):
+    """The FusedMoE parameter a fused expert checkpoint tensor fills, and which of its shards it is."""
+
+    param: str
+    shard: str
+
+
+FUSED_EXPERT_PARAMS: dict[str, FusedExpert] = {
+    "gate_up_proj": FusedExpert("w13_weight", "w13"),
+    "gate_up_proj_bias": FusedExpert("w13_bias", "w13"),
+    "down_proj": FusedExpert("w2_weight", "w2"),
+    "down_proj_bias": FusedExpert("w2_bias", "w2"),
+}
+"""Checkpoint tensors holding every expert of a layer (``[E, in, out]`` weights, ``[E, out]`` biases; gpt-oss,
+Llama 4) -> the FusedMoE parameter they fill; kvmove.models.experts says where gate and up lie in ``gate_up_proj``."""
+
+FUSED_EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<leaf>\w+)$")
+"""A fused expert checkpoint tensor: ``<...>.experts.<leaf>`` (no expert index)."""
+
 EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight(_scale_inv)?)$")
 """A per-expert checkpoint tensor: ``<...>.experts.<E>.<proj>.weight`` (and an FP8 checkpoint's block scales)."""
 
@@ -69,3 +89,18 @@ def stacked_of(module: str) -> Stacked | None:
 
 def pieces_of(fused: str) -> tuple[Stacked, ...]:
     return tuple(s for s in STACKED_PARAMS if s.fused == fused)
+
+
+class FusedTarget(NamedTuple):
+    """Where a fused expert checkpoint tensor lands: parameter ``<prefix>.<target.param>``."""
+
+    prefix: str
+    target: FusedExpert
+
+
+def fused_expert_of(name: str) -> FusedTarget | None:
+    """The FusedMoE parameter fused expert checkpoint tensor ``name`` fills (None: not one)."""
+    m = FUSED_EXPERT_NAME.match(name)
+    if m is None or m["leaf"] not in FUSED_EXPERT_PARAMS:
+        return None
+    return FusedTarget(m["prefix"], FUSED_EXPERT_PARAMS[m["leaf"]])

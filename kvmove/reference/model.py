@@ -12,6 +12,7 @@ from torch import nn
 from kvmove.errors import ModelError
 from kvmove.models.checkpoint import engine_format, is_block_quantized
 from kvmove.models.config import ModelConfig
+from kvmove.models.experts import fused_experts
 from kvmove.models.layout import EngineCoord, EngineLayout
 from kvmove.models.table import table_of
 from kvmove.models.tensors import TensorMeta
@@ -37,6 +38,7 @@ from kvmove.reference.mapping import (
     ROW_PARALLEL,
     TIED,
     VOCAB_PARALLEL,
+    fused_expert_of,
     pieces_of,
     stacked_of,
 )
@@ -84,12 +86,17 @@ def build_modules(cfg: ModelConfig, ctx: RankContext, tensors: Sequence[TensorMe
     """(path, module or parameter) for every engine module the checkpoint tensors ``tensors`` fill."""
     groups: dict[str, dict[str, TensorMeta]] = {}
     experts: dict[str, dict[int, dict[str, TensorMeta]]] = {}
+    every: dict[str, dict[str, TensorMeta]] = {}  # layers whose checkpoint holds all experts in one tensor
     order: dict[str, int] = {}  # path -> its first tensor's position: modules are built in checkpoint order
     for i, t in enumerate(tensors):
-        m = EXPERT_NAME.match(t.name)
+        m, f = EXPERT_NAME.match(t.name), fused_expert_of(t.name)
         if m is not None and m["proj"] in EXPERT_PARAMS:
             experts.setdefault(m["prefix"], {}).setdefault(int(m["expert"]), {})[EXPERT_PARAMS[m["proj"]]] = t
             order.setdefault(m["prefix"], i)
+            continue
+        if f is not None:
+            every.setdefault(f.prefix, {})[f.target.param] = t
+            order.setdefault(f.prefix, i)
             continue
         path, _, leaf = t.name.rpartition(".")
         groups.setdefault(path, {})[leaf] = t
@@ -98,6 +105,8 @@ def build_modules(cfg: ModelConfig, ctx: RankContext, tensors: Sequence[TensorMe
     for prefix, by_expert in experts.items():
         inter, hidden = by_expert[min(by_expert)]["w1"].shape
         todo.append((order[prefix], prefix, partial(FusedMoE, ctx, len(by_expert), hidden, inter)))
+    for prefix, params in every.items():
+        todo.append((order[prefix], prefix, partial(_fused_experts, cfg, ctx, params)))
     done: set[str] = set()
     for path, leaves in groups.items():
         if path in done:
@@ -115,6 +124,15 @@ def build_modules(cfg: ModelConfig, ctx: RankContext, tensors: Sequence[TensorMe
             todo += [(order[path], f"{path}.{n}", partial(_direct, cfg, ctx, n, t)) for n, t in leaves.items()]
     todo.sort(key=lambda item: item[0])  # NOTE: built in checkpoint order (the first refusal is the first tensor's)
     return [(path, build()) for _, path, build in todo]
+
+
+def _fused_experts(cfg: ModelConfig, ctx: RankContext, params: dict[str, TensorMeta]) -> nn.Module:
+    """A FusedMoE filled from tensors that hold every expert of the layer (``gate_up_proj`` ``[E, h, 2·I]``...)."""
+    if set(params) - {"w13_bias", "w2_bias"} != {"w13_weight", "w2_weight"}:
+        raise ModelError(f"the reference engine needs both gate_up_proj and down_proj of fused experts, got {params}")
+    experts, hidden, inter2 = params["w13_weight"].shape
+    bias, interleaved = "w13_bias" in params, fused_experts(cfg).interleaved
+    return FusedMoE(ctx, experts, hidden, inter2 // 2, fused=True, bias=bias, interleaved=interleaved)
 
 
 def _label(path: str) -> str:

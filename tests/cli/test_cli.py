@@ -104,25 +104,27 @@ def test_models_show_and_dry_run_a_checkpoint_directory(monkeypatch, capsys, tmp
         ({"architectures": ["NoSuchLMForCausalLM"]}, "'NoSuchLMForCausalLM' is not a causal LM transformers knows"),
         (
             {
-                "architectures": ["GptOssForCausalLM"],
+                "architectures": ["Qwen2MoeForCausalLM"],
                 "hidden_size": 96,
                 "num_hidden_layers": 2,
                 "num_attention_heads": 6,
                 "num_key_value_heads": 2,
-                "head_dim": 16,
                 "intermediate_size": 64,
-                "num_local_experts": 4,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 64,
+                "num_experts": 4,
                 "num_experts_per_tok": 2,
                 "vocab_size": 300,
             },
-            "no Megatron sharding rule for tensor model.embed_tokens.weight: GptOssForCausalLM is in no family",
+            "no Megatron sharding rule for tensor model.embed_tokens.weight: Qwen2MoeForCausalLM is in no family",
         ),
     ],
 )
 def test_unknown_architectures_and_unclassified_tensors_exit_2(monkeypatch, capsys, tmp_path, raw, message) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(raw))
-    code, _, err = run(monkeypatch, capsys, "sync-weights", "--dry-run", "--model", str(path), "--strategy", "v1")
+    args = ["sync-weights", "--dry-run", "--model", str(path), "--trainer", "tp=2", "--engine", "tp=2"]
+    code, _, err = run(monkeypatch, capsys, *args, "--strategy", "v1")
     assert code == 2 and message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
@@ -173,3 +175,12 @@ def test_every_bench_suite_has_a_runner() -> None:
     from kvmove.cli.bench import SUITES, Suite
 
     assert set(SUITES) == set(Suite)
+
+
+def test_models_show_names_the_fused_expert_family_and_refuses_its_halves_over_etp(monkeypatch, capsys) -> None:
+    code, out, _ = run(monkeypatch, capsys, "models", "show", "llama4-tiny", "--json")
+    row = json.loads(out)
+    assert code == 0 and row["megatron_families"] == ["gqa-fused-moe"] and row["expert_params"] == 2 * 6 * 3 * 96 * 80
+    args = ["sync-weights", "--dry-run", "--model", "llama4-tiny", "--trainer", "tp=2,ep=2,etp=2", "--engine", "tp=2"]
+    code, _, err = run(monkeypatch, capsys, *args)
+    assert code == 2 and "keeps gate and up in two halves" in err and len(err.strip().splitlines()) == 1

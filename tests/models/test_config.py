@@ -34,7 +34,7 @@ def test_totals_agree_with_full_enumeration(model: str) -> None:
     totals = model_totals(cfg)
     assert totals.num_tensors == len(tensors) == len({t.name for t in tensors})
     assert totals.total_params == sum(t.numel for t in tensors)
-    assert totals.expert_params == sum(t.numel for t in tensors if t.expert is not None)
+    assert totals.expert_params == sum(t.numel for t in tensors if t.routed)
 
 
 def test_kimi_layer_kinds() -> None:

@@ -16,9 +16,11 @@ from kvmove.models.layout import TrainerLayout
 from kvmove.models.presets import preset_raw
 from kvmove.models.roles import families_of
 from kvmove.models.table import header_table, hf_tensors, layer_kind, table_of
-from kvmove.sync.planning.ownership import shard_rule
+from kvmove.sync.planning.ownership import Ownership, shard_rule
+from kvmove.sync.planning.plan import Box
 
-OTHERS = ["llama3-tiny", "mistral-tiny", "mixtral-tiny", "gemma2-tiny", "glm4-moe-tiny"]
+FUSED = ["gpt-oss-tiny", "llama4-tiny"]
+"""Presets whose checkpoints hold every expert of a layer in one tensor per projection."""
 
 
 def save_checkpoint(model: str, out: Path, drop: str | None = None) -> Path:
@@ -56,7 +58,7 @@ def test_layer_kinds_and_tied_embeddings_read_off_the_table() -> None:
     assert "lm_head.weight" not in gemma and "model.layers.0.pre_feedforward_layernorm.weight" in gemma
 
 
-@pytest.mark.parametrize("model", ["mixtral-tiny", "gemma2-tiny", "qwen3-moe-tiny"])
+@pytest.mark.parametrize("model", ["mixtral-tiny", "gemma2-tiny", "qwen3-moe-tiny", *FUSED])
 def test_headers_of_a_saved_checkpoint_equal_the_config_table(tmp_path: Path, model: str) -> None:
     out = save_checkpoint(model, tmp_path / model)
     from_headers = {t.name: t.shape for t in header_table(out).tensors()}
@@ -88,6 +90,8 @@ def test_an_architecture_transformers_does_not_know_is_refused(tmp_path: Path) -
         ("mixtral-tiny", ("gqa-moe",)),
         ("glm4-moe-tiny", ("gqa-moe",)),
         ("kimi-k2-tiny", ("mla-moe",)),
+        ("gpt-oss-tiny", ("gqa-fused-moe",)),
+        ("llama4-tiny", ("gqa-fused-moe",)),
     ],
 )
 def test_megatron_rule_families(model: str, families: tuple[str, ...]) -> None:
@@ -106,6 +110,46 @@ def test_mixtral_experts_split_over_etp_and_router_replicated() -> None:
     gate = shard_rule(cfg, layout, "model.layers.1.block_sparse_moe.gate.weight")
     assert (w1.dim, w1.group, w1.expert) == (0, "etp", 4) and (w2.dim, w2.group) == (1, "etp")
     assert gate.dim is None
+
+
+def test_fused_experts_split_over_ep_on_dim_0_and_over_etp_on_their_intermediate_dim() -> None:
+    cfg = resolve_model("gpt-oss-tiny")  # gate_up_proj [6, 96, 192] (gate/up interleaved), down_proj [6, 96, 96]
+    layout = TrainerLayout.parse("tp=2,ep=2,etp=2")
+    rules = {leaf: shard_rule(cfg, layout, f"model.layers.1.mlp.experts.{leaf}") for leaf in FUSED_LEAVES}
+    assert {leaf: (r.fused, r.dim, r.group) for leaf, r in rules.items()} == {
+        "gate_up_proj": (True, 2, "etp"),  # output columns
+        "gate_up_proj_bias": (True, 1, "etp"),
+        "down_proj": (True, 1, "etp"),  # input rows
+        "down_proj_bias": (True, None, "etp"),  # added after the reduction: whole on every ETP rank
+    }
+    attn = {leaf: shard_rule(cfg, layout, f"model.layers.1.self_attn.{leaf}").dim for leaf in ATTN_LEAVES}
+    assert attn == {"sinks": 0, "q_proj.bias": 0, "o_proj.weight": 1, "o_proj.bias": None}
+    assert shard_rule(cfg, layout, "model.layers.1.mlp.router.bias").dim is None
+    # rank 3 is EP rank 1, ETP rank 1: experts 3..5, columns 96..191 (intermediate units 48..95, gate and up)
+    own = Ownership(cfg, layout)
+    by_name = {t.name: t for t in hf_tensors(cfg)}
+    boxes = {leaf: dict(own.slices(by_name[f"model.layers.1.mlp.experts.{leaf}"]))[3] for leaf in FUSED_LEAVES}
+    assert boxes["gate_up_proj"] == Box((3, 0, 96), (6, 96, 192))
+    assert boxes["down_proj"] == Box((3, 48, 0), (6, 96, 96))
+    assert boxes["down_proj_bias"] == Box((3, 0), (6, 96))
+
+
+FUSED_LEAVES = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+ATTN_LEAVES = ("sinks", "q_proj.bias", "o_proj.weight", "o_proj.bias")
+
+
+def test_an_etp_split_of_gate_and_up_halves_is_refused() -> None:
+    """Llama 4's gate_up_proj is [gate | up]: an ETP rank holds a block of each half, two blocks of the tensor."""
+    cfg = resolve_model("llama4-tiny")
+    Ownership(cfg, TrainerLayout.parse("tp=2,ep=2"))  # etp=1: whole experts, one block per rank
+    with pytest.raises(PlanError, match=r"two halves of model\.layers\.1\.feed_forward\.experts\.gate_up_proj.*etp=1"):
+        Ownership(cfg, TrainerLayout.parse("tp=2,ep=2,etp=2"))
+
+
+def test_a_split_that_does_not_divide_a_tensor_is_refused_by_name() -> None:
+    pattern = r"etp=3 does not divide dim 2 \(160\) of tensor model\.layers\.0\.mlp\.experts\.gate_up_proj "
+    with pytest.raises(PlanError, match=pattern):
+        Ownership(resolve_model("gpt-oss-tiny", {"intermediate_size": 80}), TrainerLayout.parse("tp=1,etp=3"))
 
 
 def test_a_tensor_no_megatron_rule_classifies_is_refused_by_name() -> None:

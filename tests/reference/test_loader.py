@@ -98,3 +98,39 @@ def test_shape_mismatch_is_a_clear_error() -> None:
     t = hf_tensors(cfg)[1]
     with pytest.raises(ValueError, match="has dim 0"):
         load_weights(m, [(t.name, torch.zeros(t.shape[0] - 1, *t.shape[1:], dtype=torch.bfloat16))])
+
+
+def test_fused_expert_checkpoints_load_gate_up_as_they_lie() -> None:
+    """gpt-oss: gate_up_proj [E, h, 2I] with gate/up columns interleaved; a tp rank takes one block of column
+    pairs, so its w13 rows alternate gate and up of its own intermediate units (vLLM's layout)."""
+    cfg, full, ranks = _load("gpt-oss-tiny", "tp=2")
+    p = "model.layers.2.mlp.experts."
+    gate_up, bias = full[p + "gate_up_proj"], full[p + "gate_up_proj_bias"]
+    gate, up, n = gate_up[..., ::2], gate_up[..., 1::2], 48  # transformers' GptOssExperts reads them so
+    for r, params in enumerate(ranks):
+        w13, w2 = params[p + "w13_weight"], params[p + "w2_weight"]
+        assert w13.shape == (6, 2 * n, cfg.hidden_size) and w2.shape == (6, cfg.hidden_size, n)
+        assert torch.equal(w13[:, ::2], gate[..., r * n : (r + 1) * n].transpose(1, 2))
+        assert torch.equal(w13[:, 1::2], up[..., r * n : (r + 1) * n].transpose(1, 2))
+        assert torch.equal(params[p + "w13_bias"], bias[:, 2 * r * n : 2 * (r + 1) * n])
+        assert torch.equal(w2, full[p + "down_proj"][:, r * n : (r + 1) * n].transpose(1, 2))
+        assert torch.equal(params[p + "w2_bias"], full[p + "down_proj_bias"])  # added once, after the partial sums
+    assert torch.equal(ranks[1]["model.layers.0.self_attn.sinks"], full["model.layers.0.self_attn.sinks"][3:])
+
+
+def test_fused_expert_checkpoints_with_gate_and_up_halves() -> None:
+    """Llama 4: gate_up_proj is [gate | up] (transformers' Llama4TextExperts chunks it in two); MoE every second
+    layer; with ep > 1 each rank holds whole experts."""
+    _, full, ranks = _load("llama4-tiny", "tp=2")
+    p, n = "model.layers.1.feed_forward.experts.", 40
+    gate, up = full[p + "gate_up_proj"].chunk(2, dim=-1)
+    for r, params in enumerate(ranks):
+        w13 = params[p + "w13_weight"]
+        assert torch.equal(w13[:, :n], gate[..., r * n : (r + 1) * n].transpose(1, 2))
+        assert torch.equal(w13[:, n:], up[..., r * n : (r + 1) * n].transpose(1, 2))
+        assert "model.layers.0.feed_forward.gate_up_proj.weight" in params  # a dense layer: gate/up stacked
+    _, full, ranks = _load("llama4-tiny", "tp=1,dp=2,ep=2")
+    for r, params in enumerate(ranks):
+        mine = slice(3 * r, 3 * (r + 1))
+        assert torch.equal(params[p + "w13_weight"], full[p + "gate_up_proj"][mine].transpose(1, 2))
+        assert torch.equal(params[p + "w2_weight"], full[p + "down_proj"][mine].transpose(1, 2))

@@ -89,3 +89,43 @@ def test_an_engine_side_that_registers_nothing_is_a_clear_error() -> None:
     engines = Engines(cfg, replicas=0)
     with pytest.raises(KvmoveError, match="no engine rank registered"):
         EmbeddedTrainer(0, DictSource(dict(seeded_checkpoint(cfg, 1, 1))), engines, TrainerSettings())
+
+
+@pytest.mark.parametrize("model", ["mixtral-tiny", "glm4-moe-tiny"])
+def test_a_source_named_as_transformers_holds_the_model_in_memory_syncs_bit_exact(model: str) -> None:
+    """A transformers 5 model's state dict names Mixtral's and GLM-4.5's experts fused (``mlp.experts.gate_up_proj``,
+    every expert of a layer), the checkpoint and the engines per expert (``block_sparse_moe.experts.E.w1.weight``):
+    transformers' own conversion says which rows of which fused tensor each checkpoint tensor is."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from kvmove.sync.sources.tiny_trainer import hf_model
+
+    cfg = resolve_model(model)
+    trained = hf_model(cfg, seed=3)
+    in_memory = dict(trained.state_dict())  # parameters and persistent buffers (GLM-4.5's router score bias)
+    assert any(n.endswith(".mlp.experts.gate_up_proj") for n in in_memory)
+    engines = Engines(cfg)
+    trainer = EmbeddedTrainer(0, DictSource(in_memory), engines, TrainerSettings(strategy="v3"))
+    try:
+        trainer.sync(weight_version="1")
+        checkpoint = revert_weight_conversion(trained, in_memory)  # what save_pretrained writes
+        assert {t.name for t in hf_tensors(cfg)} <= set(checkpoint)
+        assert engines.mismatches(checkpoint) == []
+    finally:
+        trainer.close()
+        engines.close()
+
+
+def test_a_source_without_a_buffer_the_checkpoint_holds_is_refused_by_name() -> None:
+    """GLM-4.5's router score bias is a buffer of transformers' model: a source of its parameters alone (vLLM's
+    ModuleSource) lacks a tensor the engines load."""
+    from kvmove.sync.sources.tiny_trainer import hf_model
+
+    cfg = resolve_model("glm4-moe-tiny")
+    params = {n: p.detach() for n, p in hf_model(cfg, seed=3).named_parameters()}
+    engines = Engines(cfg)
+    try:
+        with pytest.raises(KvmoveError, match=r"missing model\.layers\.1\.mlp\.gate\.e_score_correction_bias"):
+            EmbeddedTrainer(0, DictSource(params), engines, TrainerSettings())
+    finally:
+        engines.close()

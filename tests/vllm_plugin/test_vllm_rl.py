@@ -82,8 +82,9 @@ def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Tra
     yield trainer, write_model_dir(trainer.cfg, tmp_path / "model", trainer.versions[1])
 
 
-def _trainer_engine(trainer: Trainer, client: Any) -> Any:
-    """vLLM's trainer side, as its docs write it (backend selected by the init info's class)."""
+def _trainer_engine(trainer: Trainer, client: Any, source: Any = None) -> Any:
+    """vLLM's trainer side, as its docs write it (backend selected by the init info's class); the source is
+    vLLM's ``ModuleSource`` over the trainer's model unless given."""
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     from kvmove.vllm.trainer import KvmoveTrainerInitInfo
@@ -91,7 +92,7 @@ def _trainer_engine(trainer: Trainer, client: Any) -> Any:
     return WeightTransferTrainerFactory.trainer_init(
         init_info=KvmoveTrainerInitInfo(rank=0, strategy="v3", transport="nixl"),
         client=client,
-        source=ModuleSource(trainer.model),
+        source=source if source is not None else ModuleSource(trainer.model),
     )
 
 

@@ -167,6 +167,12 @@ class SimSetup:
         self._check_placement()
 
     def _check_layouts(self) -> None:
+        fused = _fused_experts(self.model)
+        if fused is not None:
+            raise KvmoveError(
+                f"the simulator prices checkpoints that hold one tensor per expert; {self.model.name} holds every "
+                f"expert of a layer in one ({fused}), whose split over EP it does not model"
+            )
         if self.trainer.kind == "megatron":
             self.trainer.layout.validate(self.model)
         self.engine.validate(self.model)
@@ -229,6 +235,15 @@ class SimSetup:
         if self.delta is not None:
             parts.append(f"delta ({self.delta.text()})")
         return ", ".join(parts)
+
+
+def _fused_experts(cfg: ModelConfig) -> str | None:
+    """The first tensor of ``cfg`` holding every routed expert of a layer (gpt-oss, Llama 4), if any."""
+    from kvmove.models.table import table_of
+
+    table = table_of(cfg)
+    tensors = [t for _, ts in table.templates.values() for t in ts]
+    return next((t.name for t in tensors if t.routed and t.expert is None), None)
 
 
 def _ints(text: str, rest: str, keys: tuple[str, ...]) -> dict[str, int]:

@@ -9,11 +9,18 @@ parallel: each rank holds each full tensor once gathered), so pulls spread over 
 loop asks for out of the source's order are taken from the pass and kept until asked for (within a decoder
 layer, the orders of HF modules and checkpoints differ); each is cast to the checkpoint's dtype (bf16) as vLLM's
 own loader would cast it on copy.
+
+A source may name its tensors as the checkpoint does, or as a transformers model of the engines' config holds
+them in memory (``ModuleSource`` over a transformers 5 Mixtral offers ``mlp.experts.gate_up_proj``, one tensor of
+every expert, where the checkpoint holds ``block_sparse_moe.experts.E.w1.weight``...): each checkpoint tensor is
+then a view of the source tensor that transformers' own checkpoint conversion cuts it from
+(kvmove.models.table.memory_layout), and the source tensor is kept until its last view is served.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +28,7 @@ import torch
 from kvmove.errors import KvmoveError
 from kvmove.models.config import ModelConfig
 from kvmove.models.layout import TrainerLayout
-from kvmove.models.table import hf_tensors
+from kvmove.models.table import View, hf_tensors, memory_layout
 from kvmove.models.tensors import TensorMeta
 from kvmove.sync.planning.plan import Box
 from kvmove.sync.ranks.source import Gathered, WeightSource
@@ -39,9 +46,10 @@ class IterableSource(WeightSource):
     def __init__(self, source: Any, cfg: ModelConfig, device: str = "cpu") -> None:
         self.source, self.device = source, device
         self._metas = {t.name: t for t in hf_tensors(cfg)}
-        check_metadata(source, self._metas)
+        self._views = source_views(source, cfg, self._metas)
         self._pass: Iterator[tuple[str, torch.Tensor]] | None = None
         self._ahead: dict[str, torch.Tensor] = {}
+        self._left: Counter[str] = Counter()
 
     def metadata(self) -> list[TensorMeta]:
         return list(self._metas.values())
@@ -55,21 +63,26 @@ class IterableSource(WeightSource):
     def reset(self) -> None:
         """Drop the current pass (and what it read ahead): the next ``materialize`` starts a fresh one."""
         self._pass, self._ahead = None, {}
+        self._left = Counter(v.param for v in self._views.values())
 
     def step(self, version: int) -> None:
         self.reset()
 
     def materialize(self, names: Sequence[str], scope: Gather) -> Iterator[Gathered]:
         if self._pass is None:
+            self.reset()
             self._pass = iter(self.source)
         for name in names:
-            while name not in self._ahead:
+            view = self._views[name]
+            while view.param not in self._ahead:
                 try:
                     got, tensor = next(self._pass)
                 except StopIteration:
                     raise KvmoveError(f"the trainer's WeightSource ended its pass without yielding {name}") from None
                 self._ahead[got] = tensor
-            yield Gathered(name, self._wire(name, self._ahead.pop(name)), True)
+            self._left[view.param] -= 1
+            held = self._ahead[view.param] if self._left[view.param] else self._ahead.pop(view.param)
+            yield Gathered(name, self._wire(name, _cut(held, view)), True)
 
     def _wire(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         meta = self._metas[name]
@@ -80,8 +93,29 @@ class IterableSource(WeightSource):
         return tensor.detach().to(device=self.device, dtype=meta.dtype).contiguous()
 
 
-def check_metadata(source: Any, want: dict[str, TensorMeta]) -> None:
-    """The source's ``metadata()`` names exactly the checkpoint tensors the engines load, with their shapes."""
+def source_views(source: Any, cfg: ModelConfig, want: Mapping[str, TensorMeta]) -> dict[str, View]:
+    """Checkpoint name -> where it lies in the source's tensors: the tensor of that name, or (a source named as
+    transformers holds ``cfg`` in memory) the view transformers' checkpoint conversion cuts it from."""
+    have = metadata_of(source)
+    if set(have) != set(want):
+        memory = memory_layout(cfg)
+        if len(set(have) & set(memory.shapes)) > len(set(have) & set(want)):  # named as held in memory
+            check_metadata(have, {n: TensorMeta(n, shape) for n, shape in memory.shapes.items()})
+            return memory.views
+    check_metadata(have, want)
+    return {n: View(n, 0, t.shape, tuple(torch.empty(t.shape, device="meta").stride())) for n, t in want.items()}
+
+
+def _cut(tensor: torch.Tensor, view: View) -> torch.Tensor:
+    """The checkpoint tensor ``view`` describes, cut from the source tensor holding it."""
+    if view.offset == 0 and tuple(tensor.shape) == view.shape:
+        return tensor
+    whole = tensor.contiguous()
+    return whole.as_strided(view.shape, view.stride, whole.storage_offset() + view.offset)
+
+
+def metadata_of(source: Any) -> dict[str, tuple[int, ...]]:
+    """The source's ``metadata()`` as name -> shape, and no partial ownership (``held_names()`` None)."""
     try:
         metas = list(source.metadata())
         have = {str(m.name): tuple(int(d) for d in m.shape) for m in metas}
@@ -96,6 +130,11 @@ def check_metadata(source: Any, want: dict[str, TensorMeta]) -> None:
             "the trainer's WeightSource holds only part of the model (held_names() is not None): pass a kvmove "
             "WeightSource with its trainer layout for partial ownership"
         )
+    return have
+
+
+def check_metadata(have: Mapping[str, tuple[int, ...]], want: Mapping[str, TensorMeta]) -> None:
+    """The source's tensors (``have``: name -> shape) are exactly the tensors ``want`` lists, with their shapes."""
     missing = [n for n in want if n not in have]
     extra = [n for n in have if n not in want]
     shapes = [n for n in want if n in have and have[n] != want[n].shape]

@@ -19,9 +19,10 @@ from typing import NamedTuple, Protocol
 
 from kvmove.errors import ModelError, PlanError
 from kvmove.models.config import ModelConfig
+from kvmove.models.experts import fused_experts
 from kvmove.models.layout import TrainerLayout
 from kvmove.models.megatron import megatron_split
-from kvmove.models.roles import check_classified, role_of
+from kvmove.models.roles import Role, check_classified, role_of
 from kvmove.models.tensors import TensorMeta, expert_of, layer_of
 from kvmove.sync.planning.plan import Box
 from kvmove.sync.strategies import Gather
@@ -34,6 +35,8 @@ class ShardRule(NamedTuple):
     dim: int | None
     group: str  # "tp" (dense, attention, shared experts) or "etp" (routed experts)
     expert: int | None
+    fused: bool = False
+    """Every expert of a layer in this one tensor (its dim 0): whole experts over EP, ``dim`` over ETP."""
 
 
 class Holding(NamedTuple):
@@ -50,10 +53,25 @@ def shard_rule(cfg: ModelConfig, layout: TrainerLayout, name: str) -> ShardRule:
         stage = 0 if name == "model.embed_tokens.weight" else layout.pp - 1
     else:
         stage = _stage_of_layer(cfg.num_hidden_layers, layout.pp, layer)
+    if role.fused:
+        _check_gate_up(cfg, layout, name, role)
+        return ShardRule(stage, role.dim, "etp", None, fused=True)
     expert = expert_of(name)
     if role.dim is None:
         return ShardRule(stage, None, "tp", expert)
     return ShardRule(stage, role.dim, "etp" if expert is not None else "tp", expert)
+
+
+def _check_gate_up(cfg: ModelConfig, layout: TrainerLayout, name: str, role: Role) -> None:
+    """An ETP split of a fused gate/up tensor is one block per rank only where gate and up interleave
+    (kvmove.models.experts); with halves, each rank would hold two blocks, which a shard box cannot state."""
+    if layout.etp == 1 or role not in (Role.EXPERTS_COLUMN, Role.EXPERTS_COLUMN_BIAS):
+        return
+    if not fused_experts(cfg).interleaved:
+        raise PlanError(
+            f"trainer etp={layout.etp}: {cfg.architecture} keeps gate and up in two halves of {name}, so each ETP "
+            "rank would hold two blocks of it and kvmove's trainer shards are one block per rank (use etp=1)"
+        )
 
 
 def megatron_rule(cfg: ModelConfig, layout: TrainerLayout, name: str) -> ShardRule:
@@ -103,12 +121,29 @@ class Ownership:
         """``rule``: Megatron's split of each tensor by name (default: :func:`shard_rule` of HF names)."""
         self.cfg, self.layout = cfg, layout
         self.world = layout.world
+        self.rule: Rule = rule or shard_rule
         if rule is None:
             check_classified(cfg)  # NOTE: up front, naming the tensor, rather than in whichever planner asks first
-        self.rule: Rule = rule or shard_rule
+            self._check_splits()
         self.coords = [layout.coord(r) for r in range(layout.world)]
         self._experts_per_rank = cfg.num_experts // layout.ep if cfg.is_moe else 0
         self._groups: dict[tuple[str, int, int | None], tuple[int, ...]] = {}
+
+    def _check_splits(self) -> None:
+        """Every split dim of every tensor (one layer of each kind stands for the rest) divides evenly over its
+        group; PlanError naming the first tensor whose does not."""
+        from kvmove.models.table import table_of
+
+        table = table_of(self.cfg)
+        for t in [*table.head, *(t for _, ts in table.templates.values() for t in ts), *table.tail]:
+            rule = self.rule(self.cfg, self.layout, t.name)
+            cuts = [(0, "ep", self.layout.ep)] if rule.fused else []
+            if rule.dim is not None:
+                cuts.append((rule.dim, rule.group, self.layout.etp if rule.group == "etp" else self.layout.tp))
+            for dim, group, size in cuts:
+                if t.shape[dim] % size:
+                    cut = f"dim {dim} ({t.shape[dim]}) of tensor {t.name} {t.shape}"
+                    raise PlanError(f"trainer {group}={size} does not divide {cut}")
 
     def _owners(self, rule: ShardRule) -> tuple[int, ...]:
         """Ranks holding some shard of a tensor with this rule (a stage, or an EP rank's ranks in it)."""
@@ -122,18 +157,18 @@ class Ownership:
     def slices(self, t: TensorMeta) -> tuple[Holding, ...]:
         """Raw shards: every (rank, box) as the trainer holds them (the all-gathered ownership metadata)."""
         rule = self.rule(self.cfg, self.layout, t.name)
-        out = []
-        for rank in self._owners(rule):
-            box = Box.full(t.shape)
-            if rule.dim is not None:
-                c = self.coords[rank]
-                size, index = (self.layout.etp, c.etp) if rule.group == "etp" else (self.layout.tp, c.tp)
-                n = t.shape[rule.dim] // size
-                start, stop = list(box.start), list(box.stop)
-                start[rule.dim], stop[rule.dim] = index * n, (index + 1) * n
-                box = Box(tuple(start), tuple(stop))
-            out.append(Holding(rank, box))
-        return tuple(out)
+        return tuple(Holding(rank, self._box(t, rule, rank)) for rank in self._owners(rule))
+
+    def _box(self, t: TensorMeta, rule: ShardRule, rank: int) -> Box:
+        c = self.coords[rank]
+        start, stop = [0] * len(t.shape), list(t.shape)
+        cuts = [(0, self.layout.ep, c.ep)] if rule.fused else []  # fused experts: whole experts over EP
+        if rule.dim is not None:
+            cuts.append((rule.dim, *((self.layout.etp, c.etp) if rule.group == "etp" else (self.layout.tp, c.tp))))
+        for dim, size, index in cuts:
+            n = t.shape[dim] // size
+            start[dim], stop[dim] = index * n, (index + 1) * n
+        return Box(tuple(start), tuple(stop))
 
     def holders(self, name: str, scope: Gather | str) -> tuple[int, ...]:
         """Ranks holding the *full* tensor once a gather of ``scope`` ran."""
@@ -148,10 +183,13 @@ class Ownership:
     def gather_group(self, t: TensorMeta, rank: int) -> tuple[int, ...]:
         """The ranks whose shards ``rank`` all-gathers to materialize ``t`` inside its stage (its tp or etp group)."""
         rule = self.rule(self.cfg, self.layout, t.name)
-        if rule.dim is None:
-            return (rank,)
         c = self.coords[rank]
         owners = self._owners(rule)
+        if rule.fused:  # the EP ranks (and, where it is split over ETP, the ETP ranks) of this rank's edp replica
+            etp = rule.dim is not None and self.layout.etp > 1
+            return tuple(r for r in owners if self.coords[r].edp == c.edp and (etp or self.coords[r].etp == c.etp))
+        if rule.dim is None:
+            return (rank,)
         if rule.group == "etp":
             return tuple(r for r in owners if self.coords[r].edp == c.edp)
         return tuple(r for r in owners if self.coords[r].dp == c.dp)

@@ -217,12 +217,29 @@ class ShardedSource(WeightSource):
 
     def _gather_in_group(self, meta: TensorMeta) -> torch.Tensor:
         shard = self._shards[meta.name]
-        rule_dim = _split_dim(self._layout.boxes[meta.name], meta.shape)
-        if rule_dim is None:
+        dims = _split_dims(self._layout.boxes[meta.name], meta.shape)
+        if not dims:
             return shard
         group = self.ownership.gather_group(meta, self.rank)
-        return self.coll.all_gather(group, shard, rule_dim)
+        if len(dims) == 1:
+            return self.coll.all_gather(group, shard, dims[0])
+        # NOTE: cut on two dims (fused experts over EP and ETP): gather flat, then place each rank's box
+        flat = self.coll.all_gather(group, shard.reshape(1, -1), 0)
+        boxes = {h.rank: h.box for h in self.ownership.slices(meta)}
+        return assemble(meta, [boxes[r] for r in sorted(group)], flat)
+
+
+def assemble(meta: TensorMeta, boxes: Sequence[Box], rows: torch.Tensor) -> torch.Tensor:
+    """Tensor ``meta`` from shards whose ``boxes`` tile it, each flattened into one row of ``rows`` (in order)."""
+    full = torch.empty(meta.shape, dtype=meta.dtype, device=rows.device)
+    for row, box in zip(rows, boxes, strict=True):
+        full[box.slices()] = row.view(box.shape)
+    return full
+
+
+def _split_dims(box: Box, shape: tuple[int, ...]) -> list[int]:
+    return [d for d, (a, b) in enumerate(zip(box.start, box.stop, strict=True)) if b - a != shape[d]]
 
 
 def _split_dim(box: Box, shape: tuple[int, ...]) -> int | None:
-    return next((d for d, (a, b) in enumerate(zip(box.start, box.stop, strict=True)) if b - a != shape[d]), None)
+    return next(iter(_split_dims(box, shape)), None)

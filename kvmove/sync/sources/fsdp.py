@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from kvmove.errors import KvmoveError
-from kvmove.models.table import checkpoint_views
+from kvmove.models.table import checkpoint_views, memory_tensors
 from kvmove.models.tensors import TensorMeta
 from kvmove.sync.planning.direct import ARENA_ALIGN, ArenaLayout, arena_order
 from kvmove.sync.planning.plan import Box
@@ -43,9 +43,10 @@ class Piece(NamedTuple):
 
 
 def checkpoint_pieces(model: nn.Module) -> dict[str, Piece]:
-    """Checkpoint name -> piece of ``model``'s parameters (parameters shared by tying appear once), as
-    transformers' own checkpoint conversion places each checkpoint tensor (kvmove.models.table.checkpoint_views)."""
-    params = dict(model.named_parameters())
+    """Checkpoint name -> piece of ``model``'s parameters (parameters shared by tying appear once) and persistent
+    buffers, as transformers' own checkpoint conversion places each checkpoint tensor
+    (kvmove.models.table.checkpoint_views)."""
+    params = memory_tensors(model)
     out: dict[str, Piece] = {}
     for name, view in checkpoint_views(model).items():
         shape = tuple(params[view.param].shape)
@@ -109,7 +110,7 @@ class FsdpSource(WeightSource):
         self.model, self.group, self.on_step, self.on_train = model, group, on_step, on_train
         self.image_dtype = image_dtype
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.params = dict(model.named_parameters())
+        self.params = memory_tensors(model)  # persistent buffers too: held whole on every rank
         pieces = checkpoint_pieces(model)
         missing = sorted(set(order) ^ set(pieces))
         if missing:

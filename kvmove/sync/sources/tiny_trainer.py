@@ -145,7 +145,11 @@ def save_checkpoint(model: torch.nn.Module, directory: Path, rank: int, dtype: t
     BF16 image of FP32 masters) where given."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from kvmove.models.table import memory_tensors
+
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    held = memory_tensors(model)  # NOTE: a tied head is the embedding; gathered, it is a tensor of its own
+    state = {k: v for k, v in state.items() if k in held}
     if dtype is not None:
         state = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     if rank == 0:

@@ -131,3 +131,11 @@ def test_a_bucketing_sender_fills_buckets_with_every_byte_once() -> None:
     per_rank = math.ceil(total / 8 / gib)
     assert per_rank * 8 <= len(units(host, SIM_STRATEGIES["broadcast-pipelined"])) <= (per_rank + 1) * 8
     assert units(host, SIM_STRATEGIES["v3"]) == units(dataclasses.replace(host, bucket_bytes=0), SIM_STRATEGIES["v3"])
+
+
+def test_checkpoints_with_fused_experts_are_refused_in_one_line() -> None:
+    """gpt-oss and Llama 4 hold every expert of a layer in one tensor: the simulator does not price its EP split."""
+    from kvmove.errors import KvmoveError
+
+    with pytest.raises(KvmoveError, match=r"holds every expert of a layer in one \(model\.layers\.0\.mlp\.experts\."):
+        _setup("gpt-oss-tiny", "tp=2,ep=2", "tp=2")

@@ -37,6 +37,10 @@ PAIRS = [
     ("gemma2-tiny", "tp=2,pp=3", "tp=2,pp=2", 1),  # tied embeddings, four norms per layer
     ("mixtral-tiny", "tp=2,pp=3,ep=2", "tp=2,ep=2", 1),  # block_sparse_moe.experts.E.w1/w2/w3
     ("glm4-moe-tiny", "tp=2,ep=2,etp=2", "tp=2", 2),  # first dense layer, shared experts, router bias
+    # experts fused in the checkpoint: [E, in, out] tensors cut over EP (dim 0) and ETP (gate/up interleaved)
+    ("gpt-oss-tiny", "tp=2,ep=2,etp=2", "tp=2", 1),  # sinks, biases, each rank's box cut on two dims
+    ("llama4-tiny", "tp=2,pp=3,ep=2", "tp=2", 2),  # gate/up in halves, MoE every second layer, shared expert
+    ("llama4-tiny", "tp=1,ep=2", "dp=2,ep=2", 1),  # whole experts on both sides
 ]
 
 

@@ -130,3 +130,22 @@ def test_a_source_whose_shards_do_not_tile_a_tensor_is_refused() -> None:
     # kvmove's own seeded source (no SyncConfig.source) must hold exactly what the layout's rules give each rank
     with pytest.raises(KvmoveError, match=rf"trainer rank 1 (does not )?hold.* {name}, unlike the trainer layout"):
         check_ownership(replace(config, source=None), hellos)
+
+
+def test_fused_experts_cut_on_two_dims_reassemble_from_the_gather_group() -> None:
+    """gpt-oss under ep=2, etp=2: each rank's box of gate_up_proj is cut on dims 0 and 2; its gather group's
+    flat shards, placed by their boxes, give back the full tensor (what ShardedSource's stage gather returns)."""
+    from kvmove.sync.planning.ownership import Ownership
+    from kvmove.sync.ranks.source import assemble
+
+    cfg, layout = resolve_model("gpt-oss-tiny"), TrainerLayout.parse("tp=2,ep=2,etp=2")
+    own = Ownership(cfg, layout)
+    for meta in hf_tensors(cfg, layers=[1]):
+        if ".experts." not in meta.name:
+            continue
+        full = seeded_tensor(meta, 0, 0)
+        boxes = dict(own.slices(meta))
+        for rank in range(layout.world):
+            group = sorted(own.gather_group(meta, rank))
+            rows = torch.stack([full[boxes[r].slices()].reshape(-1) for r in group])
+            assert torch.equal(assemble(meta, [boxes[r] for r in group], rows), full), (meta.name, rank)
