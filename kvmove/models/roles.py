@@ -133,7 +133,7 @@ def check_classified(cfg: ModelConfig) -> None:
 
 def role_of(cfg: ModelConfig, name: str) -> Role:
     """Megatron's role of HF tensor ``name`` of ``cfg`` (PlanError naming the tensor if no rule classifies it)."""
-    family = next((f for f in FAMILIES if cfg.architecture in f.architectures), None)
+    family = _family(cfg.architecture)
     if family is None:
         raise PlanError(
             f"no Megatron sharding rule for tensor {name}: {cfg.architecture} is in no family of kvmove.models.roles "
@@ -143,6 +143,11 @@ def role_of(cfg: ModelConfig, name: str) -> Role:
     if role is None:
         raise PlanError(f"no Megatron sharding rule of family {family.name} classifies tensor {name}")
     return role
+
+
+@lru_cache(maxsize=64)
+def _family(architecture: str) -> Family | None:
+    return next((f for f in FAMILIES if architecture in f.architectures), None)
 
 
 @lru_cache(maxsize=4096)

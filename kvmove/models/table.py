@@ -276,7 +276,15 @@ def table_of(cfg: ModelConfig) -> TensorTable:
 
 def hf_tensors(cfg: ModelConfig, layers: Iterable[int] | None = None) -> list[TensorMeta]:
     """All tensors of the checkpoint in file order, or only those of ``layers`` plus the non-layer ones."""
+    if layers is None:
+        return list(_every_tensor(cfg))
     return table_of(cfg).tensors(layers)
+
+
+@lru_cache(maxsize=8)
+def _every_tensor(cfg: ModelConfig) -> tuple[TensorMeta, ...]:
+    """Every tensor of ``cfg``'s checkpoint, built once (Kimi K2: 69,975 of them; planners ask again and again)."""
+    return tuple(table_of(cfg).tensors())
 
 
 def layer_tensors(cfg: ModelConfig, i: int) -> list[TensorMeta]:

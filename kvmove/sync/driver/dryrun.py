@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 from kvmove.engines import get_engine
@@ -72,20 +72,35 @@ def dry_run_sync(config: SyncConfig) -> list[DryRunReport]:
     check_plannable(config)
     plans, plan_seconds = build_plans(config)
     ownership = Ownership(config.model, config.trainer)
-    return [_report(config, plans, plan_seconds, ownership, s) for s in config.strategies]
+    shared = _Shared(ownership, {})
+    return [_report(config, plans, plan_seconds, shared, s) for s in config.strategies]
+
+
+class _Shared:
+    """What the strategies of one dry run plan alike: the ownership, one direct planner, entries by gather."""
+
+    def __init__(self, ownership: Ownership, memo: dict[Hashable, Any]) -> None:
+        self.ownership, self.memo = ownership, memo
+        self._direct: DirectPlanner | None = None
+
+    def direct(self, config: SyncConfig) -> DirectPlanner:
+        if self._direct is None:
+            self._direct = DirectPlanner(self.ownership, hf_tensors(config.model))
+        return self._direct
 
 
 def _report(
     config: SyncConfig,
     plans: Sequence[ShardingPlan],
     plan_seconds: float,
-    ownership: Ownership,
+    shared: _Shared,
     s: Strategy,
 ) -> DryRunReport:
     start = time.perf_counter()
+    ownership = shared.ownership
     # NOTE: routed as a sync routes it (direct pulls, pieces), so the verification covers what a sync reads
-    direct = DirectPlanner(ownership, hf_tensors(config.model)) if config.options.direct and s.direct else None
-    smap = route(plans, config.engine, ownership, s, direct, shard_reads=config.options.direct)
+    direct = shared.direct(config) if config.options.direct and s.direct else None
+    smap = route(plans, config.engine, ownership, s, direct, shard_reads=config.options.direct, memo=shared.memo)
     seconds = plan_seconds + time.perf_counter() - start
     verified: bool | None = None
     mismatches: tuple[str, ...] = ()

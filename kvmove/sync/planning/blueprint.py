@@ -9,8 +9,9 @@ itself), so no two places can disagree on who sends what.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvmove.models.config import ModelConfig
 from kvmove.models.layout import EngineLayout, TrainerLayout
@@ -66,10 +67,11 @@ class Blueprint:
         self.pulls: dict[str, tuple[PullPlan, ...]] = {}
         self.groups: dict[str, dict[int, list[str]]] = {}
         self.needed: dict[str, set[str]] = {}
+        memo: dict[Hashable, Any] = {}  # entries shared by strategies that gather and read alike
         for s in self.strategies.values():
             groups = tensor_groups(cfg, trainer, s, options, tensors, self.ownership.stage_of)
             direct = self.direct if s.direct else None
-            smap = route(self.plans, engine, self.ownership, s, direct, devices, tensors=tensors)
+            smap = route(self.plans, engine, self.ownership, s, direct, devices, tensors=tensors, memo=memo)
             self.pulls[s.name] = pull_plans(self.plans, engine, smap, groups, direct)
             self.groups[s.name] = {g: [t.name for t in ts] for g, ts in groups.items()}
             self.needed[s.name] = gathered_names(self.pulls[s.name])

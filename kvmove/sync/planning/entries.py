@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -89,7 +90,7 @@ class EntryPlan:
     quant: tuple[QuantizedSource | None, ...]
     """Per plan region: how it is made from BF16 (None: loaded as the trainer holds it)."""
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Bytes that cross the link for this rank."""
         return sum(e.nbytes for e in self.entries)
@@ -99,6 +100,14 @@ class EntryPlan:
         for e in self.entries:
             out[e.transform] += e.nbytes
         return dict(out)
+
+
+class _Holders(NamedTuple):
+    """Who may serve a region: the ranks whose raw shard holds it whole (``in_shard``), else those holding its
+    tensor after the strategy's gather."""
+
+    ranks: tuple[int, ...]
+    in_shard: bool
 
 
 class EntryPlanner:
@@ -120,7 +129,7 @@ class EntryPlanner:
         """Whether entries may be served from raw shards: strategies reading them, with arenas in place (default:
         where direct pulls are planned)."""
         self.metas = _metas(ownership, direct, tensors)
-        self._holders: dict[tuple[str, Box], tuple[int, ...]] = {}
+        self._holders: dict[tuple[str, Box], _Holders] = {}
 
     def plan(self, plan: ShardingPlan) -> EntryPlan:
         quant = tuple(quantized_source(r, self._weight(r).shape) for r in plan.regions)
@@ -148,18 +157,17 @@ class EntryPlanner:
 
     def _plain(self, region: Region, i: int, param_dtype: torch.dtype, staged: bool = False) -> Entry:
         key = (region.hf_name, region.box)
-        holders = self._holders.get(key)
-        if holders is None:
-            holders = self.ownership.holders(region.hf_name, self.scope)
-            if self.direct is not None:
-                holders = self.direct.shard_holders(region, holders) or holders
-            self._holders[key] = holders
+        found = self._holders.get(key)
+        if found is None:
+            gathered = self.ownership.holders(region.hf_name, self.scope)
+            whole = self.direct.shard_holders(region, gathered) if self.direct is not None else ()
+            found = self._holders[key] = _Holders(whole or gathered, bool(whole))
         pieces: tuple[Piece, ...] = ()
         # a staged parameter is packed, never read directly (in pieces neither); a raw shard holding it whole
         # still serves it without a gather
-        if self.direct is not None and not staged and not self.direct.shard_holders(region, holders):
+        if self.direct is not None and not staged and not found.in_shard:
             pieces = tuple(self.direct.pieces(region, param_dtype) or ())
-        return Entry(PLAIN, region.hf_name, region.box, (i,), (region.nbytes,), holders, pieces=pieces)
+        return Entry(PLAIN, region.hf_name, region.box, (i,), (region.nbytes,), found.ranks, pieces=pieces)
 
     def _quantized(
         self,

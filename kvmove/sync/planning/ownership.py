@@ -122,6 +122,8 @@ class Ownership:
         self.cfg, self.layout = cfg, layout
         self.world = layout.world
         self.rule: Rule = rule or shard_rule
+        self._rules: dict[str, ShardRule] = {}
+        self._slices: dict[str, tuple[Holding, ...]] = {}
         if rule is None:
             check_classified(cfg)  # NOTE: up front, naming the tensor, rather than in whichever planner asks first
             self._check_splits()
@@ -154,10 +156,20 @@ class Ownership:
             self._groups[key] = tuple(r for r in ranks if ep is None or self.coords[r].ep == ep)
         return self._groups[key]
 
+    def rule_of(self, name: str) -> ShardRule:
+        """The split of tensor ``name`` (memoized: planning asks for every region of every engine rank)."""
+        rule = self._rules.get(name)
+        if rule is None:
+            rule = self._rules[name] = self.rule(self.cfg, self.layout, name)
+        return rule
+
     def slices(self, t: TensorMeta) -> tuple[Holding, ...]:
         """Raw shards: every (rank, box) as the trainer holds them (the all-gathered ownership metadata)."""
-        rule = self.rule(self.cfg, self.layout, t.name)
-        return tuple(Holding(rank, self._box(t, rule, rank)) for rank in self._owners(rule))
+        held = self._slices.get(t.name)
+        if held is None:
+            rule = self.rule_of(t.name)
+            held = self._slices[t.name] = tuple(Holding(rank, self._box(t, rule, rank)) for rank in self._owners(rule))
+        return held
 
     def _box(self, t: TensorMeta, rule: ShardRule, rank: int) -> Box:
         c = self.coords[rank]
@@ -174,15 +186,15 @@ class Ownership:
         """Ranks holding the *full* tensor once a gather of ``scope`` ran."""
         scope = Gather(scope)
         if scope is Gather.STAGE:
-            return self._owners(self.rule(self.cfg, self.layout, name))
+            return self._owners(self.rule_of(name))
         return tuple(range(self.layout.world)) if scope is Gather.GLOBAL else (0,)
 
     def stage_of(self, name: str) -> int:
-        return self.rule(self.cfg, self.layout, name).stage
+        return self.rule_of(name).stage
 
     def gather_group(self, t: TensorMeta, rank: int) -> tuple[int, ...]:
         """The ranks whose shards ``rank`` all-gathers to materialize ``t`` inside its stage (its tp or etp group)."""
-        rule = self.rule(self.cfg, self.layout, t.name)
+        rule = self.rule_of(t.name)
         c = self.coords[rank]
         owners = self._owners(rule)
         if rule.fused:  # the EP ranks (and, where it is split over ETP, the ETP ranks) of this rank's edp replica

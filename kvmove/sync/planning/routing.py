@@ -12,7 +12,7 @@ piece.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 from kvmove.models.layout import EngineLayout
@@ -66,6 +66,7 @@ def route(
     devices: DeviceMap | None = None,
     shard_reads: bool | None = None,
     tensors: Sequence[TensorMeta] | None = None,
+    memo: dict[Hashable, tuple[EntryPlan, ...]] | None = None,
 ) -> SourceMap:
     """Assign every entry of every engine rank (all replicas) to one trainer rank that may serve it (or, read in
     pieces, each piece to one rank holding its shard).
@@ -75,9 +76,16 @@ def route(
     pieces along the raw shards when every piece can be read directly. Quantized covers and their pieces are
     served from raw shards where that avoids a gather (kvmove.sync.planning.entries; ``shard_reads`` overrides
     whether they may be, default: where ``direct`` is planned); they are never cut into direct pieces.
-    ``tensors``: the source's tensors (see ``entries.EntryPlanner``).
+    ``tensors``: the source's tensors (see ``entries.EntryPlanner``). ``memo``: entries already planned for other
+    strategies of the same plans, ownership, direct planner and tensors (the caller's to keep per run); strategies
+    that gather and read alike share them.
     """
-    entries = plan_entries(plans, ownership, strategy, direct, shard_reads, tensors)
+    key = (strategy.scope, strategy.direct, shard_reads)
+    entries = memo.get(key) if memo is not None else None
+    if entries is None:
+        entries = plan_entries(plans, ownership, strategy, direct, shard_reads, tensors)
+        if memo is not None:
+            memo[key] = entries
     jobs = _jobs(entries, layout)
     jobs.sort(key=lambda j: (len(j.candidates) > 1, j.neg_bytes, j.engine, j.entry))
     loads = [0] * ownership.world
@@ -107,7 +115,7 @@ def _jobs(entries: Sequence[EntryPlan], layout: EngineLayout) -> list[_Job]:
             if entry.pieces:
                 jobs += [_Job(-p.region.nbytes, e, i, p.holders, p.region) for p in entry.pieces]
             else:
-                jobs.append(_Job(-entry.nbytes, e, i, entry.holders))
+                jobs.append(_Job(-sum(entry.sizes), e, i, entry.holders))
     return jobs
 
 
