@@ -265,7 +265,14 @@ def _delta(a: Asked) -> None:
         bench = replace(bench, layers=a.layers)
     with streams.progress() as say:
         rows = delta_bench(bench, say)
-    _show("delta", rows, a.results, a.as_json)
+    _show("delta", rows, a.results, a.as_json, _labels(bench.device))
+
+
+def _labels(device: str) -> Labels:
+    """This machine's labels, its hardware named by the device the suite ran on (a GPU's, not the host CPU's)."""
+    from kvmove.bench.results import Labels, git_commit, hardware_label, versions
+
+    return Labels(hardware_label(device), versions(), git_commit())
 
 
 def _gpu_rows(run_suite: Any, suite: Any, results: Path, as_json: bool) -> None:
