@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from kvmove.sync.delta.encoding import Words
 from kvmove.sync.programs import Program
+
+if TYPE_CHECKING:
+    from kvmove.sync.delta.triton_diff import Rows
 
 INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 """The integer type of each element size: elements are compared as bits."""
@@ -169,10 +172,16 @@ def slot_steps(buf: torch.Tensor, words: Words) -> Steps:
     return Steps((step,), None, packed=True)
 
 
-def diff(steps: Steps, image: torch.Tensor, words: Words, limit: int) -> Changes | None:
+def diff(steps: Steps, image: torch.Tensor, words: Words, limit: int, backend: str | None = None) -> Changes | None:
     """The words of the new payload (read by ``steps``) that differ from ``image`` (uint8, laid out as the
     slot), which then takes the new payload's values. None, the image left as it was, where more than ``limit``
-    words changed (no encoding would be smaller than dense)."""
+    words changed (no encoding would be smaller than dense).
+
+    ``backend``: ``torch`` (any device) or ``triton`` (:mod:`kvmove.sync.delta.triton_diff`, where every step is
+    rows of contiguous words); by default Triton for CUDA tensors where it is installed and applies."""
+    rows = _rows(steps, image, words) if (backend or _default_backend(steps)) == "triton" else None
+    if rows is not None:
+        return _diff_rows(steps, rows, words, limit)
     masks = [torch.ne(step.src, step.on(image)).view(-1) for step in steps.steps]
     elements = [int(torch.count_nonzero(m)) for m in masks]
     if sum(elements) > limit:  # each changed element holds at least one changed word
@@ -184,6 +193,33 @@ def diff(steps: Steps, image: torch.Tensor, words: Words, limit: int) -> Changes
         _changed(step, image.view(step.src.dtype), m.nonzero().flatten(), words)
         for step, m in zip(steps.steps, masks, strict=True)
     ]
+    changes = _concat(found) if steps.order is None else _in_order(steps, found)
+    return _live(changes, words) if steps.packed else changes
+
+
+def _default_backend(steps: Steps) -> str:
+    from kvmove.quant.quantizer import triton_available
+
+    return "triton" if steps.steps and steps.steps[0].src.is_cuda and triton_available() else "torch"
+
+
+def _rows(steps: Steps, image: torch.Tensor, words: Words) -> list[Rows] | None:
+    """Every step as word rows on ``image`` (None where one is not rows of contiguous words: compare with torch)."""
+    from kvmove.sync.delta.triton_diff import rows_of
+
+    rows = [rows_of(s.src, s.view, s.slot.at, image, words.dtype) for s in steps.steps]
+    return None if any(r is None for r in rows) else [r for r in rows if r is not None]
+
+
+def _diff_rows(steps: Steps, rows: Sequence[Rows], words: Words, limit: int) -> Changes | None:
+    """:func:`diff` by the Triton compaction, one host synchronization for the counts of every step."""
+    from kvmove.sync.delta.triton_diff import compact, count
+
+    counts = [count(r) for r in rows]
+    totals = torch.stack([c.sum(dtype=torch.int64) for c in counts]).tolist()
+    if sum(totals) > limit:
+        return None
+    found = [Changes(*compact(r, c, n)) for r, c, n in zip(rows, counts, totals, strict=True)]
     changes = _concat(found) if steps.order is None else _in_order(steps, found)
     return _live(changes, words) if steps.packed else changes
 

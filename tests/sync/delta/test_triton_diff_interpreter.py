@@ -1,0 +1,144 @@
+"""The Triton comparison (kvmove.sync.delta.triton_diff) on CPU, run by Triton's interpreter: for pulls whose copies
+are stacks of rows (interleaved in the slot, rows longer than a program's chunk, int64 and byte words, a packed
+slot with padding), the same changed words, positions, values and image as the torch comparison, and the same
+refusal one word past the limit.
+
+Runs where triton is installed and no GPU is (``make test-vllm``'s environment has it); on a GPU machine
+tests/sync/delta/test_triton_diff_gpu.py runs the compiled kernels instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("a GPU runs the compiled kernels (test_triton_diff_gpu.py)", allow_module_level=True)
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("triton was imported before TRITON_INTERPRET could be set", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed (its CPU interpreter runs this test)")
+
+from kvmove.sync.delta import triton_diff
+from kvmove.sync.delta.diff import Steps, diff, program_steps, slot_steps
+from kvmove.sync.delta.encoding import Words, most_changed, payload_words
+from kvmove.sync.planning.packing import pack_layout
+from kvmove.sync.programs import ProgramBuilder
+
+
+class Pull:
+    """Sources packed back to back into a slot by one program (the builder batches what it can)."""
+
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self.parts = parts
+        self.sizes = [t.numel() * t.element_size() for t in parts]
+        self.words: Words = payload_words(self.sizes)
+        self.slot = torch.zeros(pack_layout(self.sizes).nbytes, dtype=torch.uint8)
+        b = ProgramBuilder()
+        for t, off, n in zip(parts, pack_layout(self.sizes).offsets, self.sizes, strict=True):
+            b.copy(self.slot[off : off + n].view(t.dtype).view(t.shape), t)
+        self.program = b.build(persistent=True)
+
+    def payload(self) -> torch.Tensor:
+        self.program.run()
+        return self.slot.clone()
+
+    def change(self, count: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for t in self.parts:
+            flat = t.view(torch.uint8) if self.words.dtype == torch.uint8 else t.view(torch.int16)
+            for _ in range(count):
+                index = tuple(int(torch.randint(0, n, (1,), generator=g)) for n in flat.shape)
+                flat[index] ^= 1 << int(torch.randint(0, 8, (1,), generator=g))
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def interleaved() -> list[torch.Tensor]:
+    """4 experts' gate and down in turn, from two stacked sources (one strided): two 3-D steps that interleave."""
+    gate, down = _randn(4, 2, 16, seed=1)[:, :, 4:12], _randn(4, 3, 8, seed=2)
+    return [t for e in range(4) for t in (gate[e], down[e])] + [_randn(3, seed=3)]
+
+
+def long_rows() -> list[torch.Tensor]:
+    """A column slice whose rows span three chunks of a program, and a long contiguous vector."""
+    cols = 2 * triton_diff.CHUNK + 77
+    return [_randn(3, cols + 100, seed=4)[:, 50 : 50 + cols], _randn(3 * triton_diff.CHUNK + 5, seed=5)]
+
+
+def bytes_words() -> list[torch.Tensor]:
+    """An odd-sized part: the payload is compared in bytes."""
+    return [torch.randint(0, 255, (5, 33), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))]
+
+
+PULLS: dict[str, Callable[[], list[torch.Tensor]]] = {
+    "interleaved": interleaved,
+    "long-rows": long_rows,
+    "bytes": bytes_words,
+}
+
+
+def _steps(pull: Pull, packed: bool) -> Steps:
+    if packed:
+        pull.program.run()
+        return slot_steps(pull.slot, pull.words)
+    steps = program_steps(pull.program, pull.slot, pull.words)
+    assert steps is not None
+    return steps
+
+
+def _both(pull: Pull, image: torch.Tensor, packed: bool, limit: int) -> tuple:
+    mine, theirs = image.clone(), image.clone()
+    got = diff(_steps(pull, packed), mine, pull.words, limit, backend="triton")
+    want = diff(_steps(pull, packed), theirs, pull.words, limit, backend="torch")
+    return got, want, mine, theirs
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["from-sources", "packed-slot"])
+@pytest.mark.parametrize("name", list(PULLS))
+def test_the_triton_comparison_finds_what_torch_finds(name: str, packed: bool) -> None:
+    pull = Pull(PULLS[name]())
+    steps = _steps(pull, packed)
+    image = pull.payload()
+    assert triton_diff.rows_of(steps.steps[0].src, steps.steps[0].view, steps.steps[0].slot.at, image, pull.words.dtype)
+    for seed in range(2):
+        pull.change(7, seed)
+        got, want, mine, theirs = _both(pull, image, packed, most_changed(pull.words))
+        assert got is not None and want is not None and got.positions.numel() > 0
+        assert torch.equal(got.positions, want.positions) and torch.equal(got.values, want.values)
+        assert torch.equal(mine, theirs) and torch.equal(mine, pull.payload())
+        image = mine
+
+
+@pytest.mark.parametrize("spare", [0, -1])
+def test_at_the_limit_a_delta_one_past_it_nothing_and_the_image_untouched(spare: int) -> None:
+    pull = Pull(long_rows())
+    image = pull.payload()
+    pull.change(9, 3)
+    changed = int((image.view(torch.int16) != pull.payload().view(torch.int16)).sum())
+    got, want, mine, _ = _both(pull, image, False, changed + spare)
+    if spare == 0:
+        assert got is not None and want is not None and torch.equal(got.positions, want.positions)
+    else:
+        assert got is None and want is None and torch.equal(mine, image)
+
+
+@pytest.mark.parametrize(
+    ("shape", "a", "b", "want"),
+    [
+        ((4, 2, 8), (32, 16, 1), (40, 8, 1), ((4, 2, 8), (32, 16, 1), (40, 8, 1))),  # interleaved stacks
+        ((4, 2, 8), (16, 8, 1), (16, 8, 1), ((1, 1, 64), (0, 0, 1), (0, 0, 1))),  # one run in both
+        ((3, 5), (9, 1), (5, 1), ((1, 3, 5), (0, 9, 1), (0, 5, 1))),  # a column slice into a packed part
+        ((2, 1, 5), (5, 5, 1), (5, 5, 1), ((1, 1, 10), (0, 0, 1), (0, 0, 1))),  # size-1 dims dropped
+        ((3, 5), (1, 3), (5, 1), None),  # a transposed source
+        ((2, 2, 2, 2), (100, 30, 6, 1), (8, 4, 2, 1), None),  # four dims that do not merge
+    ],
+)
+def test_joint_geometry(shape: tuple, a: tuple, b: tuple, want: tuple | None) -> None:
+    assert triton_diff.joint_geometry(shape, a, b) == want
