@@ -181,7 +181,7 @@ def diff(steps: Steps, image: torch.Tensor, words: Words, limit: int, backend: s
     rows of contiguous words); by default Triton for CUDA tensors where it is installed and applies."""
     rows = _rows(steps, image, words) if (backend or _default_backend(steps)) == "triton" else None
     if rows is not None:
-        return _diff_rows(steps, rows, words, limit)
+        return _diff_rows(steps, rows, image, words, limit)
     masks = [torch.ne(step.src, step.on(image)).view(-1) for step in steps.steps]
     elements = [int(torch.count_nonzero(m)) for m in masks]
     if sum(elements) > limit:  # each changed element holds at least one changed word
@@ -211,16 +211,22 @@ def _rows(steps: Steps, image: torch.Tensor, words: Words) -> list[Rows] | None:
     return None if any(r is None for r in rows) else [r for r in rows if r is not None]
 
 
-def _diff_rows(steps: Steps, rows: Sequence[Rows], words: Words, limit: int) -> Changes | None:
-    """:func:`diff` by the Triton compaction, one host synchronization for the counts of every step."""
-    from kvmove.sync.delta.triton_diff import compact, count
+def _diff_rows(steps: Steps, rows: Sequence[Rows], image: torch.Tensor, words: Words, limit: int) -> Changes | None:
+    """:func:`diff` by the Triton compaction: two launches for every step of the pull and one host synchronization
+    (each step's count)."""
+    from kvmove.sync.delta.triton_diff import compact, count, table
 
-    counts = [count(r) for r in rows]
-    totals = torch.stack([c.sum(dtype=torch.int64) for c in counts]).tolist()
-    if sum(totals) > limit:
+    t = table(rows, image, words.dtype)
+    counts = count(t)
+    ends = torch.cumsum(counts, 0, dtype=torch.int64)
+    bounds = [0, *ends.index_select(0, torch.tensor(t.ends, device=ends.device) - 1).tolist()]
+    if bounds[-1] > limit:
         return None
-    found = [Changes(*compact(r, c, n)) for r, c, n in zip(rows, counts, totals, strict=True)]
-    changes = _concat(found) if steps.order is None else _in_order(steps, found)
+    every = Changes(*compact(t, counts, ends, bounds[-1]))  # in step order
+    if steps.order is None:
+        changes = every
+    else:
+        changes = _in_order(steps, [Changes(*(x[a:b] for x in every)) for a, b in itertools.pairwise(bounds)])
     return _live(changes, words) if steps.packed else changes
 
 

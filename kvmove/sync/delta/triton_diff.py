@@ -1,17 +1,22 @@
 """The comparison of :mod:`kvmove.sync.delta.diff` as two Triton kernels (CUDA): a stream compaction at memory speed.
 
 A step compares a stack of rows of the new payload (a source view) with the same rows of the image, word by word
-(int16, or bytes). Where both views are stacks of rows of contiguous words (the copies of a pack program are, once
-their dimensions are merged: :func:`rows_of`), two passes find every changed word without a mask in memory:
+(int16, or bytes). Where every step of a pull is a stack of rows of contiguous words on both sides (the copies of a
+pack program are, once their dimensions are merged: :func:`rows_of`), two kernels find every changed word of the
+whole pull, each one launch over a descriptor table of its steps (:func:`table`: one row per step, each program's
+step, so a pull of hundreds of tensors costs two launches and one compilation), without a mask in memory:
 
 1. ``count``: one program per chunk of a row counts the words that differ (both views read once);
-2. after an exclusive prefix sum over the chunks' counts (torch), ``compact``: each chunk with changes reads its
-   words again, ranks its changed words by a prefix sum in registers, and writes their payload positions
-   (int64, ascending) and new values at its offset, and the new values into the image.
+2. after a prefix sum over the chunks' counts (torch) and one host synchronization (the total, to size the
+   output and to go dense past the limit), ``compact``: each chunk with changes reads its words again, ranks its
+   changed words by a prefix sum in registers, and writes their payload positions (int64, ascending within a
+   step) and new values at its offset, and the new values into the image.
 
-Both passes are integer loads and compares, so the result is the torch path's bit for bit (NaN payloads, -0.0
-and +0.0 are words like any other); ``tests/sync/delta/test_triton_diff_interpreter.py`` checks it under Triton's
-CPU interpreter and the ``gpu`` tests compiled. Imported lazily: kvmove works without triton.
+Sources are addressed by their offset from the image's first word (every address is word-aligned), so one kernel
+reads views of any number of tensors. Both passes are integer loads and compares, so the result is the torch
+path's bit for bit (NaN payloads, -0.0 and +0.0 are words like any other);
+``tests/sync/delta/test_triton_diff_interpreter.py`` checks it under Triton's CPU interpreter and the ``gpu``
+tests compiled. Imported lazily: kvmove works without triton.
 """
 
 from __future__ import annotations
@@ -77,79 +82,103 @@ def rows_of(
     return Rows(new, old, slot_at * k)
 
 
-@triton.jit
-def _row_offsets(pid, chunks, rows, s0, s1, CHUNK: tl.constexpr):
-    """The first element of program ``pid``'s row in a view of strides ``s0``, ``s1``, and its chunk's columns."""
-    row = pid // chunks
-    base = (row // rows).to(tl.int64) * s0 + (row % rows).to(tl.int64) * s1
-    return base, (pid % chunks) * CHUNK + tl.arange(0, CHUNK)
+FIELDS = 10
+"""Per step of a table: the new and old views' first words (relative to the image's), rows, cols, chunks per row,
+the new and old views' stack and row strides, its first program."""
+
+
+class Table(NamedTuple):
+    """Every step of one pull as one launch: a row of :data:`FIELDS` int64 per step and each program's step."""
+
+    image: torch.Tensor
+    """The image as words: every offset is relative to its first word."""
+    fields: torch.Tensor
+    owner: torch.Tensor
+    """Each program's step (int32)."""
+    ends: tuple[int, ...]
+    """The program past each step's last."""
+
+
+def table(rows: Sequence[Rows], image: torch.Tensor, word: torch.dtype) -> Table:
+    """The descriptor table of ``rows`` (views on ``image``, uint8, and on sources; addresses stay word-aligned)."""
+    words = image.view(word)
+    base, size = words.data_ptr(), word.itemsize
+    fields: list[list[int]] = []
+    programs: list[int] = []
+    for r in rows:
+        n, rs, cols = r.new.shape
+        chunks = triton.cdiv(cols, CHUNK)
+        (a0, a1, _), (b0, b1, _) = r.new.stride(), r.old.stride()
+        new_at, old_at = (r.new.data_ptr() - base) // size, (r.old.data_ptr() - base) // size
+        fields.append([new_at, old_at, rs, cols, chunks, a0, a1, b0, b1, sum(programs)])
+        programs.append(n * rs * chunks)
+    device = image.device
+    count = torch.tensor(programs, dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), count).to(device)
+    ends = tuple(int(e) for e in torch.cumsum(count, 0)) if programs else ()
+    at = torch.tensor(fields, dtype=torch.int64).view(-1, FIELDS)
+    return Table(words, at.to(device), owner, ends)
 
 
 @triton.jit
-def _count_kernel(new_ptr, old_ptr, counts_ptr, rows, cols, chunks, a0, a1, b0, b1, CHUNK: tl.constexpr):
-    pid = tl.program_id(0)
-    a_at, c = _row_offsets(pid, chunks, rows, a0, a1, CHUNK)
-    b_at, _ = _row_offsets(pid, chunks, rows, b0, b1, CHUNK)
-    inside = c < cols
-    a = tl.load(new_ptr + a_at + c, mask=inside, other=0)
-    b = tl.load(old_ptr + b_at + c, mask=inside, other=0)
+def _chunk(fields_ptr, owner_ptr, pid, CHUNK: tl.constexpr):
+    """Program ``pid``'s chunk: its new and old words' offsets from the image's first word (the old ones are
+    payload positions) and which of its columns lie in the row."""
+    f = fields_ptr + tl.load(owner_ptr + pid).to(tl.int64) * 10
+    new_at, old_at, rows, cols, chunks = tl.load(f), tl.load(f + 1), tl.load(f + 2), tl.load(f + 3), tl.load(f + 4)
+    a0, a1, b0, b1, first = tl.load(f + 5), tl.load(f + 6), tl.load(f + 7), tl.load(f + 8), tl.load(f + 9)
+    local = pid - first
+    row = local // chunks
+    stack, row = row // rows, row % rows
+    c = (local % chunks) * CHUNK + tl.arange(0, CHUNK)
+    return new_at + stack * a0 + row * a1 + c, old_at + stack * b0 + row * b1 + c, c < cols
+
+
+@triton.jit
+def _count_kernel(image_ptr, fields_ptr, owner_ptr, counts_ptr, CHUNK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    new, old, inside = _chunk(fields_ptr, owner_ptr, pid, CHUNK)
+    a = tl.load(image_ptr + new, mask=inside, other=0)
+    b = tl.load(image_ptr + old, mask=inside, other=0)
     tl.store(counts_ptr + pid, tl.sum((a != b).to(tl.int32), axis=0))
 
 
 @triton.jit
-def _compact_kernel(
-    new_ptr, old_ptr, counts_ptr, starts_ptr, pos_ptr, val_ptr, rows, cols, chunks, a0, a1, b0, b1, at,
-    CHUNK: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    if tl.load(counts_ptr + pid) > 0:
-        a_at, c = _row_offsets(pid, chunks, rows, a0, a1, CHUNK)
-        b_at, _ = _row_offsets(pid, chunks, rows, b0, b1, CHUNK)
-        inside = c < cols
-        a = tl.load(new_ptr + a_at + c, mask=inside, other=0)
-        b = tl.load(old_ptr + b_at + c, mask=inside, other=0)
+def _compact_kernel(image_ptr, fields_ptr, owner_ptr, counts_ptr, ends_ptr, pos_ptr, val_ptr, CHUNK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    n = tl.load(counts_ptr + pid)
+    if n > 0:
+        new, old, inside = _chunk(fields_ptr, owner_ptr, pid, CHUNK)
+        a = tl.load(image_ptr + new, mask=inside, other=0)
+        b = tl.load(image_ptr + old, mask=inside, other=0)
         changed = (a != b) & inside
         k = changed.to(tl.int32)
-        out = tl.load(starts_ptr + pid) + (tl.cumsum(k, axis=0) - k).to(tl.int64)
-        tl.store(pos_ptr + out, at + b_at + c.to(tl.int64), mask=changed)
+        out = tl.load(ends_ptr + pid) - n + (tl.cumsum(k, axis=0) - k).to(tl.int64)
+        tl.store(pos_ptr + out, old, mask=changed)
         tl.store(val_ptr + out, a, mask=changed)
-        tl.store(old_ptr + b_at + c, a, mask=changed)
+        tl.store(image_ptr + old, a, mask=changed)
 
 
-def _launch(rows: Rows) -> tuple[int, tuple[int, ...]]:
-    """Programs of a pass over ``rows`` and the kernels' geometry arguments."""
-    n, r, cols = rows.new.shape
-    chunks = triton.cdiv(cols, CHUNK)
-    (a0, a1, _), (b0, b1, _) = rows.new.stride(), rows.old.stride()
-    return n * r * chunks, (r, cols, chunks, a0, a1, b0, b1)
-
-
-def count(rows: Rows) -> torch.Tensor:
-    """The changed words of each chunk of ``rows`` (int32, one per program, on the views' device)."""
-    programs, geometry = _launch(rows)
-    counts = torch.empty(programs, dtype=torch.int32, device=rows.new.device)
-    if programs:
-        _count_kernel[(programs,)](rows.new, rows.old, counts, *geometry, CHUNK=CHUNK)
+def count(t: Table) -> torch.Tensor:
+    """The changed words of each program's chunk (int32, on the image's device)."""
+    counts = torch.empty(len(t.owner), dtype=torch.int32, device=t.image.device)
+    if len(t.owner):
+        _count_kernel[(len(t.owner),)](t.image, t.fields, t.owner, counts, CHUNK=CHUNK)
     return counts
 
 
 class Compacted(NamedTuple):
-    """The changed words of a step: payload positions (int64, ascending) and new values."""
+    """The changed words of every step, in step order: payload positions (int64) and new values."""
 
     positions: torch.Tensor
     values: torch.Tensor
 
 
-def compact(rows: Rows, counts: torch.Tensor, total: int) -> Compacted:
-    """The ``total`` changed words of ``rows`` (``counts``: :func:`count`'s), the image view taking the new ones."""
-    device = rows.new.device
-    positions = torch.empty(total, dtype=torch.int64, device=device)
-    values = torch.empty(total, dtype=rows.new.dtype, device=device)
+def compact(t: Table, counts: torch.Tensor, ends: torch.Tensor, total: int) -> Compacted:
+    """The ``total`` changed words (``counts``: :func:`count`'s, ``ends`` their inclusive prefix sum, int64), the
+    image taking the new ones."""
+    positions = torch.empty(total, dtype=torch.int64, device=t.image.device)
+    values = torch.empty(total, dtype=t.image.dtype, device=t.image.device)
     if total:
-        programs, geometry = _launch(rows)
-        wide = counts.to(torch.int64)
-        starts = torch.cumsum(wide, 0) - wide
-        _compact_kernel[(programs,)](
-            rows.new, rows.old, counts, starts, positions, values, *geometry, rows.at, CHUNK=CHUNK
-        )
+        _compact_kernel[(len(t.owner),)](t.image, t.fields, t.owner, counts, ends, positions, values, CHUNK=CHUNK)
     return Compacted(positions, values)
