@@ -42,6 +42,9 @@ class Scatter(NamedTuple):
     """The storage of each run of consecutive parts that share one."""
     run_starts: torch.Tensor
     """Each run's first position, in units."""
+    flat_shifts: torch.Tensor | None
+    """Per part: its first unit counted from the first storage's first unit, less its first position, where every
+    part is contiguous and whole words (:mod:`kvmove.sync.delta.triton_apply` writes them all in one launch)."""
 
     @classmethod
     def of(cls, dsts: Sequence[torch.Tensor], words: Words) -> Scatter:
@@ -69,10 +72,24 @@ class Scatter(NamedTuple):
         shifts = torch.tensor([b - a for a, b in zip(starts, bases, strict=True)], dtype=torch.int64, device=device)
         geometry = None if all(d.is_contiguous() for d in dsts) else _geometry(dsts, size)
         run_at = torch.tensor(run_starts, dtype=torch.int64, device=device)
-        return cls(unit, split, bounds, shifts, geometry, tuple(storages), tuple(runs), run_at)
+        flat = None
+        if geometry is None and split == 1:
+            base = storages[0].data_ptr()
+            parts = [flats[d.untyped_storage().data_ptr()] for d in dsts]
+            origin = [(storages[s].data_ptr() - base) // size for s in parts]
+            flat = torch.tensor([o + b - a for o, a, b in zip(origin, starts, bases, strict=True)], device=device)
+        return cls(unit, split, bounds, shifts, geometry, tuple(storages), tuple(runs), run_at, flat)
 
-    def put(self, positions: torch.Tensor, values: torch.Tensor) -> None:
-        """Write ``values`` (words) at ``positions`` (int64, ascending) of the payload into the parameters."""
+    def put(self, positions: torch.Tensor, values: torch.Tensor, backend: str | None = None) -> None:
+        """Write ``values`` (words) at ``positions`` (int64, ascending) of the payload into the parameters.
+
+        ``backend``: ``torch`` or ``triton`` (one launch; only where :attr:`flat_shifts` is set); by default
+        Triton for CUDA tensors where it is installed and applies."""
+        if self.flat_shifts is not None and (backend or _default_backend(positions)) == "triton":
+            from kvmove.sync.delta.triton_apply import scatter
+
+            scatter(self.storages[0], positions, values.view(self.unit), self.bounds, self.flat_shifts)
+            return
         if self.split > 1:
             positions = positions.unsqueeze(1) * self.split + torch.arange(self.split, device=positions.device)
             positions = positions.flatten()
@@ -91,6 +108,12 @@ class Scatter(NamedTuple):
         for s, lo, hi in zip(self.runs, bounds, bounds[1:], strict=False):
             if hi > lo:
                 self.storages[s].index_copy_(0, at[lo:hi], values[lo:hi])
+
+
+def _default_backend(positions: torch.Tensor) -> str:
+    from kvmove.quant.quantizer import triton_available
+
+    return "triton" if positions.is_cuda and triton_available() else "torch"
 
 
 def _geometry(dsts: Sequence[torch.Tensor], size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,7 +158,8 @@ class Patch(NamedTuple):
         """Where this pull's words land, given each part's destination."""
         return Scatter.of([d for d in dsts if d.numel()], self.words)
 
-    def apply(self, target: Scatter, buf: torch.Tensor) -> None:
-        """Write the delta in ``buf`` into the parameters ``target`` maps the payload to."""
+    def apply(self, target: Scatter, buf: torch.Tensor, backend: str | None = None) -> None:
+        """Write the delta in ``buf`` into the parameters ``target`` maps the payload to (``backend``:
+        :meth:`Scatter.put`'s)."""
         delta = read(buf, self.words, self.encoding, self.changed)
-        target.put(delta.positions, delta.values)
+        target.put(delta.positions, delta.values, backend)

@@ -55,3 +55,25 @@ def test_compiled_triton_comparison_equals_torch(packed: bool) -> None:
     assert torch.equal(mine, theirs)
     program.run()
     assert torch.equal(mine, slot)
+
+
+def test_compiled_triton_scatter_equals_torch() -> None:
+    from kvmove.sync.delta.apply import Scatter
+
+    def landing() -> list[torch.Tensor]:
+        g = torch.Generator(device="cuda").manual_seed(2)
+        own = [torch.randn(n, device="cuda", generator=g).to(torch.bfloat16) for n in (3 << 20, 1, 4097)]
+        stack = torch.randn(300, 4096, device="cuda", generator=g).to(torch.bfloat16)
+        return [own[0], *stack.unbind(), own[1], own[2]]  # 300 parts of one storage between tensors of their own
+
+    mine, theirs = landing(), landing()
+    words = payload_words([t.numel() * 2 for t in mine])
+    live = torch.cat([torch.arange(p.start, p.start + p.words, device="cuda") for p in words.parts])
+    g = torch.Generator(device="cuda").manual_seed(3)
+    positions = live[torch.rand(live.numel(), device="cuda", generator=g) < 0.02]
+    values = torch.randint(-(2**15), 2**15, (positions.numel(),), dtype=torch.int16, device="cuda", generator=g)
+    a, b = Scatter.of(mine, words), Scatter.of(theirs, words)
+    assert a.flat_shifts is not None
+    a.put(positions, values, backend="triton")
+    b.put(positions, values, backend="torch")
+    assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(mine, theirs, strict=True))

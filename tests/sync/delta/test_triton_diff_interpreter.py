@@ -1,7 +1,8 @@
-"""The Triton comparison (kvmove.sync.delta.triton_diff) on CPU, run by Triton's interpreter: for pulls whose copies
-are stacks of rows (interleaved in the slot, rows longer than a program's chunk, int64 and byte words, a packed
-slot with padding), the same changed words, positions, values and image as the torch comparison, and the same
-refusal one word past the limit.
+"""The delta's Triton kernels on CPU, run by Triton's interpreter. The comparison (kvmove.sync.delta.triton_diff):
+for pulls whose copies are stacks of rows (interleaved in the slot, rows longer than a program's chunk, int64 and
+byte words, a packed slot with padding), the same changed words, positions, values and image as the torch
+comparison, and the same refusal one word past the limit. The engine's scatter (kvmove.sync.delta.triton_apply):
+the same parameters as the torch scatter, over many storages and parts sharing one.
 
 Runs where triton is installed and no GPU is (``make test-vllm``'s environment has it); on a GPU machine
 tests/sync/delta/test_triton_diff_gpu.py runs the compiled kernels instead.
@@ -24,6 +25,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (its CPU interpreter runs this test)")
 
 from kvmove.sync.delta import triton_diff
+from kvmove.sync.delta.apply import Scatter
 from kvmove.sync.delta.diff import Steps, diff, program_steps, slot_steps
 from kvmove.sync.delta.encoding import Words, most_changed, payload_words
 from kvmove.sync.planning.packing import pack_layout
@@ -142,3 +144,29 @@ def test_at_the_limit_a_delta_one_past_it_nothing_and_the_image_untouched(spare:
 )
 def test_joint_geometry(shape: tuple, a: tuple, b: tuple, want: tuple | None) -> None:
     assert triton_diff.joint_geometry(shape, a, b) == want
+
+
+def _landing(seed: int) -> list[torch.Tensor]:
+    """Parameters a pull lands in: 5 tensors of their own (one of 1 word) and two parts of one storage."""
+    g = torch.Generator().manual_seed(seed)
+    own = [torch.randn(n, generator=g).to(torch.bfloat16) for n in (300, 1, 4097, 64, 9)]
+    shared = torch.randn(2, 500, generator=g).to(torch.bfloat16)
+    return [*own[:2], shared[0], *own[2:4], shared[1], own[4]]
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.02, 1.0])
+def test_the_triton_scatter_writes_what_torch_writes(fraction: float) -> None:
+    mine, theirs = _landing(0), _landing(0)
+    words = payload_words([t.numel() * 2 for t in mine])
+    g = torch.Generator().manual_seed(1)
+    live = torch.cat([torch.arange(p.start, p.start + p.words) for p in words.parts])
+    positions = live[torch.rand(live.numel(), generator=g) < fraction] if fraction < 1 else live
+    values = torch.randint(-(2**15), 2**15, (positions.numel(),), dtype=torch.int16, generator=g)
+    a, b = Scatter.of(mine, words), Scatter.of(theirs, words)
+    assert a.flat_shifts is not None
+    a.put(positions, values, backend="triton")
+    b.put(positions, values, backend="torch")
+    for x, y in zip(mine, theirs, strict=True):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    if fraction:
+        assert not all(torch.equal(x, y) for x, y in zip(mine, _landing(0), strict=True))
