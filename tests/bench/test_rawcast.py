@@ -32,3 +32,13 @@ def test_members_time_broadcasts_into_fresh_buffers() -> None:
 def test_a_broadcast_of_one_member_is_refused_in_one_line() -> None:
     with pytest.raises(KvmoveError, match="at least 2 members"):
         measure_broadcast(1)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_session")
+def test_the_suite_measures_the_broadcast_among_ray_actors() -> None:
+    from kvmove.bench.syncs import broadcast_row
+
+    row = broadcast_row(3)
+    assert row.name == "raw gloo broadcast x3" and row.suite == "transport" and row.gbps > 0
+    assert row.extra["members"] == 3 and row.bytes == 64 << 20
