@@ -120,6 +120,8 @@ def sync_suite(
     raw = raw_rows(name)
     cls = get_transport(name)
     concurrent = None if cls.group_member or cls.actor_group else concurrent_row(name, config.engine.world)
+    say("raw gloo broadcast to the engine ranks")
+    broadcast = broadcast_row(1 + config.engine.world)
     results = list(run_syncs(config, progress=say))
     ceiling = max(r.gbps for r in raw)
     shared = concurrent.gbps if concurrent is not None else 0.0
@@ -131,9 +133,29 @@ def sync_suite(
             "transfer_fraction_of_raw": r.transfer_gbps / ceiling if ceiling and pulls else None,
             "raw_concurrent_gbps": shared or None,
             "transfer_fraction_of_concurrent_raw": r.transfer_gbps / shared if shared and pulls else None,
+            "raw_broadcast_gbps": broadcast.gbps,
+            "raw_broadcast_members": broadcast.extra["members"],
         }
         rows.append(sync_row(config, r, extra=extra))
-    return raw + ([concurrent] if concurrent is not None else []) + rows
+    return raw + ([concurrent] if concurrent is not None else []) + [broadcast] + rows
+
+
+def broadcast_row(members: int) -> Row:
+    """The raw gloo broadcast of the run's broadcast group (trainer rank 0 and every engine rank,
+    ``kvmove.bench.rawcast``): the line rate of the broadcast's bytes between these processes."""
+    from kvmove.bench.rawcast import measure_broadcast
+
+    b = measure_broadcast(members)
+    return Row(
+        kind="measured",
+        suite="transport",
+        name=f"raw gloo broadcast x{members}",
+        transport="gloo-broadcast",
+        bytes=b.nbytes,
+        seconds=b.seconds,
+        gbps=b.gb_per_s,
+        extra={"processes": "ray", "members": members, "repeats": b.repeats, "fresh_receive_buffers": True},
+    )
 
 
 def concurrent_row(transport: str, pairs: int, nbytes: int = 16 << 20, repeats: int = 5) -> Row:

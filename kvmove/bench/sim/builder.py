@@ -261,7 +261,9 @@ class _Builder:
             for keepers, tensors, _, _ in self._demands(item, es):
                 self.e["scatter"][g, keepers] += tensors * es.keep * w
         roots = self._holders(ts, None, None, item)
-        if not (self.s.trainer.kind == "host" and item.experts):
+        if self._funnel:
+            roots = np.zeros(1, dtype=np.int64)  # kvmove's send_all: trainer rank 0 alone broadcasts
+        elif not (self.s.trainer.kind == "host" and item.experts):
             roots = roots[:1]  # one root per tensor; a host trainer's expert tensors are spread over its ranks
         self.t["send"][g, roots] += full / len(roots)
         self.t["regions"][g, roots] += item.tensors / len(roots)
@@ -269,7 +271,31 @@ class _Builder:
             self.t["quant"][g, roots] += item.tensors * bf / len(roots)
         if self.s.trainer.kind == "host":
             self.t["h2d"][g, roots] += full / len(roots)
-        self._materialize(g, item, ts, [])
+        if not self._funnel:
+            self._materialize(g, item, ts, [])
+            return
+        assert ts is not None
+        demands = self._demands(item, es)
+        before = float(self.t["yield"][g, 0])
+        self._materialize(g, item, ts, demands)
+        self.t["yield"][g, 0] += item.tensors - (float(self.t["yield"][g, 0]) - before)  # rank 0 visits every one
+        self._onto_rank0(g, item, ts, demands)
+
+    @property
+    def _funnel(self) -> bool:
+        return self.strategy.broadcast and self.s.funnel
+
+    def _onto_rank0(self, g: int, item: Item, ts: Split, demands: list[Demand]) -> None:
+        """kvmove's broadcast: each tensor, once gathered in its group, goes from its first holder to trainer rank 0
+        by a broadcast between the two (``kvmove.sync.ranks.source``: ``Gather.ROOT``), unless rank 0 holds it."""
+        stage = self.t_pp == ts.stage
+        bf = 2.0 * math.prod(item.shape)
+        for owner in {d[3] for d in demands} or {None}:
+            holders = np.flatnonzero(stage & (self.t_ep == owner)) if owner is not None else np.flatnonzero(stage)
+            per = float(item.tensors) if owner is None else float(sum(d[1][0] for d in demands if d[3] == owner))
+            root = int(holders.min())
+            if root != 0:
+                self._collective(g, -2, np.array([root, 0]), bf, per)
 
     def _mesh_group(self, item: Item) -> int:
         """FSDP: the mesh group that materializes the item's layer (groups work on disjoint layers at once)."""
@@ -316,14 +342,15 @@ class _Builder:
             self.t["yield"][g, :] += n
             return
         stage = self.t_pp == ts.stage
-        if (self.strategy.broadcast or s.ep_gather) and item.experts:
+        ep_gather = (self.strategy.broadcast and not s.funnel) or s.ep_gather
+        if ep_gather and item.experts:
             self._collective(g, layout.ep * layout.etp, np.flatnonzero(stage), bf, n)
         owners = {d[3] for d in demands} or {None}
         for owner in owners:
             ranks = np.flatnonzero(stage & (self.t_ep == owner)) if owner is not None else np.flatnonzero(stage)
             per = n if owner is None else float(sum(d[1][0] for d in demands if d[3] == owner))
             self.t["yield"][g, ranks] += per
-            if ts.dim is not None and not ((self.strategy.broadcast or s.ep_gather) and item.experts):
+            if ts.dim is not None and not (ep_gather and item.experts):
                 self._collective(g, ts.parts, ranks, bf, per)
 
     def _collective(self, g: int, n: int, ranks: np.ndarray, bf: float, tensors: float) -> None:

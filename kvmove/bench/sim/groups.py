@@ -45,7 +45,7 @@ def units(s: SimSetup, strategy: SimStrategy) -> list[Unit]:
     if strategy.broadcast and s.bucket_bytes:
         return buckets(s)
     if strategy.grouping == "tensor":
-        return _representatives(cfg)
+        return _representatives(cfg, s if strategy.broadcast and s.funnel else None)
     pre, post = outer_items(cfg)
     layers = list(range(cfg.num_hidden_layers))
     if strategy.grouping == "layer":
@@ -98,20 +98,33 @@ def layer_items(cfg: ModelConfig, layers: list[int]) -> list[Item]:
     return out
 
 
-def _representatives(cfg: ModelConfig) -> list[Unit]:
+def _representatives(cfg: ModelConfig, funnel: SimSetup | None = None) -> list[Unit]:
     """One group per kind of tensor (first layer of its kind, expert 0) with its multiplicity, plus one
-    reload-only group per layer kind (layer-wise reload completes once per layer)."""
+    reload-only group per layer kind (layer-wise reload completes once per layer).
+
+    ``funnel`` (kvmove's own broadcast, ``SimSetup.funnel``): a tensor costs what its trainer pipeline stage and
+    expert owner make it (a tensor trainer rank 0 does not hold goes to it first), so there is one group per kind
+    per stage, and per trainer EP owner for experts."""
     pre, post = outer_items(cfg)
     out = [Unit([i], 1.0, 0, []) for i in pre]
     kinds: dict[str, list[int]] = {}
     for layer in range(cfg.num_hidden_layers):
         kinds.setdefault(layer_kind(cfg, layer), []).append(layer)
-    for members in kinds.values():
-        plain, expert = kind_items(cfg, members[0])
-        n = float(len(members))
-        out += [Unit([i], n, 0, []) for i in plain]
-        out += [Unit([i._replace(experts=1)], n * i.experts, 0, []) for i in expert]
-        out.append(Unit([], n, 1, plain + expert))
+    stages = [range(cfg.num_hidden_layers)] if funnel is None else funnel.trainer.layout.stage_layers(cfg)
+    owners = 1 if funnel is None else funnel.trainer.layout.ep
+    for kind_layers in kinds.values():
+        for stage in stages:
+            members = [layer for layer in kind_layers if layer in stage]
+            if not members:
+                continue
+            plain, expert = kind_items(cfg, members[0])
+            n = float(len(members))
+            out += [Unit([i], n, 0, []) for i in plain]
+            for i in expert:
+                per = i.experts // owners  # experts each trainer EP rank owns (one owner: all of them)
+                first = i.expert0 or 0
+                out += [Unit([i._replace(expert0=first + k * per, experts=1)], n * per, 0, []) for k in range(owners)]
+            out.append(Unit([], n, 1, plain + expert))
     return out + [Unit([i], 1.0, 0, []) for i in post]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +109,11 @@ class Cluster:
         return cls(gpu, nic, gpn, int(numbers.get("nics_per_node", gpn)))
 
     @property
+    def host(self) -> bool:
+        """A CPU host (``gpu=cpu``): its "GPUs" are processes, its collectives gloo's."""
+        return self.gpu.name.rstrip("*") == "cpu"
+
+    @property
     def nvlink_rate(self) -> float:
         return self.gpu.nvlink_gbps * GB
 
@@ -131,7 +137,7 @@ class Cluster:
         return self.nics_per_node * self.nic.nic_gbps / 8 * GB
 
     def label(self) -> str:
-        if self.gpu.name.rstrip("*") == "cpu":
+        if self.host:
             return (
                 f"{self.gpus_per_node} CPU processes/node over loopback at {self.gpu.nvlink_gbps:.3g} GB/s, memory "
                 f"{self.gpu.hbm_gbps:.3g} GB/s"
@@ -208,3 +214,26 @@ def _override(preset: Any, numbers: dict[str, float], keys: tuple[str, ...]) -> 
         return preset
     note = ", ".join(f"{k}={v:g}" for k, v in changed.items())
     return dataclasses.replace(preset, **changed, name=f"{preset.name}*", source=f"{preset.source}; user flags {note}")
+
+
+ROUNDS: dict[str, dict[str, Callable[[int], int]]] = {
+    "gloo": {"all_gather": lambda n: n - 1, "broadcast": lambda n: max(1, math.ceil(math.log2(n)))},
+    "nccl": {"all_gather": lambda n: 1, "broadcast": lambda n: 1},
+}
+"""Steps of one collective among ``n`` members, each priced at ``broadcast_op_s`` (and, for a broadcast's root,
+a copy of its bytes per step): gloo, the collectives of CPU processes, all-gathers around a ring and broadcasts
+along a binomial tree whose root sends once per round
+(https://github.com/facebookincubator/gloo/blob/main/gloo/allgather.cc,
+https://github.com/facebookincubator/gloo/blob/main/gloo/broadcast.cc); an NCCL call is one operation."""
+
+
+def library(c: Cluster) -> str:
+    """The collective library between a cluster's ranks: gloo between CPU processes, NCCL between GPUs."""
+    return "gloo" if c.host else "nccl"
+
+
+def rounds(c: Cluster, n: int) -> int:
+    """Steps of one collective keyed as the traffic keys them (``n`` > 0: an all-gather over n, < 0: a broadcast
+    to -n members)."""
+    table = ROUNDS[library(c)]
+    return table["all_gather"](n) if n > 0 else table["broadcast"](-n)

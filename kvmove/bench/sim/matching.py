@@ -190,12 +190,13 @@ _CPU_SYNC = Match(PLACEMENTS, ("cpu",), gathers=("none", "host-gloo"), device="c
 """kvmove's syncs between CPU processes of one host: NIXL over loopback and gloo, the trainer's ranks gathering
 through gloo."""
 _CPU_COSTS = (
-    "pull_efficiency", "pack_efficiency", "load_efficiency", "request_s", "materialize_s", "pack_call_s",
-    "load_call_s", "pull_op_s", "collective_s", "broadcast_op_s", "cold_s_per_byte", "sync_s",
+    "pull_efficiency", "nccl_efficiency", "pack_efficiency", "load_efficiency", "request_s", "materialize_s",
+    "pack_call_s", "load_call_s", "pull_op_s", "collective_s", "broadcast_op_s", "cold_s_per_byte", "sync_s",
 )  # fmt: skip
 CPU: dict[str, Match] = {name: _CPU_SYNC if name in _CPU_COSTS else _NO_ROWS for name in CLUSTER}
 """kvmove's CPU syncs (the sync suite, ``kvmove.bench.sim.cpuruns``): costs from CPU sync rows only, rates over the
 host's own loopback read (``kvmove.bench.sim.hardware.host_of_run``); no GPU row sets any of them, and no CPU row
-sets a GPU target's cost. No CPU row measures a copy, NCCL or pinned-copy ceiling: those keep their defaults."""
+sets a GPU target's cost. A CPU run's broadcast rate (``nccl_efficiency``) is its raw gloo broadcast
+(``kvmove.bench.rawcast``); no CPU row measures a copy or pinned-copy ceiling: those keep their defaults."""
 
 TARGETS: dict[str, dict[str, Match]] = {"cluster": CLUSTER, "one-gpu": ONE_GPU, "cpu": CPU}

@@ -26,6 +26,7 @@ from kvmove.bench.sim.counts import Counts, row_counts
 from kvmove.bench.sim.hardware import Gpu
 from kvmove.bench.sim.matching import TARGETS
 from kvmove.bench.sim.samples import Extractor, RowFilter, Sample, decorate, row_ref, syncs, where
+from kvmove.bench.sim.sender import broadcast_op, funnel_yield, raw_broadcast
 from kvmove.errors import KvmoveError
 from kvmove.models import resolve_model
 from kvmove.models.layout import TrainerLayout
@@ -205,21 +206,6 @@ def _single_trainer_rank(r: Any) -> bool:
         return False
 
 
-def _broadcast_op(df: pd.DataFrame) -> list[Sample]:
-    """Broadcast syncs: (transfer phase - the gather it waits for - bytes at the NCCL rate) / tensors broadcast.
-    An engine rank times its wait in each broadcast, which spans the trainer gathering that tensor first
-    (``kvmove.sync.ranks.broadcast``: ``receive_all`` and ``send_all``)."""
-    out = []
-    for _, r in syncs(df, None, ("broadcast",)).iterrows():
-        counts = row_counts(r)
-        transfer = float(r["phases_d"].get("transfer", 0.0)) - float(r["phases_d"].get("gather", 0.0))
-        if counts is None or transfer <= 0:
-            continue
-        rate = _line_gbps(r) * 1e9 * _median(df, "nccl_efficiency")
-        out.append(Sample((transfer - r["bytes"] / rate) / counts.tensors, row_ref(r)))
-    return out
-
-
 def _sync_fixed(df: pd.DataFrame) -> list[Sample]:
     """Direct v2/v3 syncs (nothing runs but the engines' reads): seconds - transfer phase."""
     rows = where(syncs(df, None, ("v2", "v3")), lambda e: bool(e.get("direct")))
@@ -327,7 +313,12 @@ def _layers(model: str) -> int:
 EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
     "copy_efficiency": ("measured", _ceiling("ceiling device copy", lambda g: g.hbm_gbps), "device copy ceiling"),
     "p2p_efficiency": ("measured", _ceiling("ceiling p2p copy", lambda g: g.nvlink_gbps), "peer copy ceiling"),
-    "nccl_efficiency": ("measured", _ceiling("ceiling nccl send/recv", lambda g: g.nvlink_gbps), "NCCL send/recv"),
+    "nccl_efficiency": (
+        "measured",
+        lambda df: _ceiling("ceiling nccl send/recv", lambda g: g.nvlink_gbps)(df) + raw_broadcast(df),
+        "NCCL send/recv ceiling over NVLink; CPU: the run's raw gloo broadcast to its engine group, per round its "
+        "root sends, over the run's raw loopback read",
+    ),
     "h2d_efficiency": ("measured", _ceiling("ceiling pinned", lambda g: g.pcie_gbps), "pinned H2D and D2H"),
     "pull_efficiency": (
         "measured",
@@ -344,8 +335,10 @@ EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
     ),
     "materialize_s": (
         "derived",
-        _per_op("gather", lambda c: c.yields, _no_bytes, _single_trainer_rank),
-        "v1 with a tp=1 trainer (no collective): gather phase / tensors yielded",
+        lambda df: _per_op("gather", lambda c: c.yields, _no_bytes, _single_trainer_rank)(df) + funnel_yield(df),
+        "v1 with a tp=1 trainer (no collective): gather phase / tensors yielded; kvmove's broadcast with several "
+        "trainer ranks: (seconds - driver - rank 0's broadcast calls - load - the gather's collectives and bytes) "
+        "/ tensors",
     ),
     "pack_call_s": (
         "derived",
@@ -362,7 +355,11 @@ EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
         _per_op("transfer", lambda c: c.pulls, _transfer_bytes),
         "v1: (transfer phase - bytes at the measured transfer efficiency) / pulls",
     ),
-    "broadcast_op_s": ("derived", _broadcast_op, "broadcast: (transfer phase - bytes at NCCL's rate) / tensors"),
+    "broadcast_op_s": (
+        "derived",
+        broadcast_op,
+        "broadcast: (rank 0's time in its broadcast calls - the bytes it sends at the broadcast rate) / steps",
+    ),
     "cold_s_per_byte": ("derived", _cold, "first sync minus later ones, per byte an engine rank keeps"),
     "sync_s": ("derived", _sync_fixed, "direct v2/v3 syncs: seconds - transfer phase"),
     "reload_layer_s": ("derived", _reload, "vLLM (CPU) load phase minus the reference engine's, per layer"),

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvmove.bench.sim.costs import CostBook
+from kvmove.bench.sim.hardware import rounds
 from kvmove.bench.sim.setup import BUCKET_CALLS, SimSetup
 from kvmove.bench.sim.traffic import Traffic
 
@@ -159,7 +160,7 @@ def _phase_table(st: Steps, traffic: Traffic, s: SimSetup, book: CostBook) -> np
     quant = c.hbm_rate * book["quantize_efficiency"]
     pack_times = 1.0 if (s.constraints.synchronized_replicas or traffic.strategy.broadcast) else _served(s)
     t = st.t
-    gather = _gather(st, s, book, traffic.strategy.grouping == "tensor")
+    gather = _gather(st, s, book, traffic.strategy.grouping == "tensor", traffic.strategy.broadcast and s.funnel)
     # bytes sent by RDMA from host memory (a broadcast copies pinned memory to the device: priced in gather)
     host = 0.0 if traffic.strategy.broadcast else t["send"] if s.trainer.kind == "host" else t["h2d"]
     pack = _rank_max(
@@ -206,9 +207,11 @@ def _served(s: SimSetup) -> float:
     return float(s.engine.replicas if s.fanout == "none" else 1)
 
 
-def _gather(st: Steps, s: SimSetup, book: CostBook, per_tensor: bool) -> np.ndarray:
+def _gather(st: Steps, s: SimSetup, book: CostBook, per_tensor: bool, funnel: bool = False) -> np.ndarray:
     """A rank asks its source for a group's tensors in one call (per tensor when groups are tensors:
-    ``kvmove.sync.ranks.trainer``), runs its collectives, copies host memory to the device."""
+    ``kvmove.sync.ranks.trainer``), runs its collectives, copies host memory to the device. kvmove's broadcast
+    (``funnel``) gathers onto rank 0 with nothing else running, as its broadcast calls run: its collectives are
+    priced per step (:data:`ROUNDS`) at ``broadcast_op_s``, not at an on-demand gather's ``collective_s``."""
     c = s.cluster
     calls = st.t["yield"] if per_tensor else np.minimum(st.t["yield"], 1.0)
     staged = 0.0 if s.trainer.kind == "host" else st.t["h2d"] / (c.pcie_rate * book["h2d_efficiency"])
@@ -222,7 +225,8 @@ def _gather(st: Steps, s: SimSetup, book: CostBook, per_tensor: bool) -> np.ndar
             rate = min(nvlink, c.node_nic_rate * book["nic_efficiency"])
         else:  # an all-gather across nodes: each rank's share crosses its NICs
             rate = c.gpu_nic_rate * book["nic_efficiency"]
-        per_rank = per_rank + ops * book["collective_s"] + nbytes / rate
+        op = rounds(c, n) * book["broadcast_op_s"] if funnel else book["collective_s"]
+        per_rank = per_rank + ops * op + nbytes / rate
     return _rank_max(per_rank)
 
 
@@ -230,7 +234,10 @@ def _transfer(st: Steps, traffic: Traffic, s: SimSetup, book: CostBook) -> np.nd
     broadcast = traffic.strategy.broadcast
     eff = book["nccl_efficiency"] if broadcast else book[EFFICIENCY[s.transport]]
     served = 1.0 if broadcast else _served(s)
-    link, _ = _links(st.t["send"] * served, st.e["recv"], s, eff, st.max_request, broadcast, book["nic_efficiency"])
+    steps = _engine_rounds(s) if broadcast and not s.bucket_bytes else 1  # a gloo root sends once per round
+    link, _ = _links(
+        st.t["send"] * served * steps, st.e["recv"], s, eff, st.max_request, broadcast, book["nic_efficiency"]
+    )
     e = st.e
     # a direct pull reads all of its regions from one trainer shard as one batch (kvmove.sync.strategies)
     packed, direct = e["pulls"] - e["direct_pulls"], e["direct_pulls"]
@@ -243,12 +250,17 @@ def _transfer(st: Steps, traffic: Traffic, s: SimSetup, book: CostBook) -> np.nd
     if s.bucket_bytes:  # one call per bucket, priced by what the sender waits for
         name = BUCKET_CALLS[s.bucket_call]
         calls = np.full(len(st.times), book[name] if name else 0.0)
-    else:  # one NCCL broadcast per tensor
-        calls = _rank_max(st.t["regions"]) * book["broadcast_op_s"]
+    else:  # one broadcast per tensor to every engine rank (one group: kvmove.sync.driver.step)
+        calls = _rank_max(st.t["regions"]) * book["broadcast_op_s"] * steps
     overhead = calls if broadcast else _rank_max(ops)
     if s.constraints.synchronized_replicas and s.engine.replicas > 1:
         overhead = overhead + book["request_s"]
     return link + overhead
+
+
+def _engine_rounds(s: SimSetup) -> int:
+    """Steps of kvmove's broadcast to the engines: one group of trainer rank 0 and every engine rank."""
+    return rounds(s.cluster, -(1 + s.engine.world))
 
 
 def _relay(st: Steps, s: SimSetup, book: CostBook) -> np.ndarray:

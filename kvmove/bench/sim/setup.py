@@ -201,6 +201,13 @@ class SimSetup:
             raise KvmoveError("remote host reads fetch buckets from host memory: they need a host:world=N trainer")
 
     @property
+    def funnel(self) -> bool:
+        """A broadcast here is kvmove's own (one call per tensor, a Megatron trainer): every tensor is gathered in
+        its group, brought to trainer rank 0 and broadcast by it alone (``kvmove.sync.ranks.broadcast.send_all``).
+        A bucketing sender (``bucket_bytes``) is a framework's: each pipeline stage's root sends its own tensors."""
+        return self.bucket_bytes == 0 and self.trainer.kind == "megatron"
+
+    @property
     def wire_dtype(self) -> str:
         """What moves: FP8 when the weights are quantized before they leave (trainer, or an FP8 source)."""
         return "fp8" if self.dtype == "fp8" and self.quantize_on != "engine" else "bf16"

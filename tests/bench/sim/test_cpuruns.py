@@ -18,28 +18,32 @@ CPU = "cpu:AMD EPYC x2"
 TRAINER, ENGINE = "tp=2,pp=2,ep=2,etp=1,dp=1", "tp=2,dp=1,ep=2,pp=1 x2"
 
 
-def _sync(model: str, strategy: str, seconds: float, phases: dict[str, float], raw: float | None) -> Row:
+def _sync(
+    model: str, strategy: str, seconds: float, phases: dict[str, float], raw: float | None, bcast: float = 0.0
+) -> Row:
     nbytes = model_totals(sim_model(model)).total_bytes
-    extra: dict[str, object] = {"sync": 2, "verified": True, "direct": True, "transfer_gbps": 0.0}
+    extra: dict[str, object] = {"sync": 2, "verified": True, "direct": True, "transfer_gbps": 0.0, "live_engines": 4}
     if strategy in ("v2", "v3"):
         extra["transfer_gbps"] = nbytes / phases["transfer"] / 1e9
     if raw is not None:
         extra["raw_gbps"] = raw
+    if bcast:
+        extra |= {"raw_broadcast_gbps": bcast, "raw_broadcast_members": 5}
     return Row(
         kind="measured", suite="sync", name=f"sync {strategy}", model=model, trainer=TRAINER, engine=ENGINE,
         strategy=strategy, transport="gloo-broadcast" if strategy == "broadcast" else "nixl",
-        bytes=nbytes, seconds=seconds, phases=phases, extra=extra,
+        bytes=nbytes * (4 if strategy == "broadcast" else 1), seconds=seconds, phases=phases, extra=extra,
     )  # fmt: skip
 
 
-def _run(model: str, raw: float | None, scale: float) -> list[Row]:
+def _run(model: str, raw: float | None, scale: float, bcast: float = 0.0) -> list[Row]:
     v1 = {"gather": 2.0 * scale, "request": 2.3 * scale, "pack": 0.1 * scale, "load": 0.1, "transfer": 0.1}
-    bcast = {"gather": 1.0 * scale, "transfer": 1.05 * scale, "load": 0.05}
+    broadcast = {"gather": 1.0 * scale, "transfer": 1.05 * scale, "load": 0.05, "trainer_wait": 0.6 * scale}
     return [
-        _sync(model, "v1", 3.0 * scale, v1, raw),
-        _sync(model, "v2", 0.03 + 0.05 * scale, {"transfer": 0.05 * scale}, raw),
-        _sync(model, "v3", 0.03 + 0.04 * scale, {"transfer": 0.04 * scale}, raw),
-        _sync(model, "broadcast", 1.1 * scale, bcast, raw),
+        _sync(model, "v1", 3.0 * scale, v1, raw, bcast),
+        _sync(model, "v2", 0.03 + 0.05 * scale, {"transfer": 0.05 * scale}, raw, bcast),
+        _sync(model, "v3", 0.03 + 0.04 * scale, {"transfer": 0.04 * scale}, raw, bcast),
+        _sync(model, "broadcast", 1.1 * scale, broadcast, raw, bcast),
     ]
 
 
@@ -62,7 +66,14 @@ def test_the_model_whose_run_measured_its_loopback_sets_the_cpu_costs(cpu_rows) 
         assert {r.commit for r in cost.rows} == {"c1"} and all("qwen3-moe-small" in r.setup for r in cost.rows), name
     assert book["sync_s"] == pytest.approx(0.03)  # direct v2/v3: seconds - transfer
     assert 0 < book["pull_efficiency"] <= 1  # over the run's own loopback read
-    assert book["broadcast_op_s"] < 1e-3  # the engine's transfer phase spans the gather it waits for
+    # rank 0's own time in its broadcast calls (trainer_wait), 3 rounds of gloo's tree to 4 engine ranks, its bytes
+    # at the default broadcast rate (no raw gloo broadcast in these rows)
+    tensors = model_totals(sim_model("qwen3-moe-small")).num_tensors
+    nbytes = model_totals(sim_model("qwen3-moe-small")).total_bytes
+    expected = (0.6 - 3 * nbytes / (3.5e9 * 0.8)) / (3 * tensors)
+    assert book.costs["nccl_efficiency"].kind == "default"
+    assert book["broadcast_op_s"] == pytest.approx(expected)
+    assert book.costs["materialize_s"].kind == "derived" and book["materialize_s"] > 0  # the gather onto rank 0
 
 
 def test_cpu_rows_never_set_a_gpu_targets_cost(cpu_rows) -> None:
@@ -119,3 +130,22 @@ def test_repository_cpu_runs_are_judged(repo_validation) -> None:
     book = repo_validation.own_books["cpu"]
     trained = {r.commit for c in book.costs.values() for r in c.rows}
     assert len(trained) == 1 and all(o.run.rows[0].commit in trained for o in cpu)
+
+
+def test_a_runs_raw_gloo_broadcast_sets_the_cpu_broadcast_rate(tmp_path) -> None:
+    """The run's raw broadcast to its 5-member group (trainer rank 0 and 4 engine ranks): its root sends once per
+    round of gloo's binomial tree (3 rounds), so the rate its bytes go at is 3 x the broadcast's, over the raw
+    read; it sets the cpu target's broadcast rate and nothing of a GPU target."""
+    append_rows(tmp_path, "sync", _run("qwen3-moe-small", 3.5, 1.0, bcast=0.3), Labels(CPU, {}, "c1"))
+    append_rows(tmp_path, "sync", _run("qwen3-moe-tiny", None, 0.3), Labels(CPU, {}, "c1"))
+    rows = load_results(tmp_path)
+    book = cpu_book(rows)
+    assert book.costs["nccl_efficiency"].kind == "measured"
+    assert book["nccl_efficiency"] == pytest.approx(3 * 0.3 / 3.5)
+    assert costs_from_rows(rows, "cluster").costs["nccl_efficiency"].kind == "default"
+    slow = {c.run.strategy: c.predicted for c in cpu_checks(rows)}
+    append_rows(tmp_path / "fast", "sync", _run("qwen3-moe-small", 3.5, 1.0), Labels(CPU, {}, "c1"))
+    append_rows(tmp_path / "fast", "sync", _run("qwen3-moe-tiny", None, 0.3), Labels(CPU, {}, "c1"))
+    fast = {c.run.strategy: c.predicted for c in cpu_checks(load_results(tmp_path / "fast"))}
+    # the same measured broadcast with its bytes slower leaves less per call: the small model's prediction drops
+    assert slow["broadcast"] < fast["broadcast"] and slow["v2"] == pytest.approx(fast["v2"])

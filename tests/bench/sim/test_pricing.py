@@ -145,3 +145,24 @@ def test_bucketed_broadcasts_pay_per_bucket_and_an_engine_taking_one_update_seri
     assert one.seconds > free.seconds and one.seconds >= one.phases["transfer"] + one.phases["load"] - 1e-9
     with pytest.raises(KvmoveError, match="bucket_call 'rpc' is not one of"):
         _qwen(bucket_call="rpc")
+
+
+def test_a_hosts_broadcasts_take_gloos_rounds_and_nccl_calls_one() -> None:
+    """gloo between CPU processes: a ring all-gather over n takes n - 1 steps, a binomial-tree broadcast to n
+    members ceil(log2 n), its root sending once per step; an NCCL call is one. kvmove's broadcast on a host: every
+    tensor's call to trainer rank 0 and the 4 engine ranks is 3 steps, and each gather onto rank 0 its steps."""
+    from kvmove.bench.sim.hardware import rounds
+    from kvmove.bench.sim.models import sim_model
+
+    host = Cluster.parse("gpu=cpu,nvlink_gbps=3.5,hbm_gbps=7,pcie_gbps=3.5,gpus_per_node=4,nics_per_node=1")
+    assert host.host and not Cluster().host
+    assert [rounds(host, n) for n in (2, 4, -2, -5, -9)] == [1, 3, 1, 3, 4]
+    assert [rounds(Cluster(), n) for n in (2, 4, -2, -5)] == [1, 1, 1, 1]
+    s = SimSetup(sim_model("qwen3-moe-tiny"), TrainerSpec.parse("tp=2,pp=2,ep=2"), EngineLayout.parse("tp=2,ep=2", 2),
+                 host, 1, 1, placement="colocated", transport="nccl")  # fmt: skip
+    bcast = [SIM_STRATEGIES["broadcast"]]
+    free = BOOK.with_values({"broadcast_op_s": 0.0}, "t")
+    extra = simulate(s, bcast, BOOK.with_values({"broadcast_op_s": 1e-3}, "t"))[0].seconds
+    extra -= simulate(s, bcast, free)[0].seconds
+    # 113 tensors x 3 steps to the engines; 21 all-gathers over 2 and 80 tensors brought to rank 0, 1 step each
+    assert extra == pytest.approx(1e-3 * (113 * 3 + 21 + 80))

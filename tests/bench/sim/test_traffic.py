@@ -139,3 +139,48 @@ def test_checkpoints_with_fused_experts_are_refused_in_one_line() -> None:
 
     with pytest.raises(KvmoveError, match=r"holds every expert of a layer in one \(model\.layers\.0\.mlp\.experts\."):
         _setup("gpt-oss-tiny", "tp=2,ep=2", "tp=2")
+
+
+@pytest.mark.parametrize(
+    ("model", "trainer"),
+    [
+        ("qwen3-moe-small", "tp=2,pp=2,ep=2"),
+        ("qwen3-moe-tiny", "tp=2,pp=1,ep=2,etp=2"),
+        ("kimi-k2-tiny", "tp=2,pp=3,ep=4"),
+    ],
+)
+def test_kvmoves_broadcast_brings_every_tensor_to_rank_0_as_its_source_does(model, trainer) -> None:
+    """kvmove's broadcast (``send_all``): each tensor is all-gathered in its group where it is split and, unless
+    trainer rank 0 holds it, broadcast from its first holder to rank 0, which sends every tensor; counted here from
+    the planner's own ownership (what ``ShardedSource`` gathers), not from the simulator's split rules."""
+    from kvmove.sync.planning.formats import get_format
+
+    s = _setup(model, trainer, "tp=2,ep=2")
+    t = build_traffic(s, SIM_STRATEGIES["broadcast"])
+    fmt = get_format("hf")
+    own = fmt.ownership(s.model, s.trainer.layout)
+    gathers: dict[int, int] = {}
+    to_rank0 = to_rank0_bytes = 0
+    for meta in fmt.tensors(s.model, s.trainer.layout):
+        holdings = own.slices(meta)
+        if tuple(b - a for a, b in zip(holdings[0].box.start, holdings[0].box.stop, strict=True)) != meta.shape:
+            n = len(own.gather_group(meta, holdings[0].rank))
+            gathers[n] = gathers.get(n, 0) + 1
+        if min(h.rank for h in holdings) != 0:
+            to_rank0, to_rank0_bytes = to_rank0 + 1, to_rank0_bytes + meta.nbytes
+    counted = {n: round(float((ops.max(axis=1) * t.count).sum())) for n, (ops, _) in t.gather.items() if n > 0}
+    assert counted == gathers
+    ops, nbytes = t.gather.get(-2, (t.count[:, None] * 0, t.count[:, None] * 0))
+    assert round(float((ops[:, 0] * t.count).sum())) == to_rank0
+    assert round(float((nbytes[:, 0] * t.count).sum())) == to_rank0_bytes
+    sent = t.total("trainer", "send")
+    assert sent[1:].sum() == 0 and round(sent[0]) == model_totals(s.model).total_bytes
+    assert round(t.total("trainer", "yield")[0]) == model_totals(s.model).num_tensors  # rank 0 visits every one
+
+
+def test_a_frameworks_bucketed_broadcast_sends_from_each_stage_root_after_an_ep_gather() -> None:
+    s = _setup("qwen3-moe-tiny", "tp=2,pp=2,ep=2", "tp=2,ep=2", bucket_bytes=1 << 20)
+    t = build_traffic(s, SIM_STRATEGIES["broadcast"])
+    assert not s.funnel and -2 not in t.gather and 2 in t.gather
+    sent = t.total("trainer", "send")
+    assert sent[0] > 0 and sent[2] > 0  # each pipeline stage's root (ranks 0 and 2) sends its own tensors

@@ -1,0 +1,97 @@
+"""Costs of a broadcast's sender from its rows: the sending rank's broadcast calls, the gather onto it (kvmove's
+own broadcast between several trainer ranks) and, between CPU processes, the rate of gloo's broadcast.
+
+Extractors of ``kvmove.bench.sim.measure`` (its ``EXTRACTORS`` name them); they read the book being built through
+that module (``measure._median``), so a cost they subtract is the one the book holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from kvmove.bench.sim.counts import row_counts
+from kvmove.bench.sim.hardware import NICS, Cluster, rounds
+from kvmove.bench.sim.samples import Sample, row_ref, syncs
+from kvmove.errors import KvmoveError
+from kvmove.models.layout import TrainerLayout
+
+
+def broadcast_op(df: pd.DataFrame) -> list[Sample]:
+    """Broadcast syncs: (the sending rank's own time in its broadcast calls - its bytes at the broadcast rate) /
+    steps. Trainer rank 0 alone broadcasts and times its calls (``kvmove.sync.ranks.broadcast.send_all``: the
+    ``trainer_wait`` phase of a broadcast row); a step is one NCCL call, or one round of gloo's binomial tree
+    between CPU processes, whose root sends its bytes once per round (``hardware.ROUNDS``)."""
+    from kvmove.bench.sim import measure as m
+
+    out = []
+    for _, r in syncs(df, None, ("broadcast",)).iterrows():
+        counts = row_counts(r)
+        send = float(r["phases_d"].get("trainer_wait", 0.0))
+        engines = int(r["extra_d"].get("live_engines") or 0)
+        if counts is None or send <= 0 or engines < 1:
+            continue
+        steps = rounds(_row_cluster(r), -(1 + engines))
+        rate = m._line_gbps(r) * 1e9 * m._median(df, "nccl_efficiency")
+        out.append(Sample((send - steps * r["bytes"] / engines / rate) / (counts.tensors * steps), row_ref(r)))
+    return out
+
+
+def raw_broadcast(df: pd.DataFrame) -> list[Sample]:
+    """CPU sync rows whose run timed a raw gloo broadcast to its engine group (``kvmove.bench.rawcast``): the bytes
+    its root sent per second (one copy per round of gloo's tree, ``hardware.ROUNDS``) over the run's raw read."""
+    out = []
+    for _, r in syncs(df, None, ("broadcast",)).iterrows():
+        e = r["extra_d"]
+        gbps, members = float(e.get("raw_broadcast_gbps") or 0.0), int(e.get("raw_broadcast_members") or 0)
+        if gbps > 0 and members > 1 and r["gpu"].nvlink_gbps > 0:
+            out.append(Sample(rounds(_row_cluster(r), -members) * gbps / r["gpu"].nvlink_gbps, row_ref(r)))
+    return out
+
+
+def _row_cluster(r: Any) -> Cluster:
+    """The devices a row ran on, as the pricing sees them (a CPU host's processes, or its GPUs)."""
+    return Cluster(r["gpu"], NICS["cx7-400"], max(2, _world(r)), 1)
+
+
+def _world(r: Any) -> int:
+    try:
+        return TrainerLayout.parse(str(r["trainer"])).world
+    except KvmoveError:
+        return 1
+
+
+def funnel_yield(df: pd.DataFrame) -> list[Sample]:
+    """kvmove's broadcast with several trainer ranks: every rank visits every tensor and rank 0 waits for each to
+    be gathered and brought to it before broadcasting it (``kvmove.sync.ranks.broadcast.send_all``). What the
+    sync takes besides the driver (``sync_s``), rank 0's broadcast calls (``trainer_wait``), the engines' load and
+    the gather's collectives and bytes (the simulator's gather phase of the row's own setup, at this book's
+    ``broadcast_op_s`` and rate), per tensor."""
+    from kvmove.bench.sim import measure as m
+    from kvmove.bench.sim.costs import Cost, default_book
+    from kvmove.bench.sim.predict import simulate
+    from kvmove.bench.sim.setup import Spec
+    from kvmove.bench.sim.strategies import SIM_STRATEGIES
+
+    out = []
+    rows = syncs(df, None, ("broadcast",))
+    for _, r in rows[rows.apply(lambda r: _world(r) > 1, axis=1)].iterrows() if len(rows) else ():
+        counts = row_counts(r)
+        p = r["phases_d"]
+        if counts is None:
+            continue
+        layout, _, reps = str(r["engine"]).partition(" x")
+        cluster = _row_cluster(r).spec()
+        spec = Spec(str(r["model"]), str(r["trainer"]), layout, int(reps or 1), 1, 1, cluster, "colocated", "nccl")
+        names = ("broadcast_op_s", "nccl_efficiency")
+        known = {name: Cost(name, m._clip(name, m._median(df, name)), "derived") for name in names}
+        book = default_book({**known, "materialize_s": Cost("materialize_s", 0.0, "derived")})
+        try:
+            (pred,) = simulate(spec.build(), [SIM_STRATEGIES["broadcast"]], book)
+        except KvmoveError:
+            continue
+        rest = float(r["seconds"]) - m._median(df, "sync_s") - float(p.get("trainer_wait", 0.0))
+        rest -= float(p.get("load", 0.0)) + pred.phases["gather"]
+        out.append(Sample(rest / counts.tensors, row_ref(r)))
+    return out
