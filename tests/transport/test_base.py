@@ -18,7 +18,9 @@ LOCAL = BufferDesc("nixl", "client", 0, 50)
 
 
 def test_registry_names():
-    assert set(TRANSPORTS) == {"nixl", "rdt-nixl", "rdt-gloo", "gloo", "object-store", "nccl", "cuda-ipc", "http"}
+    assert set(TRANSPORTS) == {
+        *("nixl", "rdt-nixl", "rdt-gloo", "gloo", "object-store", "nccl", "cuda-ipc", "shm", "http")
+    }
     assert all(TRANSPORTS[n].name == n for n in TRANSPORTS)
 
 
