@@ -79,14 +79,11 @@ class Program:
         first copies every destination back into its source, so the copies then write back the bytes already there
         (sources no two copies share: a pull's parts, each with its own bytes of the slot); one that quantizes
         (from a mapped arena into the parameters) saves what it writes and puts it back afterwards."""
+        saved = []
         if restore and self.quantize:
             saved = [(t, t.clone()) for q in self.quantize for t in (q.weight, q.scale)]
             saved += [(c.dst, c.dst.clone()) for c in self.copies]
-            self.warm()
-            for dst, bytes_ in reversed(saved):
-                dst.copy_(bytes_, non_blocking=True)
-            return
-        for c in self.copies if restore else ():
+        for c in self.copies if restore and not saved else ():
             c.src.copy_(c.dst, non_blocking=True)
         for q in self.quantize:
             quantize_into(q.src, q.weight, q.scale, name=q.name)
@@ -94,6 +91,8 @@ class Program:
             c.dst.copy_(c.src, non_blocking=True)
         if self.quantize:
             non_finite_blocks([q.scale for q in self.quantize])
+        for dst, kept in reversed(saved):
+            dst.copy_(kept, non_blocking=True)
 
 
 def check_finite(programs: Sequence[Program]) -> None:
