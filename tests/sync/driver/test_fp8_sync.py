@@ -61,7 +61,7 @@ def _mapped_path_taken(config: SyncConfig, results: list) -> None:
         assert sum(r.copy_executors.values()) == by_transform["plain"], r.copy_executors
 
 
-@pytest.mark.slow  # two processes of their own (~45 s here); tests/sync/ranks/test_mapped.py is its fast twin
+@pytest.mark.slow  # two processes of their own (~45 s here); tests/sync/ranks/test_engine_mapped.py is its fast twin
 def test_fp8_sync_quantizes_from_the_trainers_mapped_arena_bit_exact() -> None:
     """The CPU twin of the one-GPU case: trainer and engine ranks in processes of their own sharing a device
     (colocated), over shm, whose engine maps the trainer's arena as cuda-ipc does: the engine quantizes every FP8
