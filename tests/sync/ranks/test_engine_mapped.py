@@ -72,11 +72,11 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
     return seen
 
 
-def _engine() -> tuple[Blueprint, EngineRank, NoPacking, ShardedSource, ShmTransport]:
+def _engine(strategy: str = "v3") -> tuple[Blueprint, EngineRank, NoPacking, ShardedSource, ShmTransport]:
     """Trainer rank 0's seeded arena registered with one shm endpoint; engine rank 0 (colocated) mapping it through
     another, its parameters holding random bits (NaN payloads included)."""
     cfg, placement = resolve_model(MODEL), Placement("processes", colocated=True)
-    config = SyncConfig(cfg, TrainerLayout(), EngineLayout(), (STRATEGIES["v3"],), placement=placement)
+    config = SyncConfig(cfg, TrainerLayout(), EngineLayout(), (STRATEGIES[strategy],), placement=placement)
     plans, _ = build_plans(config)
     devices = DeviceMap.of(placement, 1, 1)
     bp = Blueprint(
@@ -94,26 +94,27 @@ def _engine() -> tuple[Blueprint, EngineRank, NoPacking, ShardedSource, ShmTrans
         p.data.view(torch.uint8).copy_(torch.randint(0, 256, p.data.view(torch.uint8).shape, generator=gen))
     params = register_params(reader, model, bp.direct_params(0))
     rank = EngineRank(model, bp.plan_of(0), {})
-    rank.map_arenas(mapped_arenas(reader, {0: endpoint}, [bp.pulls["v3"][0]]))
+    rank.map_arenas(mapped_arenas(reader, {0: endpoint}, [bp.pulls[strategy][0]]))
     return bp, rank, NoPacking(ByteReader(reader, {0: endpoint}, {}, params)), source, server
 
 
-def test_mapped_pulls_are_warm_from_init_and_land_bit_exact(runs: dict[str, list[int]]) -> None:
-    bp, rank, client, _, _ = _engine()
-    pulls = bp.pulls["v3"][0]
+@pytest.mark.parametrize("strategy", ["v3", "v2"])  # queued ahead on a stream of their own / inline, in turn
+def test_mapped_pulls_are_warm_from_init_and_land_bit_exact(runs: dict[str, list[int]], strategy: str) -> None:
+    bp, rank, client, _, _ = _engine(strategy)
+    pulls = bp.pulls[strategy][0]
     mapped = [i for i, p in enumerate(pulls.pulls) if p.mapped]
     assert mapped and not any(p.packed for p in pulls.pulls)  # every FP8 cover mapped, the rest direct
     before = {n: p.data.view(torch.uint8).clone() for n, p in rank.params.items()}
-    rank.prepare("v3", pulls)
+    rank.prepare(strategy, pulls)
     assert all(torch.equal(p.data.view(torch.uint8), before[n]) for n, p in rank.params.items())
-    programs = {id(rank.mapped_program("v3", pulls, i)) for i in mapped}
+    programs = {id(rank.mapped_program(strategy, pulls, i)) for i in mapped}
     assert sorted(runs["warm"]) == sorted(programs) and not runs["run"]  # each once, at init
-    quantized = [q for i in mapped for q in rank.mapped_program("v3", pulls, i).quantize]
+    quantized = [q for i in mapped for q in rank.mapped_program(strategy, pulls, i).quantize]
     assert 2 * len(quantized) < len(mapped_entries(pulls))  # experts quantize in batched launches
     rank.take_mapped_bytes()
-    rank.run_sync(1, STRATEGIES["v3"], pulls, client)  # type: ignore[arg-type]
+    rank.run_sync(1, STRATEGIES[strategy], pulls, client)  # type: ignore[arg-type]
     assert sorted(runs["run"]) == sorted(programs)  # replayed, nothing first-run in the sync
-    assert rank.take_mapped_bytes() == bp.mapped_bytes("v3") > 0
+    assert rank.take_mapped_bytes() == bp.mapped_bytes(strategy) > 0
     (want,) = reference_models(get_engine("reference"), bp.cfg, bp.engine, seeded_checkpoint(bp.cfg, 0, VERSION))
     expected = dict(want.named_parameters())
     assert [n for n, p in rank.params.items() if not bits_equal(p.data, expected[n].data)] == []
