@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from kvmove.errors import KvmoveError
+from kvmove.quant.quantizer import non_finite_blocks
 from kvmove.sync.delta.apply import Patch
 from kvmove.sync.planning.entries import Entry
 from kvmove.sync.planning.plan import ShardingPlan
@@ -113,9 +114,12 @@ class EngineRank:
         """Wait for mapped programs started by :meth:`start_mapped`; NonFiniteWeightError if a cover held inf or
         NaN (one host synchronization for all of them)."""
         programs, stream = handle
-        if stream is not None:
-            torch.cuda.current_stream(stream.device).wait_stream(stream)
-        check_finite(programs)
+        if stream is None:
+            check_finite(programs)
+            return
+        torch.cuda.current_stream(stream.device).wait_stream(stream)  # NOTE: what follows sees the landed bytes
+        with torch.cuda.stream(stream):  # the check's kernels and memory as the warm-up ran them: nothing first-time
+            check_finite(programs)
 
     def take_mapped_bytes(self) -> int:
         out, self.mapped_bytes = self.mapped_bytes, 0
@@ -156,8 +160,10 @@ class EngineRank:
             device = self.arenas[pulls.pulls[mapped[0]].trainer].device if self.arenas else torch.device("cpu")
             stream = self._stream(device)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for i in mapped:
-                    self.mapped_program(strategy, pulls, i).warm(restore=True)
+                programs = [self.mapped_program(strategy, pulls, i) for i in mapped]
+                for program in programs:
+                    program.warm(restore=True)
+                non_finite_blocks([q.scale for p in programs for q in p.quantize])  # the sync's one check, not read
             if stream is not None:
                 stream.synchronize()
         if recv and recv[0].is_cuda:  # the warm-up's copies are done before init returns
