@@ -58,21 +58,37 @@ def _serve_view(b: ProgramBuilder, spec: ServeSpec, held: Held, dsts: list[torch
 
 
 def _serve_quantized(b: ProgramBuilder, spec: ServeSpec, held: Held, dsts: list[torch.Tensor]) -> bool:
-    cover = read_box(spec.box, held)
-    scales = scale_shape(cover.shape)
-    whole = {p.part: d for p, d in zip(spec.parts, dsts, strict=True) if _whole(p.src, cover.shape, scales, p.part)}
-    if len(spec.parts) == 2 and set(whole) == {"weight", "scale"}:  # the slot holds the quantized cover as it is
-        b.quantize(cover, spec.tensor, whole["weight"].view(cover.shape), whole["scale"].view(scales))
-        return True
-
-    def parts(weight: torch.Tensor, scale: torch.Tensor) -> None:
-        q = BlockQuantized(weight, scale)
-        for part, dst in zip(spec.parts, dsts, strict=True):
-            data = quantized_part(q, part.part, part.src)
-            b.copy(dst.view(data.shape), data)
-
-    b.quantize(cover, spec.tensor, then=parts)
+    parts: list[PartDst] = [((p.part, p.src), d) for p, d in zip(spec.parts, dsts, strict=True)]
+    quantize_cover(b, read_box(spec.box, held), spec.tensor, parts)
     return True
+
+
+PartDst = tuple[tuple[str, StridedView | None], torch.Tensor]
+"""A quantized cover's part (``"weight"`` or ``"scale"``, and a region's view inside it) and where it lands."""
+
+
+def quantize_cover(b: ProgramBuilder, cover: torch.Tensor, name: str, parts: Sequence[PartDst]) -> None:
+    """Adds quantizing ``cover`` into its parts' destinations (each ``((part, view in it), dst)``): straight into
+    them, one kernel, when they are the whole cover's weight and scales (a slot's parts, or an engine's parameters
+    for every expert and unsplit linear), else into scratch, each part then copied into its destination."""
+    scales = scale_shape(cover.shape)
+    whole: dict[str, torch.Tensor | None] = {}
+    for (part, view), dst in parts:
+        if _whole(view, cover.shape, scales, part):
+            shape, dtype = (cover.shape, FP8_DTYPE) if part == "weight" else (scales, torch.float32)
+            whole[part] = _viewed(dst, shape, dtype)
+    weight, scale = whole.get("weight"), whole.get("scale")
+    if len(parts) == 2 and weight is not None and scale is not None:
+        b.quantize(cover, name, weight, scale)
+        return
+
+    def land(weight: torch.Tensor, scale: torch.Tensor) -> None:
+        q = BlockQuantized(weight, scale)
+        for (part, view), dst in parts:
+            data = quantized_part(q, part, view)
+            b.copy(dst if dst.shape == data.shape else dst.view(data.shape), data)
+
+    b.quantize(cover, name, then=land)
 
 
 def _whole(view: StridedView | None, shape: torch.Size, scales: tuple[int, ...], part: str) -> bool:
@@ -232,23 +248,19 @@ class Lander:
         return builder.build(persistent=True)
 
     def quantize_mapped(self, b: ProgramBuilder, entry: Entry, cover: torch.Tensor) -> bool:
-        """Quantize ``cover`` into the parameters: one kernel writing the regions' weight and scales in place where
-        they are the whole cover's (every expert of a fused MoE layer, every unsplit linear), else into scratch
-        and then copied into each region."""
-        scales = scale_shape(cover.shape)
-        whole: dict[str, torch.Tensor | None] = {}
-        for i in entry.regions:
-            part = self.entries.quant[i]
-            assert part is not None, "a quantized entry's regions are parts of its cover"
-            if _whole(part.view, cover.shape, scales, part.part):
-                shape, dtype = (cover.shape, FP8_DTYPE) if part.part == "weight" else (scales, torch.float32)
-                whole[part.part] = _viewed(self._dst(self.regions[i]), shape, dtype)
-        weight, scale = whole.get("weight"), whole.get("scale")
-        if len(entry.regions) == 2 and weight is not None and scale is not None:
-            b.quantize(cover, entry.tensor, weight, scale)
-        else:
-            b.quantize(cover, entry.tensor, then=self._cover_parts(b, entry.regions))
+        """Quantize ``cover`` (a view of the serving rank's mapped arena) into the parameters
+        (:func:`quantize_cover`: in place where the regions are the whole cover's weight and scales)."""
+        quantize_cover(b, cover, entry.tensor, self._parts(entry.regions))
         return True
+
+    def _parts(self, regions: Sequence[int]) -> list[PartDst]:
+        """The quantized part each of ``regions`` is, with the parameter view it lands in."""
+        out: list[PartDst] = []
+        for i in regions:
+            part = self.entries.quant[i]
+            assert part is not None, "a quantized cover's regions are parts of it"
+            out.append(((part.part, part.view), self._dst(self.regions[i])))
+        return out
 
     def _quantize_ready(self) -> None:
         if not self._ready:
@@ -256,21 +268,9 @@ class Lander:
         builder = ProgramBuilder()
         for c in self._ready:
             cover, staged = self.entries.covers[c], self._staged.pop(c)
-            builder.quantize(staged.tensor, cover.tensor, then=self._cover_parts(builder, cover.regions))
+            quantize_cover(builder, staged.tensor, cover.tensor, self._parts(cover.regions))
         self._ready = []
         builder.build(persistent=False).run()
-
-    def _cover_parts(self, b: ProgramBuilder, regions: Sequence[int]) -> Callable[[torch.Tensor, torch.Tensor], None]:
-        """Adds copying the parts of a quantized cover (weight and scales, once they exist) into ``regions``."""
-
-        def land(weight: torch.Tensor, scale: torch.Tensor) -> None:
-            q = BlockQuantized(weight, scale)
-            for i in regions:
-                part = self.entries.quant[i]
-                assert part is not None, "a cover's regions are parts of it"
-                b.copy(self._dst(self.regions[i]), quantized_part(q, part.part, part.view))
-
-        return land
 
     def _dst(self, region: Region) -> torch.Tensor:
         return region.dst.apply(self.params[region.param].data)
