@@ -27,6 +27,7 @@ from kvmove.sync.ranks.puller import ByteReader, mapped_arenas, register_params
 from kvmove.sync.ranks.source import ShardedSource
 from kvmove.sync.strategies import STRATEGIES
 from kvmove.sync.verify import bits_equal
+from kvmove.transport.local import LocalTransport
 from kvmove.transport.shm import ShmTransport
 
 MODEL, VERSION = "qwen3-moe-fp8-tiny", 1
@@ -72,9 +73,10 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
     return seen
 
 
-def _engine(strategy: str = "v3") -> tuple[Blueprint, EngineRank, NoPacking, ShardedSource, ShmTransport]:
-    """Trainer rank 0's seeded arena registered with one shm endpoint; engine rank 0 (colocated) mapping it through
-    another, its parameters holding random bits (NaN payloads included)."""
+def _engine(strategy: str = "v3", device: str = "cpu") -> tuple[Blueprint, EngineRank, NoPacking, ShardedSource, Any]:
+    """Trainer rank 0's seeded arena registered with one endpoint; engine rank 0 (colocated) mapping it through
+    another, its parameters holding random bits (NaN payloads included). On CPU over shm; on CUDA over ``local``
+    (one process: its mapped view is the arena itself, as cuda-ipc's is the same memory)."""
     cfg, placement = resolve_model(MODEL), Placement("processes", colocated=True)
     config = SyncConfig(cfg, TrainerLayout(), EngineLayout(), (STRATEGIES[strategy],), placement=placement)
     plans, _ = build_plans(config)
@@ -82,25 +84,39 @@ def _engine(strategy: str = "v3") -> tuple[Blueprint, EngineRank, NoPacking, Sha
     bp = Blueprint(
         cfg, config.trainer, config.engine, plans, config.strategies, config.options, devices=devices, mapped=True
     )
-    source = ShardedSource(cfg, config.trainer, 0, SimpleNamespace(collective_calls=0))  # type: ignore[arg-type]
+    no_gathers = SimpleNamespace(collective_calls=0)  # one rank: no collectives
+    source = ShardedSource(cfg, config.trainer, 0, no_gathers, device=device)  # type: ignore[arg-type]
     source.step(VERSION)
-    server, reader = ShmTransport(), ShmTransport()
+    kind = ShmTransport if device == "cpu" else LocalTransport
+    server, reader = kind(), kind()
     arena = server.register(source.arena()[0])
     endpoint = TrainerEndpoint(server.endpoint_info(), {}, arena)
     reader.connect(endpoint.info)
-    model = get_engine("reference").build(cfg, config.engine, config.engine.coord(0))
+    model = get_engine("reference").build(cfg, config.engine, config.engine.coord(0), device=device)
     gen = torch.Generator().manual_seed(0)
     for p in model.parameters():
         p.data.view(torch.uint8).copy_(torch.randint(0, 256, p.data.view(torch.uint8).shape, generator=gen))
+    assert all(p.device.type == torch.device(device).type for p in model.parameters())
     params = register_params(reader, model, bp.direct_params(0))
     rank = EngineRank(model, bp.plan_of(0), {})
     rank.map_arenas(mapped_arenas(reader, {0: endpoint}, [bp.pulls[strategy][0]]))
     return bp, rank, NoPacking(ByteReader(reader, {0: endpoint}, {}, params)), source, server
 
 
-@pytest.mark.parametrize("strategy", ["v3", "v2"])  # queued ahead on a stream of their own / inline, in turn
-def test_mapped_pulls_are_warm_from_init_and_land_bit_exact(runs: dict[str, list[int]], strategy: str) -> None:
-    bp, rank, client, _, _ = _engine(strategy)
+@pytest.mark.parametrize(
+    ("strategy", "device"),
+    [
+        ("v3", "cpu"),  # queued ahead (on CUDA: on a stream of their own)
+        ("v2", "cpu"),  # inline, each in its turn
+        pytest.param("v3", "cuda", marks=pytest.mark.gpu),  # Triton into the parameters, streams, warm-up on CUDA
+    ],
+)
+def test_mapped_pulls_are_warm_from_init_and_land_bit_exact(
+    runs: dict[str, list[int]], strategy: str, device: str
+) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    bp, rank, client, _, _ = _engine(strategy, device)
     pulls = bp.pulls[strategy][0]
     mapped = [i for i, p in enumerate(pulls.pulls) if p.mapped]
     assert mapped and not any(p.packed for p in pulls.pulls)  # every FP8 cover mapped, the rest direct
@@ -115,9 +131,10 @@ def test_mapped_pulls_are_warm_from_init_and_land_bit_exact(runs: dict[str, list
     rank.run_sync(1, STRATEGIES[strategy], pulls, client)  # type: ignore[arg-type]
     assert sorted(runs["run"]) == sorted(programs)  # replayed, nothing first-run in the sync
     assert rank.take_mapped_bytes() == bp.mapped_bytes(strategy) > 0
-    (want,) = reference_models(get_engine("reference"), bp.cfg, bp.engine, seeded_checkpoint(bp.cfg, 0, VERSION))
+    weights = {n: t.cpu() for n, t in seeded_checkpoint(bp.cfg, 0, VERSION, device).items()}  # the trainer's bits
+    (want,) = reference_models(get_engine("reference"), bp.cfg, bp.engine, weights)  # quantized on CPU torch
     expected = dict(want.named_parameters())
-    assert [n for n, p in rank.params.items() if not bits_equal(p.data, expected[n].data)] == []
+    assert [n for n, p in rank.params.items() if not bits_equal(p.data.cpu(), expected[n].data)] == []
 
 
 def test_a_mapped_cover_holding_nan_is_refused_by_name() -> None:
