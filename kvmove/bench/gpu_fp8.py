@@ -4,12 +4,15 @@ the same run; every sync verified bit-exact.
 
 The FP8 engine's regions are quantized inside the sync (kvmove.sync.planning.entries): on the trainer, before the
 bytes leave, where it holds whole blocks (the trainer's ``pack`` quantizes every cover of a pull in batched calls
-of kvmove.quant, Triton on CUDA), else on the engine once a cover's BF16 pieces landed. Each FP8 row carries what
-crossed the link by transform and its bytes and time relative to the BF16 rows of the same run.
+of kvmove.quant, Triton on CUDA), else on the engine once a cover's BF16 pieces landed. On one GPU with cuda-ipc
+(a mapped peer view: the engine process opens the trainer's arena), the engine quantizes those covers itself,
+straight from the arena into its parameters (mapped pulls: no slot, no read, no landing copy); its rows' copy
+executor bytes then name them ``mapped-quantize``. Each FP8 row carries what crossed the link by transform and its
+bytes and time relative to the BF16 rows of the same run.
 
 Works on two GPUs (trainer on ``devices[0]``, engine on ``devices[1]``) or one (both on ``cuda:0``: the cuda-ipc
-pull transport maps the trainer's slots into the engine process on the same device; nccl cannot, so it is
-skipped there). On CPU devices the same code is its own CI twin.
+pull transport maps the trainer's slots and arena into the engine process on the same device; nccl cannot, so it
+is skipped there). On CPU devices the same code is its own CI twin.
 """
 
 from __future__ import annotations

@@ -67,21 +67,23 @@ class Program:
             quantize_into(q.src, q.weight, q.scale, name=q.name)
         for c in self.copies:
             c.dst.copy_(c.src, non_blocking=True)
-        if check and self.quantize and (bad := int(non_finite_blocks([q.scale for q in self.quantize]))):
-            names = ", ".join(q.name for q in self.quantize)
-            raise NonFiniteWeightError(f"cannot quantize {names}: {bad} of their blocks hold inf or NaN")
+        if check:
+            check_finite([self])
 
     def warm(self, restore: bool = False) -> None:
         """Run every step once at init, the finiteness check's reduction included but not read back (the memory may
         hold any bits then): so that a first sync launches nothing for the first time (Triton kernels compile,
         lazily loaded CUDA kernels load, each stream's allocator pool gets its block) and costs what the next do.
 
-        ``restore``: first copy every destination back into its source, so the copies then write back the bytes
-        already there and the destinations (an engine's live parameters) end as they were. Only for programs that
-        only copy, from sources no two copies share (a pull's parts: each has its own bytes of the slot)."""
+        ``restore``: the destinations (an engine's live parameters) end as they were. A program that only copies
+        first copies every destination back into its source, so the copies then write back the bytes already there
+        (sources no two copies share: a pull's parts, each with its own bytes of the slot); one that quantizes
+        (from a mapped arena into the parameters) saves what it writes and puts it back afterwards."""
+        saved = []
         if restore and self.quantize:
-            raise ValueError("a program that quantizes cannot restore what it overwrites")
-        for c in self.copies if restore else ():
+            saved = [(t, t.clone()) for q in self.quantize for t in (q.weight, q.scale)]
+            saved += [(c.dst, c.dst.clone()) for c in self.copies]
+        for c in self.copies if restore and not saved else ():
             c.src.copy_(c.dst, non_blocking=True)
         for q in self.quantize:
             quantize_into(q.src, q.weight, q.scale, name=q.name)
@@ -89,6 +91,17 @@ class Program:
             c.dst.copy_(c.src, non_blocking=True)
         if self.quantize:
             non_finite_blocks([q.scale for q in self.quantize])
+        for dst, kept in reversed(saved):
+            dst.copy_(kept, non_blocking=True)
+
+
+def check_finite(programs: Sequence[Program]) -> None:
+    """NonFiniteWeightError if a block some program quantized held inf or NaN: one host synchronization for all
+    of them (none without quantizations)."""
+    steps = [q for p in programs for q in p.quantize]
+    if steps and (bad := int(non_finite_blocks([q.scale for q in steps]))):
+        names = ", ".join(q.name for q in steps)
+        raise NonFiniteWeightError(f"cannot quantize {names}: {bad} of their blocks hold inf or NaN")
 
 
 class ProgramBuilder:

@@ -26,11 +26,12 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from kvmove.quant import BlockQuantized, scale_shape
-from kvmove.sync.planning.entries import ENGINE, PLAIN, TRAINER, Cover, Entry, EntryPlan
+from kvmove.quant import FP8_DTYPE, BlockQuantized, scale_shape
+from kvmove.sync.planning.entries import ENGINE, PLAIN, TRAINER, Entry, EntryPlan
 from kvmove.sync.planning.packing import PackLayout, ServeSpec, pack_layout, part_views, payload
 from kvmove.sync.planning.plan import Box, Region, ShardingPlan, contiguous_strides
 from kvmove.sync.planning.recording import StridedView
+from kvmove.sync.planning.schedule import MappedSource
 from kvmove.sync.programs import Program, ProgramBuilder
 
 
@@ -57,21 +58,37 @@ def _serve_view(b: ProgramBuilder, spec: ServeSpec, held: Held, dsts: list[torch
 
 
 def _serve_quantized(b: ProgramBuilder, spec: ServeSpec, held: Held, dsts: list[torch.Tensor]) -> bool:
-    cover = read_box(spec.box, held)
-    scales = scale_shape(cover.shape)
-    whole = {p.part: d for p, d in zip(spec.parts, dsts, strict=True) if _whole(p.src, cover.shape, scales, p.part)}
-    if len(spec.parts) == 2 and set(whole) == {"weight", "scale"}:  # the slot holds the quantized cover as it is
-        b.quantize(cover, spec.tensor, whole["weight"].view(cover.shape), whole["scale"].view(scales))
-        return True
-
-    def parts(weight: torch.Tensor, scale: torch.Tensor) -> None:
-        q = BlockQuantized(weight, scale)
-        for part, dst in zip(spec.parts, dsts, strict=True):
-            data = quantized_part(q, part.part, part.src)
-            b.copy(dst.view(data.shape), data)
-
-    b.quantize(cover, spec.tensor, then=parts)
+    parts: list[PartDst] = [((p.part, p.src), d) for p, d in zip(spec.parts, dsts, strict=True)]
+    quantize_cover(b, read_box(spec.box, held), spec.tensor, parts)
     return True
+
+
+PartDst = tuple[tuple[str, StridedView | None], torch.Tensor]
+"""A quantized cover's part (``"weight"`` or ``"scale"``, and a region's view inside it) and where it lands."""
+
+
+def quantize_cover(b: ProgramBuilder, cover: torch.Tensor, name: str, parts: Sequence[PartDst]) -> None:
+    """Adds quantizing ``cover`` into its parts' destinations (each ``((part, view in it), dst)``): straight into
+    them, one kernel, when they are the whole cover's weight and scales (a slot's parts, or an engine's parameters
+    for every expert and unsplit linear), else into scratch, each part then copied into its destination."""
+    scales = scale_shape(cover.shape)
+    whole: dict[str, torch.Tensor | None] = {}
+    for (part, view), dst in parts:
+        if _whole(view, cover.shape, scales, part):
+            shape, dtype = (cover.shape, FP8_DTYPE) if part == "weight" else (scales, torch.float32)
+            whole[part] = _viewed(dst, shape, dtype)
+    weight, scale = whole.get("weight"), whole.get("scale")
+    if len(parts) == 2 and weight is not None and scale is not None:
+        b.quantize(cover, name, weight, scale)
+        return
+
+    def land(weight: torch.Tensor, scale: torch.Tensor) -> None:
+        q = BlockQuantized(weight, scale)
+        for (part, view), dst in parts:
+            data = quantized_part(q, part, view)
+            b.copy(dst if dst.shape == data.shape else dst.view(data.shape), data)
+
+    b.quantize(cover, name, then=land)
 
 
 def _whole(view: StridedView | None, shape: torch.Size, scales: tuple[int, ...], part: str) -> bool:
@@ -218,26 +235,63 @@ class Lander:
             self._ready.append(entry.cover)
         return False  # staging memory lives for one sync
 
+    def mapped_program(self, entries: Sequence[Entry], covers: Sequence[torch.Tensor]) -> Program:
+        """The program of a mapped pull: each entry's cover quantized by this engine rank from ``covers`` (its BF16
+        view in the serving rank's arena, mapped into this process: :func:`mapped_cover`) straight into the
+        parameters (persistent: built at init, replayed every sync)."""
+        builder = ProgramBuilder()
+        for entry, cover in zip(entries, covers, strict=True):
+            half = TRANSFORMS[entry.transform].mapped
+            if half is None:
+                raise ValueError(f"{entry.tensor}: a {entry.transform} entry is never quantized from a mapped arena")
+            half(self, builder, entry, cover)
+        return builder.build(persistent=True)
+
+    def quantize_mapped(self, b: ProgramBuilder, entry: Entry, cover: torch.Tensor) -> bool:
+        """Quantize ``cover`` (a view of the serving rank's mapped arena) into the parameters
+        (:func:`quantize_cover`: in place where the regions are the whole cover's weight and scales)."""
+        quantize_cover(b, cover, entry.tensor, self._parts(entry.regions))
+        return True
+
+    def _parts(self, regions: Sequence[int]) -> list[PartDst]:
+        """The quantized part each of ``regions`` is, with the parameter view it lands in."""
+        out: list[PartDst] = []
+        for i in regions:
+            part = self.entries.quant[i]
+            assert part is not None, "a quantized cover's regions are parts of it"
+            out.append(((part.part, part.view), self._dst(self.regions[i])))
+        return out
+
     def _quantize_ready(self) -> None:
         if not self._ready:
             return
         builder = ProgramBuilder()
         for c in self._ready:
             cover, staged = self.entries.covers[c], self._staged.pop(c)
-            builder.quantize(staged.tensor, cover.tensor, then=self._cover_parts(builder, cover))
+            quantize_cover(builder, staged.tensor, cover.tensor, self._parts(cover.regions))
         self._ready = []
         builder.build(persistent=False).run()
 
-    def _cover_parts(self, b: ProgramBuilder, cover: Cover) -> Callable[[torch.Tensor, torch.Tensor], None]:
-        def land(weight: torch.Tensor, scale: torch.Tensor) -> None:
-            q = BlockQuantized(weight, scale)
-            for i, part in zip(cover.regions, cover.parts, strict=True):
-                b.copy(self._dst(self.regions[i]), quantized_part(q, part.part, part.view))
-
-        return land
-
     def _dst(self, region: Region) -> torch.Tensor:
         return region.dst.apply(self.params[region.param].data)
+
+
+def _viewed(t: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
+    """``t`` as a view of ``shape`` when it has ``dtype`` and a view expresses it (else None: land by copies)."""
+    if t.dtype != dtype:
+        return None
+    try:
+        return t.view(tuple(shape))
+    except RuntimeError:
+        return None
+
+
+def mapped_cover(arena: torch.Tensor, source: MappedSource, box: Box) -> torch.Tensor:
+    """The cover ``box`` (of the HF tensor) as a view of a serving rank's arena mapped into this process
+    (``Transport.mapped``): its raw shard at ``source.offset``, then the box inside the shard."""
+    nbytes = source.shard.numel * source.dtype.itemsize
+    shard = arena[source.offset : source.offset + nbytes].view(source.dtype).view(source.shard.shape)
+    return read_box(box, Held(shard, source.shard))
 
 
 @dataclass
@@ -263,13 +317,24 @@ class Transform:
     """Adds serving an entry into the slot parts to a program; whether all it reads outlives the sync."""
     land: Callable[[Lander, ProgramBuilder, Entry, list[torch.Tensor]], bool]
     """Adds landing an entry's parts to a program; whether all it writes outlives the sync."""
+    mapped: Callable[[Lander, ProgramBuilder, Entry, torch.Tensor], bool] | None = None
+    """Adds what the engine does instead when it maps the serving rank's arena (mapped pulls, for entries
+    ``entries.mappable`` admits): quantize the cover's view there into the parameters; None: never mapped."""
 
 
 TRANSFORMS: dict[str, Transform] = {
     t.name: t
     for t in (
         Transform(PLAIN, "served as the loader reads it", False, False, _serve_view, Lander.copy),
-        Transform(TRAINER, "quantized on the trainer: only FP8 crosses", True, False, _serve_quantized, Lander.copy),
+        Transform(
+            TRAINER,
+            "quantized on the trainer: only FP8 crosses (or, mapped, by the engine from the trainer's arena)",
+            True,
+            False,
+            _serve_quantized,
+            Lander.copy,
+            Lander.quantize_mapped,
+        ),
         Transform(ENGINE, "a BF16 piece of a cover the engine quantizes", False, True, _serve_box, Lander.stage),
     )
 }

@@ -37,10 +37,11 @@ if TYPE_CHECKING:
     from kvmove.transport.nixl import NixlTransport
     from kvmove.transport.object_store import ObjectStoreTransport
     from kvmove.transport.rdt import RdtGlooTransport, RdtNixlTransport, create_rdt_group
+    from kvmove.transport.shm import ShmTransport
     from kvmove.transport.slots import ACTOR_OPTIONS, ServesSlots
 
 AUTO = "auto"
-SYNC_TRANSPORTS = ("nixl", "rdt-nixl", "rdt-gloo", "gloo", "object-store", "nccl", "cuda-ipc")
+SYNC_TRANSPORTS = ("nixl", "rdt-nixl", "rdt-gloo", "gloo", "object-store", "nccl", "cuda-ipc", "shm")
 """The byte movers of a weight sync, in registry order."""
 KV_TRANSPORTS = ("nixl", "http")
 """The data planes between KV-migration servers."""
@@ -67,6 +68,7 @@ _LAZY = {
     "RdtGlooTransport": "rdt",
     "RdtNixlTransport": "rdt",
     "create_rdt_group": "rdt",
+    "ShmTransport": "shm",
     "ACTOR_OPTIONS": "slots",
     "ServesSlots": "slots",
 }
@@ -78,6 +80,7 @@ _REGISTERED = (
     "ObjectStoreTransport",
     "NcclTransport",
     "CudaIpcTransport",
+    "ShmTransport",
     "HttpTransport",
 )
 
@@ -155,6 +158,7 @@ __all__ = [
     "RdtGlooTransport",
     "RdtNixlTransport",
     "ServesSlots",
+    "ShmTransport",
     "TransferStats",
     "Transport",
     "TransportError",

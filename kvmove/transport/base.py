@@ -210,6 +210,10 @@ class Transport(ABC):
     row, so planners may read regions of many short rows directly."""
     shares_devices: ClassVar[bool] = True
     """Two endpoints may live on one GPU (trainer and engine ranks colocated); NCCL's cannot."""
+    maps_peers: ClassVar[bool] = False
+    """A *mapped peer view*: once connected, :meth:`mapped` gives a peer's registered buffer as a local tensor that
+    kernels of this process read in place (cuda-ipc: the opened IPC handle; shm: the shared pages), so an engine
+    may compute from a trainer's arena (quantize it into its parameters) instead of reading bytes first."""
 
     def __init__(self) -> None:
         self.endpoint = f"{self.name}-{uuid.uuid4().hex[:12]}"
@@ -296,6 +300,22 @@ class Transport(ABC):
         if items:
             self._prepare(items)
 
+    def mapped(self, remote: BufferDesc) -> torch.Tensor:
+        """``remote`` (a connected peer's registered buffer) as a uint8 tensor of this process aliasing its bytes
+        (transports with ``maps_peers``); writing it writes the peer's buffer."""
+        self._check_open()
+        if not self.maps_peers:
+            raise TransportError(f"the {self.name} transport cannot map a peer's buffer into this process")
+        if remote.endpoint not in self._peers:
+            raise TransportError(f"remote buffer belongs to {remote.endpoint!r}, which this endpoint never connected")
+        view = self._mapped(remote)
+        if view.numel() != remote.nbytes:
+            raise TransportError(
+                f"mapped buffer {remote.endpoint}#{remote.buffer_id} has {view.numel()} bytes, "
+                f"its peer registered {remote.nbytes}"
+            )
+        return view
+
     def take_executed(self) -> dict[str, int]:
         """Bytes moved per copy executor since the last call (and reset)."""
         out, self.executed = self.executed, {}
@@ -381,6 +401,10 @@ class Transport(ABC):
 
     def _prepare(self, items: list[ReadItem]) -> None:  # noqa: B027 - most transports need nothing here
         pass
+
+    def _mapped(self, remote: BufferDesc) -> torch.Tensor:
+        """The mapped view of a connected peer's buffer (transports with ``maps_peers`` override it)."""
+        raise TransportError(f"the {self.name} transport cannot map a peer's buffer into this process")
 
     def _close(self) -> None:  # noqa: B027
         pass

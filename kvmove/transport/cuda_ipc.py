@@ -37,6 +37,7 @@ class CudaIpcTransport(Transport):
     name = "cuda-ipc"
     devices = frozenset({"cuda"})
     strided = True
+    maps_peers = True
 
     def __init__(self, device: str | None = None) -> None:
         if not torch.cuda.is_available():
@@ -96,6 +97,9 @@ class CudaIpcTransport(Transport):
         if src is None:
             raise TransportError(f"buffer {remote.buffer_id} of {remote.endpoint} was not registered before connect")
         return src
+
+    def _mapped(self, remote: BufferDesc) -> torch.Tensor:
+        return self._source(remote)
 
     def _plan(self, spans: np.ndarray) -> CopyPlan:
         key = spans.tobytes()

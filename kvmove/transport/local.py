@@ -24,6 +24,7 @@ _TABLE_LOCK = threading.Lock()
 class LocalTransport(Transport):
     name = "local"
     strided = True
+    maps_peers = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -46,13 +47,16 @@ class LocalTransport(Transport):
             if peer.endpoint not in _ENDPOINTS:
                 raise TransportError(f"local endpoint {peer.endpoint} is not in this process (or was closed)")
 
-    def _read(self, peer: EndpointInfo, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> None:
+    def _mapped(self, remote: BufferDesc) -> torch.Tensor:
         with _TABLE_LOCK:
             owner = _ENDPOINTS.get(remote.endpoint)
         src = None if owner is None else owner._buffers.get(remote.buffer_id)
         if src is None:
             raise TransportError(f"local buffer {remote.endpoint}#{remote.buffer_id} is gone")
-        copy_views(src, local, plan_copies(spans))
+        return src
+
+    def _read(self, peer: EndpointInfo, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> None:
+        copy_views(self._mapped(remote), local, plan_copies(spans))
         self._count("views", int(spans[:, 2].sum()))
 
     def _close(self) -> None:

@@ -240,7 +240,7 @@ class StagedRank(EngineRank):
         """Window slots the landing order of ``strategy``'s packed pulls needs (kvmove.vllm.staging)."""
         lander = self.lander(strategy.name, pulls)
         assert isinstance(lander, StagedLander) and pulls.plan is not None
-        order = sorted((i for i, p in enumerate(pulls.pulls) if not p.direct), key=lambda i: pulls.pulls[i].group)
+        order = sorted((i for i, p in enumerate(pulls.pulls) if p.packed), key=lambda i: pulls.pulls[i].group)
         if strategy.overlap.interleave:
             order = interleaved(pulls.pulls, order)
         units = [u for i in order for k in pulls.pulls[i].entries if (u := lander.unit_of(pulls.plan.entries[k]))]
@@ -252,7 +252,7 @@ class StagedRank(EngineRank):
         kept = self._landers.get(strategy)
         if kept is None or kept[0] is not pulls:
             lander = StagedLander(self.stager.targets(), self.plan, pulls.plan, self.stager)
-            staged = [pulls.plan.entries[k] for p in pulls.pulls if not p.direct for k in p.entries]
+            staged = [pulls.plan.entries[k] for p in pulls.pulls if p.packed for k in p.entries]
             lander.expected = unit_counts(staged, lander.unit_of)
             if any(lander.unit_of(pulls.plan.entries[k]) for p in pulls.pulls if p.direct for k in p.entries):
                 raise KvmoveError("kvmove staging: a direct pull writes a staged parameter (the plan marks them)")

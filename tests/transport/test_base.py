@@ -18,7 +18,9 @@ LOCAL = BufferDesc("nixl", "client", 0, 50)
 
 
 def test_registry_names():
-    assert set(TRANSPORTS) == {"nixl", "rdt-nixl", "rdt-gloo", "gloo", "object-store", "nccl", "cuda-ipc", "http"}
+    assert set(TRANSPORTS) == {
+        *("nixl", "rdt-nixl", "rdt-gloo", "gloo", "object-store", "nccl", "cuda-ipc", "shm", "http")
+    }
     assert all(TRANSPORTS[n].name == n for n in TRANSPORTS)
 
 
@@ -86,7 +88,9 @@ def test_missing_ray_names_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(MissingDependencyError, match="pip install ray"):
         get_transport("object-store")()
-    assert available_transports() == [n for n in ("nixl", "gloo", "nccl", "http") if n in available_transports()]
+    without_ray = ("nixl", "gloo", "nccl", "cuda-ipc", "shm", "http")
+    assert available_transports() == [n for n in without_ray if n in available_transports()]
+    assert "shm" in available_transports()  # plain torch: available wherever kvmove runs
 
 
 def test_available_transports_never_raises(monkeypatch):

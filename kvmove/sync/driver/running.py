@@ -112,6 +112,7 @@ class RunningRanks:
             declared.arenas,
             devices=devices,
             strided=self.transport.strided,
+            mapped=self.transport.maps_peers,
         )
         sizes = self.blueprint.slot_sizes()
         slots = [t.submit(OpenSlots(sizes[r])) for r, t in enumerate(self.trainers)]

@@ -9,7 +9,7 @@ itself), so no two places can disagree on who sends what.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,11 +52,15 @@ class Blueprint:
         *,
         devices: DeviceMap | None = None,
         strided: bool = False,
+        mapped: bool = False,
     ) -> None:
         """``tensors``, ``ownership``, ``arenas``: the source's tensors, who holds them and its arenas as the
         trainer ranks declared them (defaults: the HF checkpoint's tensors placed by Megatron's rules);
         ``devices``: where ranks share devices (routing prefers those reads); ``strided``: the transport runs 2-D
-        copies (``Transport.strided``), so regions of short rows may still be read directly."""
+        copies (``Transport.strided``), so regions of short rows may still be read directly; ``mapped``: the
+        transport maps a peer's registered buffers (``Transport.maps_peers``), so an engine rank on a trainer
+        rank's device quantizes the covers it would pull packed from that rank straight from its arena (mapped
+        pulls: ``schedule.pull_plans``)."""
         self.cfg, self.trainer, self.engine, self.plans, self.options = cfg, trainer, engine, tuple(plans), options
         self.devices = devices
         tensors = hf_tensors(cfg) if tensors is None else list(tensors)
@@ -72,13 +76,23 @@ class Blueprint:
             groups = tensor_groups(cfg, trainer, s, options, tensors, self.ownership.stage_of)
             direct = self.direct if s.direct else None
             smap = route(self.plans, engine, self.ownership, s, direct, devices, tensors=tensors, memo=memo)
-            self.pulls[s.name] = pull_plans(self.plans, engine, smap, groups, direct)
+            self.pulls[s.name] = pull_plans(self.plans, engine, smap, groups, direct, self._maps(mapped))
             self.groups[s.name] = {g: [t.name for t in ts] for g, ts in groups.items()}
             self.needed[s.name] = gathered_names(self.pulls[s.name])
         self.held: dict[int, set[str]] = {r: set() for r in range(trainer.world)}
         for t in tensors:
             for h in self.ownership.slices(t):
                 self.held[h.rank].add(t.name)
+
+    def _maps(self, mapped: bool) -> Callable[[int, int], bool] | None:
+        """Whether an engine rank quantizes a trainer rank's covers from its mapped arena: on one device only (across
+        a link the BF16 bytes it would read are twice the FP8 ones a packed pull moves)."""
+        devices = self.devices
+        return devices.is_local if mapped and devices is not None else None
+
+    def mapped_bytes(self, strategy: str) -> int:
+        """FP8 bytes engine ranks quantize themselves from mapped arenas (mapped pulls) under ``strategy``."""
+        return sum(p.nbytes for pp in self.pulls.get(strategy, ()) for p in pp.pulls if p.mapped)
 
     def plan_of(self, engine: int) -> ShardingPlan:
         return self.plans[self.engine.coord(engine).local]
@@ -127,7 +141,7 @@ class Blueprint:
         return sum(p.nbytes for pp in self.pulls.get(strategy, ()) for p in pp.pulls if p.direct)
 
     def packed_bytes(self, strategy: str) -> int:
-        return sum(p.nbytes for pp in self.pulls.get(strategy, ()) for p in pp.pulls if not p.direct)
+        return sum(p.nbytes for pp in self.pulls.get(strategy, ()) for p in pp.pulls if p.packed)
 
     def link_bytes(self, strategy: str, engines: Sequence[int] | None = None) -> LinkBytes | None:
         """The payload of ``strategy`` split by device and link direction (None without a device map)."""

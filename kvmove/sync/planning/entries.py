@@ -207,6 +207,13 @@ class EntryPlanner:
         return {box: tuple(ranks) for box, ranks in out.items()}
 
 
+def mappable(entry: Entry) -> bool:
+    """Whether an engine rank that maps the serving rank's arena (``Transport.maps_peers``, on its own device) may
+    quantize ``entry`` itself, straight from the raw shard into its parameters, instead of pulling it packed: a
+    ``trainer`` cover lying in one raw shard (the trainer would quantize exactly those bytes)."""
+    return entry.transform == TRAINER and entry.shard
+
+
 def intersection(a: Box, b: Box) -> Box | None:
     """The box both ``a`` and ``b`` contain, or None if they do not overlap."""
     start = tuple(max(x, y) for x, y in zip(a.start, b.start, strict=True))

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
 from kvmove.models.config import ModelConfig
 from kvmove.models.layout import EngineLayout, TrainerLayout
@@ -21,9 +22,9 @@ from kvmove.models.table import hf_tensors
 from kvmove.models.tensors import TensorMeta, layer_of
 from kvmove.sync.config import SyncOptions
 from kvmove.sync.planning.direct import DirectPlanner
-from kvmove.sync.planning.entries import PLAIN, EntryPlan
+from kvmove.sync.planning.entries import PLAIN, Entry, EntryPlan, mappable
 from kvmove.sync.planning.ownership import shard_rule
-from kvmove.sync.planning.plan import ShardingPlan
+from kvmove.sync.planning.plan import Box, ShardingPlan
 from kvmove.sync.planning.routing import SourceMap
 from kvmove.sync.strategies import Grouping, Strategy
 from kvmove.transport.base import coalesce
@@ -55,12 +56,29 @@ GROUP_KEYS: dict[Grouping, Callable[[_Slot], int]] = {
 """Grouping -> key of one tensor (groups are processed in increasing key order)."""
 
 
+PACKED, DIRECT, MAPPED = 0, 1, 2
+"""Kinds of pull of one (group, trainer rank) bucket, in pull order."""
+
+
+class MappedSource(NamedTuple):
+    """Where a mapped entry's cover lies in the serving rank's arena: the raw shard holding it (its byte offset in
+    the arena, its box of the HF tensor, its dtype)."""
+
+    entry: int
+    offset: int
+    shard: Box
+    dtype: torch.dtype
+
+
 class Pull(NamedTuple):
     """One pull: engine rank ``engine`` gets entries ``entries`` (indices into its ``EntryPlan``) of ``group`` from
     ``trainer``; ``nbytes`` cross the link.
 
     A packed pull is packed by the trainer into a slot, read into a receive slot and landed; a direct pull
-    (``direct`` non-empty) is read from the trainer's arena into the parameters: (parameter, byte spans).
+    (``direct`` non-empty) is read from the trainer's arena into the parameters: (parameter, byte spans); a mapped
+    pull (``mapped`` non-empty) is quantized by the engine itself from its mapped view of the trainer's arena into
+    the parameters (no request, no read, no slot); ``nbytes`` counts the FP8 bytes it lands, as the packed pull
+    it replaces would have moved.
     """
 
     group: int
@@ -68,6 +86,12 @@ class Pull(NamedTuple):
     entries: tuple[int, ...]
     nbytes: int
     direct: tuple[tuple[str, np.ndarray], ...] = ()
+    mapped: tuple[MappedSource, ...] = ()
+
+    @property
+    def packed(self) -> bool:
+        """Packed by the trainer into a serve slot (neither direct nor mapped)."""
+        return not self.direct and not self.mapped
 
 
 class PullPlan(NamedTuple):
@@ -110,12 +134,15 @@ def pull_plans(
     source_map: SourceMap,
     groups: dict[int, list[TensorMeta]],
     direct: DirectPlanner | None = None,
+    maps: Callable[[int, int], bool] | None = None,
 ) -> tuple[PullPlan, ...]:
-    """Per engine rank: its entries bucketed by (group, source trainer, direct or packed), in group order.
+    """Per engine rank: its entries bucketed by (group, source trainer, packed, direct or mapped), in group order.
 
     With ``direct``, every plain entry it can serve from the source's arena goes into that bucket's direct pull,
     and a plain entry read in pieces (``source_map.pieces``) into the direct pull of each piece's trainer rank.
-    Quantized covers and their pieces are always packed.
+    With ``direct`` and ``maps`` (``maps(engine, trainer)``: the engine rank maps that trainer rank's arena on its
+    own device), every quantized cover lying in the serving rank's raw shard (``entries.mappable``) goes into the
+    bucket's mapped pull. Other quantized covers and their pieces are packed.
     """
     group_of = {t.name: g for g, ts in groups.items() for t in ts}
     out = []
@@ -124,7 +151,7 @@ def pull_plans(
         local = layout.coord(e).local
         plan, entry_plan = plans[local], source_map.entries[local]
         dtypes = {p.name: p.dtype for p in plan.params}
-        buckets: dict[tuple[int, int, bool], list[_Item]] = defaultdict(list)
+        buckets: dict[tuple[int, int, int], list[_Item]] = defaultdict(list)
         for i, (entry, src) in enumerate(zip(entry_plan.entries, source_map.sources[e], strict=True)):
             group = group_of[entry.tensor]
             pieces = source_map.pieces.get((e, i))
@@ -134,7 +161,10 @@ def pull_plans(
                 for t, piece in pieces:
                     runs = direct.spans(piece, t, dtypes[param])
                     assert runs is not None, "routing cut the region into pieces that read directly"
-                    buckets[(group, t, True)].append(_Item(i, param, piece.nbytes, runs))
+                    buckets[(group, t, DIRECT)].append(_Item(i, param, piece.nbytes, runs))
+                continue
+            if direct is not None and maps is not None and mappable(entry) and maps(e, src):
+                buckets[(group, src, MAPPED)].append(_Item(i, "", entry.nbytes, None, _mapped(direct, i, entry, src)))
                 continue
             runs, param = None, ""
             if direct is not None and entry.transform == PLAIN and not staged:
@@ -143,19 +173,26 @@ def pull_plans(
                 if key not in known:
                     known[key] = direct.spans(region, src, dtypes[region.param])
                 runs = known[key]
-            buckets[(group, src, runs is not None)].append(_Item(i, param, entry.nbytes, runs))
+            buckets[(group, src, PACKED if runs is None else DIRECT)].append(_Item(i, param, entry.nbytes, runs))
         pulls = tuple(_pull(g, t, items) for (g, t, _), items in sorted(buckets.items()))
         out.append(PullPlan(e, pulls, entry_plan))
     return tuple(out)
 
 
 class _Item(NamedTuple):
-    """An entry (or a piece of one) in a pull: its parameter and spans when read directly."""
+    """An entry (or a piece of one) in a pull: its parameter and spans when read directly, its raw shard when
+    mapped."""
 
     entry: int
     param: str
     nbytes: int
     runs: np.ndarray | None
+    mapped: MappedSource | None = None
+
+
+def _mapped(direct: DirectPlanner, i: int, entry: Entry, trainer: int) -> MappedSource:
+    arena, meta = direct.arenas[trainer], direct.metas[entry.tensor]
+    return MappedSource(i, arena.offsets[entry.tensor], arena.boxes[entry.tensor], meta.dtype)
 
 
 def _pull(group: int, trainer: int, items: list[_Item]) -> Pull:
@@ -165,12 +202,13 @@ def _pull(group: int, trainer: int, items: list[_Item]) -> Pull:
             by_param[item.param].append(item.runs)
     runs = tuple((name, coalesce(np.concatenate(rs))) for name, rs in by_param.items())
     entries = tuple(dict.fromkeys(item.entry for item in items))
-    return Pull(group, trainer, entries, sum(item.nbytes for item in items), runs)
+    mapped = tuple(item.mapped for item in items if item.mapped is not None)
+    return Pull(group, trainer, entries, sum(item.nbytes for item in items), runs, mapped)
 
 
 def packed(pull_plan: PullPlan) -> list[tuple[int, Pull]]:
-    """(pull id, pull) of the pulls the trainer packs (not direct)."""
-    return [(i, p) for i, p in enumerate(pull_plan.pulls) if not p.direct]
+    """(pull id, pull) of the pulls the trainer packs (neither direct nor mapped)."""
+    return [(i, p) for i, p in enumerate(pull_plan.pulls) if p.packed]
 
 
 def consumers(pull_plans_: Sequence[PullPlan], trainer_rank: int) -> dict[int, set[int]]:

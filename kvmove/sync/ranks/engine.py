@@ -15,6 +15,7 @@ starts.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -26,13 +27,15 @@ import torch
 from torch import nn
 
 from kvmove.errors import KvmoveError
+from kvmove.quant.quantizer import non_finite_blocks
 from kvmove.sync.delta.apply import Patch
 from kvmove.sync.planning.entries import Entry
 from kvmove.sync.planning.plan import ShardingPlan
 from kvmove.sync.planning.schedule import Pull, PullPlan
+from kvmove.sync.programs import Program, check_finite
 from kvmove.sync.ranks.control import EngineStats, Packed
 from kvmove.sync.strategies import Strategy
-from kvmove.sync.transforms import Lander
+from kvmove.sync.transforms import Lander, mapped_cover
 
 
 class TrainerClient(Protocol):
@@ -67,6 +70,67 @@ class EngineRank:
         self.recv = {strategy: list(r) for strategy, r in recv.items()}
         self.params = dict(model.named_parameters())
         self._landers: dict[str, tuple[PullPlan, Lander]] = {}
+        self.arenas: dict[int, torch.Tensor] = {}
+        """Trainer rank -> its arena mapped into this process (``Transport.mapped``), for mapped pulls."""
+        self._mapped: dict[tuple[str, int], Program] = {}
+        self._mapped_stream: torch.cuda.Stream | None = None
+        self.mapped_bytes = 0
+        """FP8 bytes landed by mapped pulls since :meth:`take_mapped_bytes`."""
+
+    def map_arenas(self, arenas: Mapping[int, torch.Tensor]) -> None:
+        """The arenas of the trainer ranks this rank's mapped pulls quantize from, mapped into this process."""
+        self.arenas = dict(arenas)
+
+    def mapped_program(self, strategy: str, pulls: PullPlan, i: int) -> Program:
+        """The program quantizing mapped pull ``i`` from its trainer rank's mapped arena into the parameters (built
+        once, at init: :meth:`prepare`)."""
+        program = self._mapped.get((strategy, i))
+        if program is None:
+            pull, lander = pulls.pulls[i], self.lander(strategy, pulls)
+            arena = self.arenas.get(pull.trainer)
+            if arena is None:
+                raise KvmoveError(f"engine rank {pulls.engine}: trainer rank {pull.trainer}'s arena is not mapped here")
+            assert pulls.plan is not None
+            entries = [pulls.plan.entries[m.entry] for m in pull.mapped]
+            covers = [mapped_cover(arena, m, e.box) for m, e in zip(pull.mapped, entries, strict=True)]
+            program = self._mapped[(strategy, i)] = lander.mapped_program(entries, covers)
+        return program
+
+    def start_mapped(self, strategy: str, pulls: PullPlan, order: Sequence[int]) -> Any:
+        """Queue the programs of mapped pulls ``order`` on this rank's mapped stream (CPU: run them now); returns
+        what :meth:`wait_mapped` waits on. Nothing is read back until then."""
+        programs = [self.mapped_program(strategy, pulls, i) for i in order]
+        device = self.arenas[pulls.pulls[order[0]].trainer].device if order else torch.device("cpu")
+        stream = self._stream(device)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(device))  # NOTE: what the loop queued first lands first
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for program in programs:
+                program.run(check=False)
+        self.mapped_bytes += sum(pulls.pulls[i].nbytes for i in order)
+        return programs, stream
+
+    def wait_mapped(self, handle: Any) -> None:
+        """Wait for mapped programs started by :meth:`start_mapped`; NonFiniteWeightError if a cover held inf or
+        NaN (one host synchronization for all of them)."""
+        programs, stream = handle
+        if stream is None:
+            check_finite(programs)
+            return
+        torch.cuda.current_stream(stream.device).wait_stream(stream)  # NOTE: what follows sees the landed bytes
+        with torch.cuda.stream(stream):  # the check's kernels and memory as the warm-up ran them: nothing first-time
+            check_finite(programs)
+
+    def take_mapped_bytes(self) -> int:
+        out, self.mapped_bytes = self.mapped_bytes, 0
+        return out
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        if device.type != "cuda":
+            return None
+        if self._mapped_stream is None:
+            self._mapped_stream = torch.cuda.Stream(device)
+        return self._mapped_stream
 
     def recv_bytes(self, strategy: str) -> int:
         return sum(r.numel() for r in self.recv.get(strategy, ()))
@@ -87,10 +151,21 @@ class EngineRank:
         lander, recv = self.lander(strategy, pulls), self.recv.get(strategy, [])
         assert pulls.plan is not None
         for i, pull in enumerate(pulls.pulls):
-            if not pull.direct:
+            if pull.packed:
                 entries = [pulls.plan.entries[k] for k in pull.entries]
                 for k, buf in enumerate(recv):
                     lander.prepare(entries, buf, (i, k))
+        mapped = [i for i, p in enumerate(pulls.pulls) if p.mapped]
+        if mapped:  # kernels compile for these shapes and strides on the stream a sync runs them on
+            device = self.arenas[pulls.pulls[mapped[0]].trainer].device if self.arenas else torch.device("cpu")
+            stream = self._stream(device)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                programs = [self.mapped_program(strategy, pulls, i) for i in mapped]
+                for program in programs:
+                    program.warm(restore=True)
+                non_finite_blocks([q.scale for p in programs for q in p.quantize])  # the sync's one check, not read
+            if stream is not None:
+                stream.synchronize()
         if recv and recv[0].is_cuda:  # the warm-up's copies are done before init returns
             torch.cuda.synchronize(recv[0].device)
 
@@ -144,13 +219,20 @@ class _PullLoop:
         overlap = strategy.overlap
         by_group = sorted(range(len(pulls.pulls)), key=lambda i: pulls.pulls[i].group)
         direct = [i for i in by_group if pulls.pulls[i].direct]
-        self.packed = [i for i in by_group if not pulls.pulls[i].direct]
+        mapped = [i for i in by_group if pulls.pulls[i].mapped]
+        self.packed = [i for i in by_group if pulls.pulls[i].packed]
         if overlap.interleave:
             self.packed = interleaved(pulls.pulls, self.packed)
-        self.order = [*direct, *self.packed] if overlap.direct_ahead else by_group
+        self.order = [*direct, *mapped, *self.packed] if overlap.direct_ahead else by_group
         self.request = self.transfer = self.load = 0.0
         self.received = self.k = 0
+        self.strategy = strategy.name
         self.ahead = client.start_direct([self._direct(i) for i in direct]) if overlap.direct_ahead and direct else None
+        # NOTE: like direct pulls, mapped ones read arenas that hold the step's weights before the sync starts: ahead,
+        # their quantizations run on the mapped stream while packed pulls are requested, read and landed
+        t0 = time.perf_counter()
+        self.mapped = engine.start_mapped(self.strategy, pulls, mapped) if overlap.direct_ahead and mapped else None
+        self.load += time.perf_counter() - t0
         self.recv = engine.recv.get(strategy.name, [])
         self.lander = engine.lander(strategy.name, pulls)
         self.lander.reset()
@@ -173,6 +255,13 @@ class _PullLoop:
         return self.pulls.pulls[i].trainer, self.pulls.pulls[i].direct
 
     def run(self, i: int, pull: Pull) -> None:
+        if pull.mapped:
+            if self.mapped is None:  # inline: quantized into the parameters before the next pull
+                t0 = time.perf_counter()
+                self.engine.wait_mapped(self.engine.start_mapped(self.strategy, self.pulls, [i]))
+                self.load += time.perf_counter() - t0
+            self.received += pull.nbytes
+            return
         if pull.direct:
             if self.ahead is None:  # inline: this pull's parameters as one batch, done before the next pull
                 self.transfer += self.client.wait_direct(self.client.start_direct([self._direct(i)]))
@@ -210,6 +299,10 @@ class _PullLoop:
         try:
             if self.ahead is not None:
                 self.transfer += self.client.wait_direct(self.ahead)
+            if self.mapped is not None:
+                t0 = time.perf_counter()
+                self.engine.wait_mapped(self.mapped)
+                self.load += time.perf_counter() - t0
         finally:
             if self.loader is not None:
                 self.load += self.loader.close()

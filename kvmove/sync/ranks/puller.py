@@ -11,7 +11,7 @@ inside an inference engine) can pull too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -128,7 +128,7 @@ def packed_reads(pulls: PullPlan) -> set[tuple[int, int]]:
     return {
         (p.trainer, pack_layout([n for k in p.entries for n in entries[k].sizes]).nbytes)
         for p in pulls.pulls
-        if not p.direct and p.entries
+        if p.packed and p.entries
     }
 
 
@@ -173,11 +173,34 @@ class Puller:
         client = _Client(self.links, self.reader, strategy.name)
         pulls = self.init.pulls[strategy.name]
         self.reader.transport.take_executed()
+        self.rank.take_mapped_bytes()
         stats = self.rank.run_sync(sync_id, strategy, pulls, client, delay_s=delay_s, pulled=pulled)
-        return stats._replace(copy_executors=self.reader.transport.take_executed())
+        executed = self.reader.transport.take_executed()
+        if mapped := self.rank.take_mapped_bytes():  # FP8 bytes this rank quantized from mapped arenas
+            executed[MAPPED_EXECUTOR] = mapped
+        return stats._replace(copy_executors=executed)
 
     def close(self) -> None:
         self.links.close()
+
+
+MAPPED_EXECUTOR = "mapped-quantize"
+"""The name a sync's stats give the FP8 bytes an engine rank quantized itself from mapped arenas (next to the
+transport's copy executors: what moved those bytes)."""
+
+
+def mapped_arenas(
+    transport: Transport, trainers: Mapping[int, TrainerEndpoint], pulls: Iterable[PullPlan]
+) -> dict[int, torch.Tensor]:
+    """The arenas of the trainer ranks some mapped pull quantizes from, mapped into this process (once, at init);
+    a clear error where the transport cannot map them or a trainer rank registered no arena."""
+    out = {}
+    for trainer in sorted({p.trainer for pp in pulls for p in pp.pulls if p.mapped}):
+        arena = trainers[trainer].arena
+        if arena is None:
+            raise KvmoveError(f"trainer rank {trainer} registered no arena, so no engine can quantize from it")
+        out[trainer] = transport.mapped(arena)
+    return out
 
 
 def register_params(transport: Transport, model: nn.Module, names: Sequence[str]) -> dict[str, BufferDesc]:
@@ -216,6 +239,7 @@ def open_puller(
     reader = ByteReader(transport, endpoints, descs, params)
     reader.prepare(init)
     receiver = rank(model, plan, recv)
+    receiver.map_arenas(mapped_arenas(transport, endpoints, init.pulls.values()))
     for strategy, pulls in init.pulls.items():
         receiver.prepare(strategy, pulls)
     return Puller(init, receiver, reader, TrainerLinks(init))

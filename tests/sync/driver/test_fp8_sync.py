@@ -14,6 +14,7 @@ from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import Placement, SyncConfig
 from kvmove.sync.driver.dryrun import dry_run_sync
 from kvmove.sync.driver.run import run_syncs
+from kvmove.sync.ranks.puller import MAPPED_EXECUTOR
 from kvmove.sync.strategies import parse_strategies
 from kvmove.transport import available_transports
 
@@ -48,10 +49,42 @@ def test_fp8_engines_sync_every_strategy_bit_exact(model: str, trainer: str, eng
         assert planned[r.strategy] <= r.bytes < min(1.01 * planned[r.strategy], bf16[r.strategy]), r
 
 
+def _mapped_path_taken(config: SyncConfig, results: list) -> None:
+    """Every sync verified, and its FP8 bytes quantized by the engine from the mapped arena, none through a slot:
+    what the transport read is the plain entries' bytes only."""
+    (report,) = dry_run_sync(replace(config, verify=False))  # the plan only: the syncs verified
+    by_transform = report.bytes_by_transform
+    assert set(by_transform) == {"plain", "trainer"}
+    for r in results:
+        assert r.verified, r
+        assert r.copy_executors.pop(MAPPED_EXECUTOR) == by_transform["trainer"], r.copy_executors
+        assert sum(r.copy_executors.values()) == by_transform["plain"], r.copy_executors
+
+
+@pytest.mark.slow  # two processes of their own (~45 s here); tests/sync/ranks/test_engine_mapped.py is its fast twin
+def test_fp8_sync_quantizes_from_the_trainers_mapped_arena_bit_exact() -> None:
+    """The CPU twin of the one-GPU case: trainer and engine ranks in processes of their own sharing a device
+    (colocated), over shm, whose engine maps the trainer's arena as cuda-ipc does: the engine quantizes every FP8
+    cover from it straight into its parameters (mapped pulls), warm from init, every sync verified bit-exact."""
+    config = SyncConfig(
+        model=resolve_model("qwen3-moe-fp8-tiny"),
+        trainer=TrainerLayout(),
+        engine=EngineLayout(),
+        strategies=tuple(parse_strategies("v3")),
+        transport="shm",
+        syncs=2,
+        verify=True,
+        placement=Placement(launcher="processes", colocated=True),
+        deadline_s=90.0,
+    )
+    _mapped_path_taken(config, list(run_syncs(config)))
+
+
 @pytest.mark.gpu
 def test_fp8_sync_on_one_gpu_quantizes_there() -> None:
-    """Trainer and engine process on cuda:0 (the gpu-fp8 suite's one-GPU case), cuda-ipc, v3:
-    quantization runs on the device (Triton where installed), every sync verified."""
+    """Trainer and engine process on cuda:0 (the gpu-fp8 suite's one-GPU case), cuda-ipc, v3: the engine
+    quantizes every FP8 cover from the trainer's mapped arena into its parameters (Triton where installed), every
+    sync verified."""
     import torch
 
     if not torch.cuda.is_available():
@@ -68,4 +101,5 @@ def test_fp8_sync_on_one_gpu_quantizes_there() -> None:
         deadline_s=90.0,
     )
     results = list(run_syncs(config))
-    assert len(results) == 2 and all(r.verified for r in results), results
+    assert len(results) == 2
+    _mapped_path_taken(config, results)
