@@ -8,7 +8,6 @@ Buffers are registered once, at init, and reused by every read.
 
 from __future__ import annotations
 
-import importlib
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -19,7 +18,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 import torch
 
-from kvmove.errors import KvmoveError, MissingDependencyError
+from kvmove.errors import KvmoveError
 
 MAX_CHECKED = 65536
 """Prepared reads whose checked spans an endpoint keeps (a sync plan's direct reads: a few hundred per rank)."""
@@ -83,24 +82,6 @@ class ReadItem(NamedTuple):
     remote: BufferDesc
     local: torch.Tensor
     spans: np.ndarray
-
-
-def import_optional(module: str, extra: str, what: str) -> Any:
-    """Import ``module`` or raise MissingDependencyError naming the pip extra that provides it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        hint = f"pip install 'kvmove[{extra}]'" if extra else f"pip install {module.split('.')[0]}"
-        raise MissingDependencyError(f"{what} needs {module!r}, which is not installed: {hint}") from exc
-
-
-def can_import(module: str) -> bool:
-    """Whether ``module`` imports here; never raises."""
-    try:
-        importlib.import_module(module)
-    except Exception:
-        return False
-    return True
 
 
 def check_ranges(remote: BufferDesc, local: BufferDesc, ranges: Sequence[Range] | np.ndarray) -> np.ndarray:

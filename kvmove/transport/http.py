@@ -33,11 +33,10 @@ from kvmove.transport.base import (
     EndpointInfo,
     Transport,
     TransportError,
-    can_import,
-    import_optional,
     merged_intervals,
 )
 from kvmove.transport.http_route import CHUNK_BYTES, READ_PATH, LoopbackServer, ReadAnswer, ReadRefused, ReadRequest
+from kvmove.transport.optional import can_import, import_optional
 
 LOOPBACK = "127.0.0.1"
 _ALL = object()  # grant scope: every registered buffer, whole

@@ -30,10 +30,9 @@ from kvmove.transport.base import (
     ReadItem,
     Transport,
     TransportError,
-    can_import,
-    import_optional,
     merged_intervals,
 )
+from kvmove.transport.optional import can_import, import_optional
 
 NIXL_MODULE = "nixl._api"
 

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvmove.transport.base import BufferDesc, EndpointInfo, TransportError, can_import, import_optional
+from kvmove.transport.base import BufferDesc, EndpointInfo, TransportError
 from kvmove.transport.nixl import NIXL_MODULE
+from kvmove.transport.optional import can_import, import_optional
 from kvmove.transport.slots import RECEIVE_GROUP, ActorTransport, import_ray
 
 

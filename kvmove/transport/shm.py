@@ -73,7 +73,10 @@ class ShmTransport(Transport):
     def _mapped(self, remote: BufferDesc) -> torch.Tensor:
         src = self._remote.get((remote.endpoint, remote.buffer_id))
         if src is None:
-            raise TransportError(f"buffer {remote.buffer_id} of {remote.endpoint} was not registered before connect")
+            raise TransportError(
+                f"buffer {remote.buffer_id} is not registered with endpoint {remote.endpoint} (or was registered "
+                "after this endpoint connected to it)"
+            )
         return src
 
     def _read(self, peer: EndpointInfo, remote: BufferDesc, local: torch.Tensor, spans: np.ndarray) -> None:

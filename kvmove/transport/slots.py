@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from kvmove.transport.base import BufferDesc, EndpointInfo, Transport, TransportError, can_import, import_optional
+from kvmove.transport.base import BufferDesc, EndpointInfo, Transport, TransportError
+from kvmove.transport.optional import can_import, import_optional
 
 RECEIVE_GROUP = "kvmove"
 ACTOR_OPTIONS: dict[str, Any] = {"enable_tensor_transport": True, "concurrency_groups": {RECEIVE_GROUP: 1}}

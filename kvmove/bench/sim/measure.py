@@ -26,7 +26,7 @@ from kvmove.bench.sim.counts import Counts, row_counts
 from kvmove.bench.sim.hardware import Gpu
 from kvmove.bench.sim.matching import TARGETS
 from kvmove.bench.sim.samples import Extractor, RowFilter, Sample, decorate, row_ref, syncs, where
-from kvmove.bench.sim.sender import broadcast_op, funnel_yield, raw_broadcast
+from kvmove.bench.sim.sender import Rates, broadcast_op, funnel_yield, raw_broadcast
 from kvmove.errors import KvmoveError
 from kvmove.models import resolve_model
 from kvmove.models.layout import TrainerLayout
@@ -310,6 +310,8 @@ def _layers(model: str) -> int:
         return 0
 
 
+_RATES = Rates(_line_gbps, _median, _clip)
+
 EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
     "copy_efficiency": ("measured", _ceiling("ceiling device copy", lambda g: g.hbm_gbps), "device copy ceiling"),
     "p2p_efficiency": ("measured", _ceiling("ceiling p2p copy", lambda g: g.nvlink_gbps), "peer copy ceiling"),
@@ -335,7 +337,9 @@ EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
     ),
     "materialize_s": (
         "derived",
-        lambda df: _per_op("gather", lambda c: c.yields, _no_bytes, _single_trainer_rank)(df) + funnel_yield(df),
+        lambda df: (
+            _per_op("gather", lambda c: c.yields, _no_bytes, _single_trainer_rank)(df) + funnel_yield(df, _RATES)
+        ),
         "v1 with a tp=1 trainer (no collective): gather phase / tensors yielded; kvmove's broadcast with several "
         "trainer ranks: (seconds - driver - rank 0's broadcast calls - load - the gather's collectives and bytes) "
         "/ tensors",
@@ -357,7 +361,7 @@ EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
     ),
     "broadcast_op_s": (
         "derived",
-        broadcast_op,
+        lambda df: broadcast_op(df, _RATES),
         "broadcast: (rank 0's time in its broadcast calls - the bytes it sends at the broadcast rate) / steps",
     ),
     "cold_s_per_byte": ("derived", _cold, "first sync minus later ones, per byte an engine rank keeps"),

@@ -7,7 +7,8 @@ that module (``measure._median``), so a cost they subtract is the one the book h
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import pandas as pd
 
@@ -18,13 +19,20 @@ from kvmove.errors import KvmoveError
 from kvmove.models.layout import TrainerLayout
 
 
-def broadcast_op(df: pd.DataFrame) -> list[Sample]:
+class Rates(NamedTuple):
+    """What kvmove.bench.sim.measure knows of the rows, handed to these extractors (they are its entries): a
+    row's line rate (GB/s), a cost's median over the rows and the bounds a cost is clipped to."""
+
+    line_gbps: Callable[[Any], float]
+    median: Callable[[pd.DataFrame, str], float]
+    clip: Callable[[str, float], float]
+
+
+def broadcast_op(df: pd.DataFrame, m: Rates) -> list[Sample]:
     """Broadcast syncs: (the sending rank's own time in its broadcast calls - its bytes at the broadcast rate) /
     steps. Trainer rank 0 alone broadcasts and times its calls (``kvmove.sync.ranks.broadcast.send_all``: the
     ``trainer_wait`` phase of a broadcast row); a step is one NCCL call, or one round of gloo's binomial tree
     between CPU processes, whose root sends its bytes once per round (``hardware.ROUNDS``)."""
-    from kvmove.bench.sim import measure as m
-
     out = []
     for _, r in syncs(df, None, ("broadcast",)).iterrows():
         counts = row_counts(r)
@@ -33,7 +41,7 @@ def broadcast_op(df: pd.DataFrame) -> list[Sample]:
         if counts is None or send <= 0 or engines < 1:
             continue
         steps = rounds(_row_cluster(r), -(1 + engines))
-        rate = m._line_gbps(r) * 1e9 * m._median(df, "nccl_efficiency")
+        rate = m.line_gbps(r) * 1e9 * m.median(df, "nccl_efficiency")
         out.append(Sample((send - steps * r["bytes"] / engines / rate) / (counts.tensors * steps), row_ref(r)))
     return out
 
@@ -62,13 +70,12 @@ def _world(r: Any) -> int:
         return 1
 
 
-def funnel_yield(df: pd.DataFrame) -> list[Sample]:
+def funnel_yield(df: pd.DataFrame, m: Rates) -> list[Sample]:
     """kvmove's broadcast with several trainer ranks: every rank visits every tensor and rank 0 waits for each to
     be gathered and brought to it before broadcasting it (``kvmove.sync.ranks.broadcast.send_all``). What the
     sync takes besides the driver (``sync_s``), rank 0's broadcast calls (``trainer_wait``), the engines' load and
     the gather's collectives and bytes (the simulator's gather phase of the row's own setup, at this book's
     ``broadcast_op_s`` and rate), per tensor."""
-    from kvmove.bench.sim import measure as m
     from kvmove.bench.sim.costs import Cost, default_book
     from kvmove.bench.sim.predict import simulate
     from kvmove.bench.sim.setup import Spec
@@ -85,13 +92,13 @@ def funnel_yield(df: pd.DataFrame) -> list[Sample]:
         cluster = _row_cluster(r).spec()
         spec = Spec(str(r["model"]), str(r["trainer"]), layout, int(reps or 1), 1, 1, cluster, "colocated", "nccl")
         names = ("broadcast_op_s", "nccl_efficiency")
-        known = {name: Cost(name, m._clip(name, m._median(df, name)), "derived") for name in names}
+        known = {name: Cost(name, m.clip(name, m.median(df, name)), "derived") for name in names}
         book = default_book({**known, "materialize_s": Cost("materialize_s", 0.0, "derived")})
         try:
             (pred,) = simulate(spec.build(), [SIM_STRATEGIES["broadcast"]], book)
         except KvmoveError:
             continue
-        rest = float(r["seconds"]) - m._median(df, "sync_s") - float(p.get("trainer_wait", 0.0))
+        rest = float(r["seconds"]) - m.median(df, "sync_s") - float(p.get("trainer_wait", 0.0))
         rest -= float(p.get("load", 0.0)) + pred.phases["gather"]
         out.append(Sample(rest / counts.tensors, row_ref(r)))
     return out
