@@ -263,9 +263,10 @@ def _assemble(
     return TensorTable(tuple(head), kinds, templates, tuple(tail))
 
 
+@lru_cache(maxsize=32)
 def table_of(cfg: ModelConfig) -> TensorTable:
     """The tensor table of ``cfg``: its checkpoint directory's headers (checked against its config) or, with no
-    checkpoint, what its config describes."""
+    checkpoint, what its config describes (memoized per config: planners ask per layer and per rank)."""
     from kvmove.models.config import hf_dict
 
     frozen = _freeze(hf_dict(cfg))

@@ -96,6 +96,11 @@ class EntryPlan:
         return sum(e.nbytes for e in self.entries)
 
     def bytes_by_transform(self) -> dict[str, int]:
+        """Bytes that cross the link for this rank, by transform name."""
+        return dict(self._by_transform)
+
+    @cached_property
+    def _by_transform(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
         for e in self.entries:
             out[e.transform] += e.nbytes
@@ -129,7 +134,7 @@ class EntryPlanner:
         """Whether entries may be served from raw shards: strategies reading them, with arenas in place (default:
         where direct pulls are planned)."""
         self.metas = _metas(ownership, direct, tensors)
-        self._holders: dict[tuple[str, Box], _Holders] = {}
+        self._holders: dict[tuple[str, Box] | str, _Holders] = {}
 
     def plan(self, plan: ShardingPlan) -> EntryPlan:
         quant = tuple(quantized_source(r, self._weight(r).shape) for r in plan.regions)
@@ -156,7 +161,8 @@ class EntryPlanner:
             raise PlanError(f"the source has no tensor {name}") from None
 
     def _plain(self, region: Region, i: int, param_dtype: torch.dtype, staged: bool = False) -> Entry:
-        key = (region.hf_name, region.box)
+        # NOTE: without direct reads, who may serve a region depends on its tensor only
+        key = (region.hf_name, region.box) if self.direct is not None else region.hf_name
         found = self._holders.get(key)
         if found is None:
             gathered = self.ownership.holders(region.hf_name, self.scope)

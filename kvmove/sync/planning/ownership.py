@@ -130,6 +130,7 @@ class Ownership:
         self.coords = [layout.coord(r) for r in range(layout.world)]
         self._experts_per_rank = cfg.num_experts // layout.ep if cfg.is_moe else 0
         self._groups: dict[tuple[str, int, int | None], tuple[int, ...]] = {}
+        self._everyone = tuple(range(layout.world))
 
     def _check_splits(self) -> None:
         """Every split dim of every tensor (one layer of each kind stands for the rest) divides evenly over its
@@ -184,10 +185,10 @@ class Ownership:
 
     def holders(self, name: str, scope: Gather | str) -> tuple[int, ...]:
         """Ranks holding the *full* tensor once a gather of ``scope`` ran."""
-        scope = Gather(scope)
+        scope = scope if isinstance(scope, Gather) else Gather(scope)
         if scope is Gather.STAGE:
             return self._owners(self.rule_of(name))
-        return tuple(range(self.layout.world)) if scope is Gather.GLOBAL else (0,)
+        return self._everyone if scope is Gather.GLOBAL else (0,)
 
     def stage_of(self, name: str) -> int:
         return self.rule_of(name).stage

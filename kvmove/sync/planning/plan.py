@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from operator import le
 from typing import NamedTuple
 
 import torch
@@ -47,7 +48,9 @@ class Box(NamedTuple):
         return n
 
     def contains(self, other: Box) -> bool:
-        return all(a <= c and d <= b for a, b, c, d in zip(self.start, self.stop, other.start, other.stop, strict=True))
+        if len(self.start) != len(other.start):
+            raise ValueError(f"boxes of {len(self.start)} and {len(other.start)} dims")
+        return all(map(le, self.start, other.start)) and all(map(le, other.stop, self.stop))
 
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(a, b) for a, b in zip(self.start, self.stop, strict=True))

@@ -15,6 +15,8 @@ import heapq
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from kvmove.models.layout import EngineLayout
 from kvmove.models.tensors import TensorMeta
 from kvmove.sync.planning.direct import DirectPlanner
@@ -49,12 +51,18 @@ class SourceMap(NamedTuple):
         return [(e, i) for e, srcs in enumerate(self.sources) for i, t in enumerate(srcs) if t == trainer_rank]
 
 
-class _Job(NamedTuple):
-    neg_bytes: int
-    engine: int
-    entry: int
-    candidates: tuple[int, ...]
-    piece: Region | None = None
+class _Jobs(NamedTuple):
+    """Every job of every engine rank (one per entry, or per piece of an entry read in pieces), as parallel arrays
+    in routing order; candidate sets are interned (``sets[cand[j]]``), pieces listed once (``piece[j]``: index into
+    ``pieces``, -1 for a whole entry)."""
+
+    neg_bytes: np.ndarray
+    engine: np.ndarray
+    entry: np.ndarray
+    cand: np.ndarray
+    piece: np.ndarray
+    sets: list[tuple[int, ...]]
+    pieces: list[Region]
 
 
 def route(
@@ -86,46 +94,122 @@ def route(
         entries = plan_entries(plans, ownership, strategy, direct, shard_reads, tensors)
         if memo is not None:
             memo[key] = entries
+    counts = [len(entries[layout.coord(e).local].entries) for e in range(layout.world)]
+    base = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
     jobs = _jobs(entries, layout)
-    jobs.sort(key=lambda j: (len(j.candidates) > 1, j.neg_bytes, j.engine, j.entry))
-    loads = [0] * ownership.world
-    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-    sources = [[-1] * len(entries[layout.coord(e).local].entries) for e in range(layout.world)]
-    pieces: dict[tuple[int, int], list[tuple[int, Region]]] = {}
-    for job in jobs:
-        c = job.candidates
-        if devices is not None:
-            c = tuple(r for r in c if devices.is_local(job.engine, r)) or c
-        rank = c[0] if len(c) == 1 else _least_loaded(heaps, loads, c)
-        loads[rank] -= job.neg_bytes
-        if job.piece is not None:
-            pieces.setdefault((job.engine, job.entry), []).append((rank, job.piece))
-        if sources[job.engine][job.entry] < 0:
-            sources[job.engine][job.entry] = rank
+    loads = np.zeros(ownership.world, dtype=np.int64)
+    sources = np.full(int(base[-1]), -1, dtype=np.int64)
+    fixed = _fix_single(jobs, base, loads, sources)
+    loop = _Loop(jobs, loads.tolist(), sources.tolist(), base.tolist(), devices)
+    for j in np.flatnonzero(~fixed).tolist():
+        loop.assign(j)
+    flat, starts = loop.sources, loop.base
     per_engine = tuple(entries[layout.coord(e).local].nbytes for e in range(layout.world))
-    split = {k: tuple(v) for k, v in pieces.items()}
-    return SourceMap(strategy.name, tuple(map(tuple, sources)), tuple(loads), per_engine, entries, split)
+    split = {k: tuple(v) for k, v in loop.pieces.items()}
+    rows = tuple(tuple(flat[starts[e] : starts[e + 1]]) for e in range(layout.world))
+    return SourceMap(strategy.name, rows, tuple(loop.loads), per_engine, entries, split)
 
 
-def _jobs(entries: Sequence[EntryPlan], layout: EngineLayout) -> list[_Job]:
-    """One job per entry (or per piece of an entry read in pieces) with the ranks that may serve it."""
-    jobs: list[_Job] = []
+def _jobs(entries: Sequence[EntryPlan], layout: EngineLayout) -> _Jobs:
+    """The jobs of every engine rank, sorted into routing order: those with one possible source first, then
+    largest first (ties by engine rank, entry, then piece order). Each local rank's jobs are listed once and
+    repeated for every replica."""
+    sets: dict[tuple[int, ...], int] = {}
+    pieces: list[Region] = []
+    local: dict[int, np.ndarray] = {}
     for e in range(layout.world):
-        for i, entry in enumerate(entries[layout.coord(e).local].entries):
-            if entry.pieces:
-                jobs += [_Job(-p.region.nbytes, e, i, p.holders, p.region) for p in entry.pieces]
-            else:
-                jobs.append(_Job(-sum(entry.sizes), e, i, entry.holders))
-    return jobs
+        lr = layout.coord(e).local
+        if lr not in local:
+            local[lr] = _local_jobs(entries[lr], sets, pieces)
+    table = np.concatenate([_with_engine(local[layout.coord(e).local], e) for e in range(layout.world)])
+    neg, eng, ent, cand, piece = table.T
+    size = np.fromiter((len(c) for c in sets), dtype=np.int64, count=len(sets))
+    order = np.lexsort((ent, eng, neg, size[cand] > 1))  # stable: an entry's pieces keep their order
+    return _Jobs(neg[order], eng[order], ent[order], cand[order], piece[order], list(sets), pieces)
 
 
-def _least_loaded(heaps: dict[tuple[int, ...], list[tuple[int, int]]], loads: list[int], cands: tuple[int, ...]) -> int:
-    heap = heaps.get(cands)
-    if heap is None:
-        heap = heaps[cands] = [(loads[r], r) for r in cands]
-        heapq.heapify(heap)
-    while True:  # entries go stale when another candidate set raised a shared rank's load
-        load, rank = heap[0]
-        if load == loads[rank]:
-            return rank
-        heapq.heapreplace(heap, (loads[rank], rank))
+def _local_jobs(plan: EntryPlan, sets: dict[tuple[int, ...], int], pieces: list[Region]) -> np.ndarray:
+    """``(n, 5)`` rows (-bytes, engine placeholder, entry, candidate set, piece) of one local rank's entries."""
+    rows: list[tuple[int, int, int, int, int]] = []
+    for i, entry in enumerate(plan.entries):
+        if entry.pieces:
+            for p in entry.pieces:
+                rows.append((-p.region.nbytes, 0, i, sets.setdefault(p.holders, len(sets)), len(pieces)))
+                pieces.append(p.region)
+        else:
+            rows.append((-entry.nbytes, 0, i, sets.setdefault(entry.holders, len(sets)), -1))
+    return np.array(rows, dtype=np.int64).reshape(-1, 5)
+
+
+def _with_engine(rows: np.ndarray, e: int) -> np.ndarray:
+    out = rows.copy()
+    out[:, 1] = e
+    return out
+
+
+def _fix_single(jobs: _Jobs, base: np.ndarray, loads: np.ndarray, sources: np.ndarray) -> np.ndarray:
+    """Jobs of whole entries with a single possible source, served by it (in bulk: they need no choice); returns
+    which jobs were fixed."""
+    first = np.fromiter((c[0] if c else -1 for c in jobs.sets), dtype=np.int64, count=len(jobs.sets))
+    size = np.fromiter((len(c) for c in jobs.sets), dtype=np.int64, count=len(jobs.sets))
+    fixed = (size[jobs.cand] == 1) & (jobs.piece < 0)
+    ranks = first[jobs.cand[fixed]]
+    np.add.at(loads, ranks, -jobs.neg_bytes[fixed])
+    sources[base[jobs.engine[fixed]] + jobs.entry[fixed]] = ranks  # one whole-entry job per entry
+    return fixed
+
+
+class _Loop:
+    """Greedy longest-processing-time over the jobs that need a choice (or are pieces), in routing order."""
+
+    def __init__(
+        self, jobs: _Jobs, loads: list[int], sources: list[int], base: list[int], devices: DeviceMap | None
+    ) -> None:
+        """``sources``: per engine rank's entries (from ``base[e]``), the serving rank (-1: not yet served)."""
+        self.jobs, self.loads, self.sources, self.base, self.devices = jobs, loads, sources, base, devices
+        self.neg, self.eng = jobs.neg_bytes.tolist(), jobs.engine.tolist()
+        self.ent, self.cand, self.piece = jobs.entry.tolist(), jobs.cand.tolist(), jobs.piece.tolist()
+        self.sets = list(jobs.sets)
+        self.ids = {c: k for k, c in enumerate(self.sets)}
+        self.heaps: dict[int, list[tuple[int, int]]] = {}
+        self.local: dict[tuple[int, int], int] = {}
+        self.pieces: dict[tuple[int, int], list[tuple[int, Region]]] = {}
+
+    def assign(self, j: int) -> None:
+        e, k = self.eng[j], self.cand[j]
+        if self.devices is not None:
+            k = self._on_device(e, k)
+        c = self.sets[k]
+        rank = c[0] if len(c) == 1 else self._least_loaded(k, c)
+        self.loads[rank] -= self.neg[j]
+        p, i = self.piece[j], self.ent[j]
+        if p >= 0:
+            self.pieces.setdefault((e, i), []).append((rank, self.jobs.pieces[p]))
+        if self.sources[self.base[e] + i] < 0:  # an entry read in pieces: its first piece's rank
+            self.sources[self.base[e] + i] = rank
+
+    def _on_device(self, e: int, k: int) -> int:
+        """The candidates on engine rank ``e``'s own device, where there are any."""
+        found = self.local.get((e, k))
+        if found is None:
+            assert self.devices is not None
+            c = self.sets[k]
+            near = tuple(r for r in c if self.devices.is_local(e, r)) or c
+            found = self.ids.get(near)
+            if found is None:
+                found = self.ids[near] = len(self.sets)
+                self.sets.append(near)
+            self.local[(e, k)] = found
+        return found
+
+    def _least_loaded(self, k: int, cands: tuple[int, ...]) -> int:
+        heap = self.heaps.get(k)
+        loads = self.loads
+        if heap is None:
+            heap = self.heaps[k] = [(loads[r], r) for r in cands]
+            heapq.heapify(heap)
+        while True:  # entries go stale when another candidate set raised a shared rank's load
+            load, rank = heap[0]
+            if load == loads[rank]:
+                return rank
+            heapq.heapreplace(heap, (loads[rank], rank))
