@@ -124,6 +124,7 @@ class Ownership:
         self.rule: Rule = rule or shard_rule
         self._rules: dict[str, ShardRule] = {}
         self._slices: dict[str, tuple[Holding, ...]] = {}
+        self._alike: dict[tuple[object, ...], tuple[Holding, ...]] = {}
         if rule is None:
             check_classified(cfg)  # NOTE: up front, naming the tensor, rather than in whichever planner asks first
             self._check_splits()
@@ -169,7 +170,13 @@ class Ownership:
         held = self._slices.get(t.name)
         if held is None:
             rule = self.rule_of(t.name)
-            held = self._slices[t.name] = tuple(Holding(rank, self._box(t, rule, rank)) for rank in self._owners(rule))
+            owners = self._owners(rule)
+            # NOTE: the boxes depend on the shape, the split and the owners only: tensors alike share them
+            alike = (t.shape, rule.fused, rule.dim, rule.group, owners)
+            held = self._alike.get(alike)
+            if held is None:
+                held = self._alike[alike] = tuple(Holding(rank, self._box(t, rule, rank)) for rank in owners)
+            self._slices[t.name] = held
         return held
 
     def _box(self, t: TensorMeta, rule: ShardRule, rank: int) -> Box:

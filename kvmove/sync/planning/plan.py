@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from operator import le
+from math import prod
+from operator import le, sub
 from typing import NamedTuple
 
 import torch
@@ -38,14 +39,11 @@ class Box(NamedTuple):
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in zip(self.start, self.stop, strict=True))
+        return tuple(map(sub, self.stop, self.start))
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return prod(map(sub, self.stop, self.start))
 
     def contains(self, other: Box) -> bool:
         if len(self.start) != len(other.start):
