@@ -30,12 +30,13 @@ from typing import NamedTuple
 import torch
 
 from kvmove.errors import PlanError
+from kvmove.models.checkpoint import SCALE_SUFFIX
 from kvmove.models.table import hf_tensors
 from kvmove.models.tensors import TensorMeta
 from kvmove.sync.planning.direct import DirectPlanner, Piece
 from kvmove.sync.planning.ownership import Owners, Ownership
 from kvmove.sync.planning.plan import Box, Region, ShardingPlan
-from kvmove.sync.planning.quantization import QuantizedSource, quantized_source, straddling_share
+from kvmove.sync.planning.quantization import QuantizedSource, is_quantized, quantized_source, straddling_share
 from kvmove.sync.strategies import Strategy
 
 PLAIN, TRAINER, ENGINE = "plain", "trainer", "engine"
@@ -137,7 +138,12 @@ class EntryPlanner:
         self._holders: dict[tuple[str, Box] | str, _Holders] = {}
 
     def plan(self, plan: ShardingPlan) -> EntryPlan:
-        quant = tuple(quantized_source(r, self._weight(r).shape) for r in plan.regions)
+        self._check_sources(plan.regions)
+        metas = self.metas
+        quant = tuple(
+            quantized_source(r, metas[r.hf_name.removesuffix(SCALE_SUFFIX)].shape) if is_quantized(r) else None
+            for r in plan.regions
+        )
         by_cover: dict[tuple[str, Box], list[int]] = defaultdict(list)
         for i, q in enumerate(quant):
             if q is not None:
@@ -153,12 +159,12 @@ class EntryPlanner:
                 entries += self._quantized(plan, quant, members, covers)
         return EntryPlan(tuple(entries), tuple(covers), quant)
 
-    def _weight(self, region: Region) -> TensorMeta:
-        name = region.hf_name.removesuffix("_scale_inv")
-        try:
-            return self.metas[name]
-        except KeyError:
-            raise PlanError(f"the source has no tensor {name}") from None
+    def _check_sources(self, regions: Sequence[Region]) -> None:
+        """PlanError naming the first tensor (an FP8 scale: its weight) the regions read that the source lacks."""
+        names = [r.hf_name.removesuffix(SCALE_SUFFIX) for r in regions]
+        if not self.metas.keys() >= set(names):
+            missing = next(n for n in names if n not in self.metas)
+            raise PlanError(f"the source has no tensor {missing}")
 
     def _plain(self, region: Region, i: int, param_dtype: torch.dtype, staged: bool = False) -> Entry:
         # NOTE: without direct reads, who may serve a region depends on its tensor only

@@ -114,7 +114,7 @@ def _jobs(entries: Sequence[EntryPlan], layout: EngineLayout) -> _Jobs:
     """The jobs of every engine rank, sorted into routing order: those with one possible source first, then
     largest first (ties by engine rank, entry, then piece order). Each local rank's jobs are listed once and
     repeated for every replica."""
-    sets: dict[tuple[int, ...], int] = {}
+    sets = _Sets()
     pieces: list[Region] = []
     local: dict[int, np.ndarray] = {}
     for e in range(layout.world):
@@ -123,21 +123,35 @@ def _jobs(entries: Sequence[EntryPlan], layout: EngineLayout) -> _Jobs:
             local[lr] = _local_jobs(entries[lr], sets, pieces)
     table = np.concatenate([_with_engine(local[layout.coord(e).local], e) for e in range(layout.world)])
     neg, eng, ent, cand, piece = table.T
-    size = np.fromiter((len(c) for c in sets), dtype=np.int64, count=len(sets))
+    size = np.fromiter((len(c) for c in sets.ids), dtype=np.int64, count=len(sets.ids))
     order = np.lexsort((ent, eng, neg, size[cand] > 1))  # stable: an entry's pieces keep their order
-    return _Jobs(neg[order], eng[order], ent[order], cand[order], piece[order], list(sets), pieces)
+    return _Jobs(neg[order], eng[order], ent[order], cand[order], piece[order], list(sets.ids), pieces)
 
 
-def _local_jobs(plan: EntryPlan, sets: dict[tuple[int, ...], int], pieces: list[Region]) -> np.ndarray:
+class _Sets:
+    """Candidate sets interned to ids (looked up by identity first: entries share their holders' tuples)."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple[int, ...], int] = {}
+        self._by_object: dict[int, int] = {}
+
+    def id(self, ranks: tuple[int, ...]) -> int:
+        k = self._by_object.get(id(ranks))
+        if k is None:
+            k = self._by_object[id(ranks)] = self.ids.setdefault(ranks, len(self.ids))
+        return k
+
+
+def _local_jobs(plan: EntryPlan, sets: _Sets, pieces: list[Region]) -> np.ndarray:
     """``(n, 5)`` rows (-bytes, engine placeholder, entry, candidate set, piece) of one local rank's entries."""
     rows: list[tuple[int, int, int, int, int]] = []
     for i, entry in enumerate(plan.entries):
         if entry.pieces:
             for p in entry.pieces:
-                rows.append((-p.region.nbytes, 0, i, sets.setdefault(p.holders, len(sets)), len(pieces)))
+                rows.append((-p.region.nbytes, 0, i, sets.id(p.holders), len(pieces)))
                 pieces.append(p.region)
         else:
-            rows.append((-entry.nbytes, 0, i, sets.setdefault(entry.holders, len(sets)), -1))
+            rows.append((-sum(entry.sizes), 0, i, sets.id(entry.holders), -1))
     return np.array(rows, dtype=np.int64).reshape(-1, 5)
 
 
