@@ -100,14 +100,12 @@ def route(
     loads = np.zeros(ownership.world, dtype=np.int64)
     sources = np.full(int(base[-1]), -1, dtype=np.int64)
     fixed = _fix_single(jobs, base, loads, sources)
-    loop = _Loop(jobs, loads.tolist(), sources.tolist(), base.tolist(), devices)
-    for j in np.flatnonzero(~fixed).tolist():
-        loop.assign(j)
-    flat, starts = loop.sources, loop.base
+    flat, starts = sources.tolist(), base.tolist()
+    served = _serve(jobs, np.flatnonzero(~fixed), loads.tolist(), flat, starts, devices)
     per_engine = tuple(entries[layout.coord(e).local].nbytes for e in range(layout.world))
-    split = {k: tuple(v) for k, v in loop.pieces.items()}
+    split = {k: tuple(v) for k, v in served.pieces.items()}
     rows = tuple(tuple(flat[starts[e] : starts[e + 1]]) for e in range(layout.world))
-    return SourceMap(strategy.name, rows, tuple(loop.loads), per_engine, entries, split)
+    return SourceMap(strategy.name, rows, tuple(served.loads), per_engine, entries, split)
 
 
 def _jobs(entries: Sequence[EntryPlan], layout: EngineLayout) -> _Jobs:
@@ -173,57 +171,58 @@ def _fix_single(jobs: _Jobs, base: np.ndarray, loads: np.ndarray, sources: np.nd
     return fixed
 
 
-class _Loop:
-    """Greedy longest-processing-time over the jobs that need a choice (or are pieces), in routing order."""
+class _Served(NamedTuple):
+    """What the greedy loop leaves: each trainer rank's bytes, and the pieces of entries read in pieces."""
 
-    def __init__(
-        self, jobs: _Jobs, loads: list[int], sources: list[int], base: list[int], devices: DeviceMap | None
-    ) -> None:
-        """``sources``: per engine rank's entries (from ``base[e]``), the serving rank (-1: not yet served)."""
-        self.jobs, self.loads, self.sources, self.base, self.devices = jobs, loads, sources, base, devices
-        self.neg, self.eng = jobs.neg_bytes.tolist(), jobs.engine.tolist()
-        self.ent, self.cand, self.piece = jobs.entry.tolist(), jobs.cand.tolist(), jobs.piece.tolist()
-        self.sets = list(jobs.sets)
-        self.ids = {c: k for k, c in enumerate(self.sets)}
-        self.heaps: dict[int, list[tuple[int, int]]] = {}
-        self.local: dict[tuple[int, int], int] = {}
-        self.pieces: dict[tuple[int, int], list[tuple[int, Region]]] = {}
+    loads: list[int]
+    pieces: dict[tuple[int, int], list[tuple[int, Region]]]
 
-    def assign(self, j: int) -> None:
-        e, k = self.eng[j], self.cand[j]
-        if self.devices is not None:
-            k = self._on_device(e, k)
-        c = self.sets[k]
-        rank = c[0] if len(c) == 1 else self._least_loaded(k, c)
-        self.loads[rank] -= self.neg[j]
-        p, i = self.piece[j], self.ent[j]
+
+def _serve(
+    jobs: _Jobs, todo: np.ndarray, loads: list[int], sources: list[int], base: list[int], devices: DeviceMap | None
+) -> _Served:
+    """Greedy longest-processing-time over jobs ``todo`` (those that need a choice, and pieces), in routing order:
+    each to the least-loaded candidate (ties to the lowest rank; with ``devices``, among those on the engine rank's
+    own device where there are any). ``sources[base[e] + i]`` is set for entries not yet served (an entry read in
+    pieces: its first piece's rank). One flat loop: Kimi K2 routes 386k jobs per strategy through it."""
+    sets = list(jobs.sets)
+    near: dict[tuple[int, int], int] = {}
+    heaps: dict[int, list[tuple[int, int]]] = {}
+    pieces: dict[tuple[int, int], list[tuple[int, Region]]] = {}
+    columns = (jobs.neg_bytes, jobs.engine, jobs.entry, jobs.cand, jobs.piece)
+    for nb, e, i, k, p in zip(*(c[todo].tolist() for c in columns), strict=True):
+        if devices is not None:
+            k = _on_device(sets, near, devices, e, k)
+        c = sets[k]
+        if len(c) == 1:
+            rank = c[0]
+        else:
+            heap = heaps.get(k)
+            if heap is None:
+                heap = heaps[k] = [(loads[r], r) for r in c]
+                heapq.heapify(heap)
+            while True:  # entries go stale when another candidate set raised a shared rank's load
+                load, rank = heap[0]
+                if load == loads[rank]:
+                    break
+                heapq.heapreplace(heap, (loads[rank], rank))
+        loads[rank] -= nb
         if p >= 0:
-            self.pieces.setdefault((e, i), []).append((rank, self.jobs.pieces[p]))
-        if self.sources[self.base[e] + i] < 0:  # an entry read in pieces: its first piece's rank
-            self.sources[self.base[e] + i] = rank
+            pieces.setdefault((e, i), []).append((rank, jobs.pieces[p]))
+        if sources[base[e] + i] < 0:
+            sources[base[e] + i] = rank
+    return _Served(loads, pieces)
 
-    def _on_device(self, e: int, k: int) -> int:
-        """The candidates on engine rank ``e``'s own device, where there are any."""
-        found = self.local.get((e, k))
-        if found is None:
-            assert self.devices is not None
-            c = self.sets[k]
-            near = tuple(r for r in c if self.devices.is_local(e, r)) or c
-            found = self.ids.get(near)
-            if found is None:
-                found = self.ids[near] = len(self.sets)
-                self.sets.append(near)
-            self.local[(e, k)] = found
-        return found
 
-    def _least_loaded(self, k: int, cands: tuple[int, ...]) -> int:
-        heap = self.heaps.get(k)
-        loads = self.loads
-        if heap is None:
-            heap = self.heaps[k] = [(loads[r], r) for r in cands]
-            heapq.heapify(heap)
-        while True:  # entries go stale when another candidate set raised a shared rank's load
-            load, rank = heap[0]
-            if load == loads[rank]:
-                return rank
-            heapq.heapreplace(heap, (loads[rank], rank))
+def _on_device(
+    sets: list[tuple[int, ...]], near: dict[tuple[int, int], int], devices: DeviceMap, e: int, k: int
+) -> int:
+    """The id of candidate set ``k`` narrowed to those on engine rank ``e``'s own device, where there are any."""
+    found = near.get((e, k))
+    if found is None:
+        c = sets[k]
+        narrowed = tuple(r for r in c if devices.is_local(e, r)) or c
+        found = near[(e, k)] = sets.index(narrowed) if narrowed in sets else len(sets)
+        if found == len(sets):
+            sets.append(narrowed)
+    return found
