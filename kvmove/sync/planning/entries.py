@@ -135,7 +135,8 @@ class EntryPlanner:
         """Whether entries may be served from raw shards: strategies reading them, with arenas in place (default:
         where direct pulls are planned)."""
         self.metas = _metas(ownership, direct, tensors)
-        self._holders: dict[tuple[str, Box] | str, _Holders] = {}
+        self._holders: dict[tuple[str, Box], _Holders] = {}
+        self._by_tensor: dict[str, tuple[int, ...]] = {}
 
     def plan(self, plan: ShardingPlan) -> EntryPlan:
         self._check_sources(plan.regions)
@@ -148,6 +149,9 @@ class EntryPlanner:
         for i, q in enumerate(quant):
             if q is not None:
                 by_cover[(q.weight, q.cover)].append(i)
+        if self.direct is None and not by_cover:  # every region plain, served by whoever holds its tensor
+            held = self._held
+            return EntryPlan(tuple(held(r, i) for i, r in enumerate(plan.regions)), (), quant)
         entries: list[Entry] = []
         covers: list[Cover] = []
         dtypes = {p.name: p.dtype for p in plan.params}
@@ -166,18 +170,30 @@ class EntryPlanner:
             missing = next(n for n in names if n not in self.metas)
             raise PlanError(f"the source has no tensor {missing}")
 
+    def _gathered(self, name: str) -> tuple[int, ...]:
+        """The ranks holding tensor ``name`` whole once the strategy's gather ran (memoized per tensor)."""
+        found = self._by_tensor.get(name)
+        if found is None:
+            found = self._by_tensor[name] = self.ownership.holders(name, self.scope)
+        return found
+
+    def _held(self, region: Region, i: int) -> Entry:
+        """Region ``i`` served as it is by whoever holds its tensor once the strategy's gather ran."""
+        return Entry(PLAIN, region.hf_name, region.box, (i,), (region.nbytes,), self._gathered(region.hf_name))
+
     def _plain(self, region: Region, i: int, param_dtype: torch.dtype, staged: bool = False) -> Entry:
-        # NOTE: without direct reads, who may serve a region depends on its tensor only
-        key = (region.hf_name, region.box) if self.direct is not None else region.hf_name
+        if self.direct is None:
+            return self._held(region, i)
+        key = (region.hf_name, region.box)
         found = self._holders.get(key)
         if found is None:
-            gathered = self.ownership.holders(region.hf_name, self.scope)
-            whole = self.direct.shard_holders(region, gathered) if self.direct is not None else ()
+            gathered = self._gathered(region.hf_name)
+            whole = self.direct.shard_holders(region, gathered)
             found = self._holders[key] = _Holders(whole or gathered, bool(whole))
         pieces: tuple[Piece, ...] = ()
         # a staged parameter is packed, never read directly (in pieces neither); a raw shard holding it whole
         # still serves it without a gather
-        if self.direct is not None and not staged and not found.in_shard:
+        if not staged and not found.in_shard:
             pieces = tuple(self.direct.pieces(region, param_dtype) or ())
         return Entry(PLAIN, region.hf_name, region.box, (i,), (region.nbytes,), found.ranks, pieces=pieces)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Hashable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -74,7 +74,7 @@ def route(
     devices: DeviceMap | None = None,
     shard_reads: bool | None = None,
     tensors: Sequence[TensorMeta] | None = None,
-    memo: dict[Hashable, tuple[EntryPlan, ...]] | None = None,
+    memo: dict[Hashable, Any] | None = None,
 ) -> SourceMap:
     """Assign every entry of every engine rank (all replicas) to one trainer rank that may serve it (or, read in
     pieces, each piece to one rank holding its shard).
@@ -84,9 +84,9 @@ def route(
     pieces along the raw shards when every piece can be read directly. Quantized covers and their pieces are
     served from raw shards where that avoids a gather (kvmove.sync.planning.entries; ``shard_reads`` overrides
     whether they may be, default: where ``direct`` is planned); they are never cut into direct pieces.
-    ``tensors``: the source's tensors (see ``entries.EntryPlanner``). ``memo``: entries already planned for other
-    strategies of the same plans, ownership, direct planner and tensors (the caller's to keep per run); strategies
-    that gather and read alike share them.
+    ``tensors``: the source's tensors (see ``entries.EntryPlanner``). ``memo``: entries (and their jobs) already
+    planned for other strategies of the same plans, layout, ownership, direct planner and tensors (the caller's to
+    keep per run); strategies that gather and read alike share them.
     """
     key = (strategy.scope, strategy.direct, shard_reads)
     entries = memo.get(key) if memo is not None else None
@@ -96,7 +96,11 @@ def route(
             memo[key] = entries
     counts = [len(entries[layout.coord(e).local].entries) for e in range(layout.world)]
     base = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
-    jobs = _jobs(entries, layout)
+    jobs = memo.get(("jobs", key)) if memo is not None else None
+    if jobs is None:
+        jobs = _jobs(entries, layout)
+        if memo is not None:
+            memo[("jobs", key)] = jobs
     loads = np.zeros(ownership.world, dtype=np.int64)
     sources = np.full(int(base[-1]), -1, dtype=np.int64)
     fixed = _fix_single(jobs, base, loads, sources)
