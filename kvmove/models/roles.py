@@ -139,7 +139,7 @@ def role_of(cfg: ModelConfig, name: str) -> Role:
             f"no Megatron sharding rule for tensor {name}: {cfg.architecture} is in no family of kvmove.models.roles "
             f"(known: {', '.join(a for f in FAMILIES for a in f.architectures)})"
         )
-    role = _role(family, ".".join(name.rsplit(".", 2)[-2:]))
+    role = _role(cfg.architecture, ".".join(name.rsplit(".", 2)[-2:]))
     if role is None:
         raise PlanError(f"no Megatron sharding rule of family {family.name} classifies tensor {name}")
     return role
@@ -151,5 +151,9 @@ def _family(architecture: str) -> Family | None:
 
 
 @lru_cache(maxsize=4096)
-def _role(family: Family, tail: str) -> Role | None:
+def _role(architecture: str, tail: str) -> Role | None:
+    """The role of the tensor whose name ends in ``tail`` in ``architecture``'s family (memoized by name: a family
+    is a table of enums, slow to hash)."""
+    family = _family(architecture)
+    assert family is not None
     return next((role for pattern, role in family.rules if fnmatchcase(tail, pattern)), None)

@@ -263,15 +263,14 @@ def _assemble(
     return TensorTable(tuple(head), kinds, templates, tuple(tail))
 
 
+@lru_cache(maxsize=32)
 def table_of(cfg: ModelConfig) -> TensorTable:
-    """The tensor table of ``cfg``: its checkpoint directory's headers (checked against its config) or, with no
-    checkpoint, what its config describes."""
+    """The tensor table of ``cfg`` (memoized): its checkpoint directory's headers (checked against its config)
+    or, with no checkpoint, what its config describes."""
     from kvmove.models.config import hf_dict
 
     frozen = _freeze(hf_dict(cfg))
-    if cfg.checkpoint is None:
-        return _config_table(frozen)
-    return _checked_headers(cfg.checkpoint, frozen)
+    return _config_table(frozen) if cfg.checkpoint is None else _checked_headers(cfg.checkpoint, frozen)
 
 
 def hf_tensors(cfg: ModelConfig, layers: Iterable[int] | None = None) -> list[TensorMeta]:

@@ -220,6 +220,7 @@ class DirectPlanner:
         self.shapes = {t.name: t.shape for t in tensors}
         layouts = arena_layouts(ownership, tensors) if arenas is None else arenas
         self.arenas = [layouts[r] for r in range(ownership.world)]
+        self._shards: dict[tuple[str, tuple[int, ...]], dict[Box, tuple[int, ...]]] = {}
 
     def spans(self, region: Region, trainer: int, param_dtype: torch.dtype) -> np.ndarray | None:
         """Byte spans (arena offset, parameter offset, nbytes) of ``region`` served by ``trainer``, or None."""
@@ -269,5 +270,21 @@ class DirectPlanner:
 
     def shard_holders(self, region: Region, candidates: Sequence[int]) -> tuple[int, ...]:
         """The candidates whose raw shard contains the region (serving from them needs no gather)."""
-        boxes = ((r, self.arenas[r].boxes.get(region.hf_name)) for r in candidates)
-        return tuple(r for r, b in boxes if b is not None and b.contains(region.box))
+        candidates = tuple(candidates)
+        groups = self._shards.get((region.hf_name, candidates))
+        if groups is None:
+            groups = self._shards[(region.hf_name, candidates)] = self._by_shard(region.hf_name, candidates)
+        inside = [ranks for box, ranks in groups.items() if box.contains(region.box)]
+        if len(inside) == 1:
+            return inside[0]
+        held = {r for ranks in inside for r in ranks}
+        return tuple(r for r in candidates if r in held)
+
+    def _by_shard(self, name: str, candidates: tuple[int, ...]) -> dict[Box, tuple[int, ...]]:
+        """The candidates holding a raw shard of ``name``, grouped by that shard's box (in candidate order)."""
+        out: dict[Box, list[int]] = {}
+        for r in candidates:
+            box = self.arenas[r].boxes.get(name)
+            if box is not None:
+                out.setdefault(box, []).append(r)
+        return {box: tuple(ranks) for box, ranks in out.items()}

@@ -30,12 +30,13 @@ from typing import NamedTuple
 import torch
 
 from kvmove.errors import PlanError
+from kvmove.models.checkpoint import SCALE_SUFFIX
 from kvmove.models.table import hf_tensors
 from kvmove.models.tensors import TensorMeta
 from kvmove.sync.planning.direct import DirectPlanner, Piece
 from kvmove.sync.planning.ownership import Owners, Ownership
 from kvmove.sync.planning.plan import Box, Region, ShardingPlan
-from kvmove.sync.planning.quantization import QuantizedSource, quantized_source, straddling_share
+from kvmove.sync.planning.quantization import QuantizedSource, is_quantized, quantized_source, straddling_share
 from kvmove.sync.strategies import Strategy
 
 PLAIN, TRAINER, ENGINE = "plain", "trainer", "engine"
@@ -96,6 +97,11 @@ class EntryPlan:
         return sum(e.nbytes for e in self.entries)
 
     def bytes_by_transform(self) -> dict[str, int]:
+        """Bytes that cross the link for this rank, by transform name."""
+        return dict(self._by_transform)
+
+    @cached_property
+    def _by_transform(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
         for e in self.entries:
             out[e.transform] += e.nbytes
@@ -130,13 +136,22 @@ class EntryPlanner:
         where direct pulls are planned)."""
         self.metas = _metas(ownership, direct, tensors)
         self._holders: dict[tuple[str, Box], _Holders] = {}
+        self._by_tensor: dict[str, tuple[int, ...]] = {}
 
     def plan(self, plan: ShardingPlan) -> EntryPlan:
-        quant = tuple(quantized_source(r, self._weight(r).shape) for r in plan.regions)
+        self._check_sources(plan.regions)
+        metas = self.metas
+        quant = tuple(
+            quantized_source(r, metas[r.hf_name.removesuffix(SCALE_SUFFIX)].shape) if is_quantized(r) else None
+            for r in plan.regions
+        )
         by_cover: dict[tuple[str, Box], list[int]] = defaultdict(list)
         for i, q in enumerate(quant):
             if q is not None:
                 by_cover[(q.weight, q.cover)].append(i)
+        if self.direct is None and not by_cover:  # every region plain, served by whoever holds its tensor
+            held = self._held
+            return EntryPlan(tuple(held(r, i) for i, r in enumerate(plan.regions)), (), quant)
         entries: list[Entry] = []
         covers: list[Cover] = []
         dtypes = {p.name: p.dtype for p in plan.params}
@@ -148,24 +163,37 @@ class EntryPlanner:
                 entries += self._quantized(plan, quant, members, covers)
         return EntryPlan(tuple(entries), tuple(covers), quant)
 
-    def _weight(self, region: Region) -> TensorMeta:
-        name = region.hf_name.removesuffix("_scale_inv")
-        try:
-            return self.metas[name]
-        except KeyError:
-            raise PlanError(f"the source has no tensor {name}") from None
+    def _check_sources(self, regions: Sequence[Region]) -> None:
+        """PlanError naming the first tensor (an FP8 scale: its weight) the regions read that the source lacks."""
+        names = [r.hf_name.removesuffix(SCALE_SUFFIX) for r in regions]
+        if not self.metas.keys() >= set(names):
+            missing = next(n for n in names if n not in self.metas)
+            raise PlanError(f"the source has no tensor {missing}")
+
+    def _gathered(self, name: str) -> tuple[int, ...]:
+        """The ranks holding tensor ``name`` whole once the strategy's gather ran (memoized per tensor)."""
+        found = self._by_tensor.get(name)
+        if found is None:
+            found = self._by_tensor[name] = self.ownership.holders(name, self.scope)
+        return found
+
+    def _held(self, region: Region, i: int) -> Entry:
+        """Region ``i`` served as it is by whoever holds its tensor once the strategy's gather ran."""
+        return Entry(PLAIN, region.hf_name, region.box, (i,), (region.nbytes,), self._gathered(region.hf_name))
 
     def _plain(self, region: Region, i: int, param_dtype: torch.dtype, staged: bool = False) -> Entry:
+        if self.direct is None:
+            return self._held(region, i)
         key = (region.hf_name, region.box)
         found = self._holders.get(key)
         if found is None:
-            gathered = self.ownership.holders(region.hf_name, self.scope)
-            whole = self.direct.shard_holders(region, gathered) if self.direct is not None else ()
+            gathered = self._gathered(region.hf_name)
+            whole = self.direct.shard_holders(region, gathered)
             found = self._holders[key] = _Holders(whole or gathered, bool(whole))
         pieces: tuple[Piece, ...] = ()
         # a staged parameter is packed, never read directly (in pieces neither); a raw shard holding it whole
         # still serves it without a gather
-        if self.direct is not None and not staged and not found.in_shard:
+        if not staged and not found.in_shard:
             pieces = tuple(self.direct.pieces(region, param_dtype) or ())
         return Entry(PLAIN, region.hf_name, region.box, (i,), (region.nbytes,), found.ranks, pieces=pieces)
 

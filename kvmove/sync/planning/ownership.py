@@ -124,12 +124,14 @@ class Ownership:
         self.rule: Rule = rule or shard_rule
         self._rules: dict[str, ShardRule] = {}
         self._slices: dict[str, tuple[Holding, ...]] = {}
+        self._alike: dict[tuple[object, ...], tuple[Holding, ...]] = {}
         if rule is None:
             check_classified(cfg)  # NOTE: up front, naming the tensor, rather than in whichever planner asks first
             self._check_splits()
         self.coords = [layout.coord(r) for r in range(layout.world)]
         self._experts_per_rank = cfg.num_experts // layout.ep if cfg.is_moe else 0
         self._groups: dict[tuple[str, int, int | None], tuple[int, ...]] = {}
+        self._everyone = tuple(range(layout.world))
 
     def _check_splits(self) -> None:
         """Every split dim of every tensor (one layer of each kind stands for the rest) divides evenly over its
@@ -168,7 +170,13 @@ class Ownership:
         held = self._slices.get(t.name)
         if held is None:
             rule = self.rule_of(t.name)
-            held = self._slices[t.name] = tuple(Holding(rank, self._box(t, rule, rank)) for rank in self._owners(rule))
+            owners = self._owners(rule)
+            # NOTE: the boxes depend on the shape, the split and the owners only: tensors alike share them
+            alike = (t.shape, rule.fused, rule.dim, rule.group, owners)
+            held = self._alike.get(alike)
+            if held is None:
+                held = self._alike[alike] = tuple(Holding(rank, self._box(t, rule, rank)) for rank in owners)
+            self._slices[t.name] = held
         return held
 
     def _box(self, t: TensorMeta, rule: ShardRule, rank: int) -> Box:
@@ -184,10 +192,10 @@ class Ownership:
 
     def holders(self, name: str, scope: Gather | str) -> tuple[int, ...]:
         """Ranks holding the *full* tensor once a gather of ``scope`` ran."""
-        scope = Gather(scope)
+        scope = scope if isinstance(scope, Gather) else Gather(scope)
         if scope is Gather.STAGE:
             return self._owners(self.rule_of(name))
-        return tuple(range(self.layout.world)) if scope is Gather.GLOBAL else (0,)
+        return self._everyone if scope is Gather.GLOBAL else (0,)
 
     def stage_of(self, name: str) -> int:
         return self.rule_of(name).stage

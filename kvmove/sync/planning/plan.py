@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from math import prod
+from operator import le, sub
 from typing import NamedTuple
 
 import torch
@@ -37,17 +39,16 @@ class Box(NamedTuple):
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in zip(self.start, self.stop, strict=True))
+        return tuple(map(sub, self.stop, self.start))
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return prod(map(sub, self.stop, self.start))
 
     def contains(self, other: Box) -> bool:
-        return all(a <= c and d <= b for a, b, c, d in zip(self.start, self.stop, other.start, other.stop, strict=True))
+        if len(self.start) != len(other.start):
+            raise ValueError(f"boxes of {len(self.start)} and {len(other.start)} dims")
+        return all(map(le, self.start, other.start)) and all(map(le, other.stop, self.stop))
 
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(a, b) for a, b in zip(self.start, self.stop, strict=True))
@@ -193,10 +194,6 @@ def _region(cap: Capture, shapes: dict[str, tuple[int, ...]]) -> Region:
     return Region(cap.source, cap.ops, src, box or Box.full(shape), cap.param, cap.dst, cap.src_dtype, nbytes)
 
 
-def _rename(name: str, old: int, new: int) -> str:
-    return name.replace(f"layers.{old}.", f"layers.{new}.", 1)
-
-
 def plan_rank(
     cfg: ModelConfig,
     layout: EngineLayout,
@@ -253,8 +250,12 @@ def _expand(
     out_r, out_p = list(by_layer[None]), list(params_by_layer[None])
     for i in held:
         t = templates[layer_kind(cfg, i)]
-        out_r += [r._replace(hf_name=_rename(r.hf_name, t, i), param=_rename(r.param, t, i)) for r in by_layer[t]]
-        out_p += [p._replace(name=_rename(p.name, t, i)) for p in params_by_layer[t]]
+        old, new = f"layers.{t}.", f"layers.{i}."
+        out_r += [
+            Region(r.hf_name.replace(old, new, 1), r.ops, r.src, r.box, r.param.replace(old, new, 1), *r[5:])
+            for r in by_layer[t]
+        ]
+        out_p += [ParamMeta(p.name.replace(old, new, 1), p.shape, p.dtype) for p in params_by_layer[t]]
     return Expanded(out_r, out_p)
 
 

@@ -46,11 +46,16 @@ class QuantizedSource(NamedTuple):
         return self.cover.numel * 2
 
 
+def is_quantized(region: Region) -> bool:
+    """Whether ``region`` is made by quantizing BF16 (an FP8 weight or its scales), not loaded as held."""
+    return region.dtype == FP8_DTYPE or region.hf_name.endswith(SCALE_SUFFIX)
+
+
 def quantized_source(region: Region, weight_shape: Sequence[int]) -> QuantizedSource | None:
     """How ``region`` is made from BF16, or None when the engine loads its tensor unquantized."""
-    scale = region.hf_name.endswith(SCALE_SUFFIX)
-    if not scale and region.dtype != FP8_DTYPE:
+    if not is_quantized(region):
         return None
+    scale = region.hf_name.endswith(SCALE_SUFFIX)
     if region.src is None:
         raise PlanError(f"FP8 region {region.param} <- {region.hf_name} reads no box of its tensor")
     shape = tuple(weight_shape)

@@ -85,3 +85,22 @@ def test_verification_catches_a_corrupted_plan() -> None:
         config.model, config.engine, plans, ownership, route(plans, config.engine, ownership, STRATEGIES["v2"]), "stage"
     )
     assert good.ok and good.params_checked == 2 * len(plans[0].params)
+
+
+def test_the_cycle_collector_is_paused_while_planning_and_restored_after(monkeypatch) -> None:
+    import gc
+
+    from kvmove.sync.driver import dryrun
+
+    seen = []
+    plan = dryrun.build_plans
+    monkeypatch.setattr(dryrun, "build_plans", lambda c: seen.append(gc.isenabled()) or plan(c))
+    config = SyncConfig(
+        model=resolve_model("qwen3-tiny"),
+        trainer=TrainerLayout.parse("tp=2"),
+        engine=EngineLayout.parse("tp=2"),
+        strategies=(STRATEGIES["v2"],),
+    )
+    assert gc.isenabled()
+    assert [r.strategy for r in dryrun.dry_run_sync(config)] == ["v2"]
+    assert seen == [False] and gc.isenabled()

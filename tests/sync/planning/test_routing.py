@@ -60,3 +60,71 @@ def test_raw_slices_tile_every_tensor_once_per_replica(trainer: str) -> None:
     for t in hf_tensors(cfg):
         held = sum(h.box.numel for h in own.slices(t))
         assert held % t.numel == 0 and held >= t.numel, t.name
+
+
+def _greedy(plans, layout, ownership, strategy, direct=None, devices=None):
+    """The router's rule spelled out job by job (the oracle the bulk router must match): entries with one possible
+    source first, then largest first (ties by engine rank, entry, piece order), each to the least-loaded candidate
+    (ties to the lowest rank), on the engine rank's own device where a candidate is."""
+    from kvmove.sync.planning.entries import plan_entries
+
+    entries = plan_entries(plans, ownership, strategy, direct, direct is not None)
+    jobs = []
+    for e in range(layout.world):
+        for i, entry in enumerate(entries[layout.coord(e).local].entries):
+            whole = [(entry.nbytes, entry.holders, None)]
+            parts = [(p.region.nbytes, p.holders, p.region) for p in entry.pieces] or whole
+            jobs += [(len(h) > 1, -n, e, i, k, h, piece) for k, (n, h, piece) in enumerate(parts)]
+    jobs.sort(key=lambda j: j[:5])
+    loads = [0] * ownership.world
+    sources = [[-1] * len(entries[layout.coord(e).local].entries) for e in range(layout.world)]
+    pieces: dict = {}
+    for _, neg, e, i, _, cands, piece in jobs:
+        near = tuple(r for r in cands if devices is None or devices.is_local(e, r)) or cands
+        rank = min(near, key=lambda r: (loads[r], r))
+        loads[rank] -= neg
+        if piece is not None:
+            pieces.setdefault((e, i), []).append((rank, piece))
+        if sources[e][i] < 0:
+            sources[e][i] = rank
+    return tuple(map(tuple, sources)), tuple(loads), {k: tuple(v) for k, v in pieces.items()}
+
+
+class _EveryThird:
+    """A device map where engine rank e shares a device with trainer ranks r, (e + r) % 3 == 0."""
+
+    def is_local(self, engine: int, trainer: int) -> bool:
+        return (engine + trainer) % 3 == 0
+
+
+@pytest.mark.parametrize(
+    ("model", "trainer", "engine", "replicas"),
+    [("qwen3-moe-tiny", "tp=2,pp=2,ep=2", "tp=2,ep=2", 3), ("qwen3-tiny", "tp=2", "tp=4", 2)],
+)
+@pytest.mark.parametrize("devices", [None, _EveryThird()])
+def test_bulk_routing_matches_the_greedy_rule_job_by_job(model, trainer, engine, replicas, devices) -> None:
+    from kvmove.sync.planning.direct import DirectPlanner
+
+    cfg = resolve_model(model)
+    tl, el = TrainerLayout.parse(trainer), EngineLayout.parse(engine, replicas)
+    plans, own = plan_engine(cfg, el), Ownership(cfg, tl)
+    direct = DirectPlanner(own, hf_tensors(cfg))
+    for s in STRATEGIES.values():
+        d = direct if s.direct else None
+        smap = route(plans, el, own, s, d, devices=devices, shard_reads=d is not None)
+        assert (smap.sources, smap.bytes_per_trainer, smap.pieces) == _greedy(plans, el, own, s, d, devices), s.name
+
+
+def test_each_local_rank_is_listed_once_whatever_the_replicas(monkeypatch) -> None:
+    """Replicas are identical: their jobs are one local rank's, repeated (routing work does not grow per replica
+    beyond the greedy choices themselves)."""
+    from kvmove.sync.planning import routing
+
+    cfg = resolve_model("qwen3-moe-tiny")
+    el = EngineLayout.parse("tp=2,ep=2", 4)
+    plans, own = plan_engine(cfg, el), Ownership(cfg, TrainerLayout.parse("tp=2,ep=2"))
+    calls = []
+    listed = routing._local_jobs
+    monkeypatch.setattr(routing, "_local_jobs", lambda plan, *a: calls.append(plan) or listed(plan, *a))
+    smap = route(plans, el, own, STRATEGIES["v2"])
+    assert len(calls) == el.ranks_per_replica and len(smap.sources) == el.world
