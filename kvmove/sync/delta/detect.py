@@ -39,7 +39,7 @@ MAX_WAIT = 8
 """The most syncs a pull that keeps going dense by size waits between two comparisons."""
 COST_WAIT = 32
 """The most syncs a pull whose deltas keep costing more than its dense syncs waits between two comparisons (one
-delta in 33 syncs that costs twice a dense one adds 3% over dense)."""
+delta in 33 syncs that costs twice a dense one adds 3% over dense, in the steady state)."""
 
 
 def region_class(tensor: str) -> str:
@@ -191,8 +191,9 @@ class Images:
         base: int | None,
     ) -> Coded:
         """Serve pull ``key`` into ``buf`` for an engine rank holding the payload of sync ``base`` (None: none this
-        rank knows of): the delta against its image where one is smaller, else the dense payload ``program``
-        packs. The image then holds this sync's payload (or, while the pull skips comparisons, none)."""
+        rank knows of): the delta against its image where one is smaller and, by the last delta's measured
+        cost, faster; else the dense payload ``program`` packs. The image then holds this sync's payload (or,
+        while the pull skips comparisons, none)."""
         pw = self._words.get(key)
         if pw is None:
             pw = self._words[key] = pull_words(specs, buf.device)
@@ -201,9 +202,10 @@ class Images:
         if not pw.deltable:
             program.run()
             return self._dense(pw.words)
-        if kept is not None and kept.judge():  # by cost: dense for a while, then measured again
+        vouched = kept is not None and base is not None and kept.sync_id == base
+        if vouched and kept is not None and not kept.wait and kept.judge():  # by cost: dense, then measured again
             self._add("pulls.dense_by_cost", 1)
-        if kept is None or base is None or kept.sync_id != base or kept.wait:
+        if kept is None or not vouched or kept.wait:
             t0 = time.perf_counter()
             program.run()
             packed = time.perf_counter() - t0

@@ -34,9 +34,6 @@ import torch
 from kvmove.sync.delta.encoding import Words
 from kvmove.sync.programs import Program
 
-INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-"""The integer type of each element size: elements are compared as bits."""
-
 Geometry = tuple[tuple[int, ...], tuple[int, ...]]
 Mask = Any
 """One flag per word of a step (a numpy array or a torch tensor: the finder's own)."""
@@ -95,6 +92,7 @@ the pack's write."""
 
 
 def finder(device: torch.device) -> Finder:
+    """The finder of ``device``'s type."""
     return FINDERS.get(device.type, FINDERS["cuda"])
 
 

@@ -256,3 +256,19 @@ def test_a_pull_whose_delta_is_cheaper_stays_a_delta() -> None:
         _changed(pull, sync)
         assert pull.sync(images, sync, sync - 1, reads) is Encoding.INDEX and pull.landed()
     assert images.take_counts().get("pulls.dense_by_cost", 0) == 0
+
+
+def test_a_full_sync_leaves_the_verdict_on_a_costly_delta_to_the_next_sync_that_could_take_one() -> None:
+    pull, images = Pull(), Images()
+    reads = (0.0, 10.0)
+    pull.sync(images, 1, None, reads)
+    _changed(pull, 2)
+    assert pull.sync(images, 2, 1, reads) is Encoding.INDEX  # a delta that lost
+    _changed(pull, 3)
+    assert pull.sync(images, 3, None, reads) is Encoding.DENSE and pull.landed()  # full: dense anyway
+    assert images.take_counts().get("pulls.dense_by_cost", 0) == 0
+    _changed(pull, 4)
+    assert pull.sync(images, 4, 3, reads) is Encoding.DENSE and pull.landed()  # the verdict, here
+    assert images.take_counts()["pulls.dense_by_cost"] == 1
+    _changed(pull, 5)
+    assert pull.sync(images, 5, 4, reads) is Encoding.INDEX and pull.landed()  # measured again
