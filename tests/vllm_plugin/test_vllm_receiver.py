@@ -53,7 +53,7 @@ class Trainer:
         self.recv[recv][:nbytes].copy_(self.slots.pop(slot)[:nbytes])
         return 0.0
 
-    def finish(self, trainer: int, sync_id: int, group: int, slot: int) -> None:
+    def finish(self, trainer: int, sync_id: int, group: int, slot: int, read_s: float = -1.0) -> None:
         pass
 
 

@@ -8,24 +8,27 @@ sync, a full sync, a pull the engine quantizes itself (it lands BF16 pieces it d
 packed densely and its image refreshed from the slot. Images live on the trainer rank's device and count toward
 its extra memory.
 
-A delta is found straight from the pull's sources (:mod:`kvmove.sync.delta.diff`): the dense payload is never
-written. Where more words changed than an encoding carries in fewer bytes than dense, the comparison stops
-early and the pull goes dense; it then skips the comparison for its next syncs (1, 2, 4, then every 8, while
-that holds), packing densely at the cost of a dense sync, and refreshing its image only in the sync before the
-next comparison.
+A delta is found by :mod:`kvmove.sync.delta.diff` (on a GPU straight from the pull's sources; on a CPU from the
+packed slot). Where more words changed than an encoding carries in fewer bytes than dense, nothing is gathered
+and the pull goes dense; it then skips the comparison for its next syncs (1, 2, 4, then every 8, while that
+holds), packing densely at the cost of a dense sync, and refreshing its image only in the sync before the next
+comparison. The same holds **by cost**: each pull's last dense and last delta serve are timed, with the engine's
+read of each (:meth:`Images.note_read`), and where the delta cost more, trainer and link together, the pull goes
+dense up front for 1, 2, 4, ... up to 32 syncs, then is compared (and timed) again.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
 from kvmove.models.tensors import expert_of
-from kvmove.sync.delta.diff import diff, program_steps, slot_steps
+from kvmove.sync.delta.diff import diff, finder, program_steps, slot_steps
 from kvmove.sync.delta.encoding import Encoding, Words, choose, longest_gap, most_changed, payload_words, write
 from kvmove.sync.planning.entries import ENGINE
 from kvmove.sync.planning.packing import ServeSpec
@@ -34,6 +37,9 @@ from kvmove.sync.programs import Program
 REGION_CLASSES = ("attention", "dense_mlp", "experts", "embeddings", "other")
 MAX_WAIT = 8
 """The most syncs a pull that keeps going dense by size waits between two comparisons."""
+COST_WAIT = 32
+"""The most syncs a pull whose deltas keep costing more than its dense syncs waits between two comparisons (one
+delta in 33 syncs that costs twice a dense one adds 3% over dense, in the steady state)."""
 
 
 def region_class(tensor: str) -> str:
@@ -81,6 +87,46 @@ class Coded(NamedTuple):
 
 
 @dataclass
+class Costs:
+    """What one pull's last dense and last delta serve cost, measured: the trainer's seconds (a dense pack; a
+    delta's comparison and encoding, with the pack where it packs first) and the engine's read of the slot
+    (noted by :meth:`Images.note_read` once the engine has read it)."""
+
+    pack_s: float | None = None
+    delta_s: float | None = None
+    dense_read_s: float | None = None
+    delta_read_s: float | None = None
+    last: str = ""
+    """What the slot last served holds, for the read noted next: "dense", "delta", or "" (nothing to note)."""
+
+    def served(self, kind: str, seconds: float | None) -> None:
+        """The pull was served ``kind`` ("dense" or "delta") in ``seconds`` (None: not a measure of that kind)."""
+        if seconds is not None:
+            if kind == "dense":
+                self.pack_s = seconds
+            else:
+                self.delta_s = seconds
+        self.last = kind
+
+    def read(self, seconds: float) -> None:
+        if self.last == "dense":
+            self.dense_read_s = seconds
+        elif self.last == "delta":
+            self.delta_read_s = seconds
+        self.last = ""
+
+    def verdict(self) -> bool | None:
+        """Whether the last delta measured cost more, trainer and link, than the last dense serve (None: not
+        both known). Each delta is judged once: the next is measured anew (load and link change)."""
+        known = (self.pack_s, self.delta_s, self.dense_read_s, self.delta_read_s)
+        if any(x is None for x in known):
+            return None
+        pack, delta, dense_read, delta_read = (float(x or 0.0) for x in known)
+        self.delta_s = self.delta_read_s = None
+        return delta + delta_read > pack + dense_read
+
+
+@dataclass
 class _Kept:
     sync_id: int
     """The sync whose payload the image holds (-1: none an engine holds: it was not refreshed)."""
@@ -89,6 +135,20 @@ class _Kept:
     """Syncs left before the pull is compared again (it went dense by size)."""
     dense_runs: int = 0
     """Comparisons in a row that found more changed than an encoding carries."""
+    costly_runs: int = 0
+    """Deltas in a row that cost more than dense."""
+    costs: Costs = field(default_factory=Costs)
+
+    def judge(self) -> bool:
+        """The verdict on the last delta, by cost: True where it cost more than dense, and the pull then goes
+        dense up front for 1, 2, 4, ... (at most :data:`COST_WAIT`) syncs."""
+        verdict = self.costs.verdict()
+        if verdict is None:
+            return False
+        self.costly_runs = self.costly_runs + 1 if verdict else 0
+        if verdict:
+            self.wait = min(2 ** (self.costly_runs - 1), COST_WAIT)
+        return verdict
 
 
 class Images:
@@ -131,8 +191,9 @@ class Images:
         base: int | None,
     ) -> Coded:
         """Serve pull ``key`` into ``buf`` for an engine rank holding the payload of sync ``base`` (None: none this
-        rank knows of): the delta against its image where one is smaller, else the dense payload ``program``
-        packs. The image then holds this sync's payload (or, while the pull skips comparisons, none)."""
+        rank knows of): the delta against its image where one is smaller and, by the last delta's measured
+        cost, faster; else the dense payload ``program`` packs. The image then holds this sync's payload (or,
+        while the pull skips comparisons, none)."""
         pw = self._words.get(key)
         if pw is None:
             pw = self._words[key] = pull_words(specs, buf.device)
@@ -141,12 +202,28 @@ class Images:
         if not pw.deltable:
             program.run()
             return self._dense(pw.words)
-        if kept is None or base is None or kept.sync_id != base or kept.wait:
+        vouched = kept is not None and base is not None and kept.sync_id == base
+        if vouched and kept is not None and not kept.wait and kept.judge():  # by cost: dense, then measured again
+            self._add("pulls.dense_by_cost", 1)
+        if kept is None or not vouched or kept.wait:
+            t0 = time.perf_counter()
             program.run()
-            self._refresh(key, kept, sync_id, buf, pw.words)
+            packed = time.perf_counter() - t0
+            kept = self._refresh(key, kept, sync_id, buf, pw.words)
+            kept.costs.served("dense", packed)
             return self._dense(pw.words)
-        steps = program_steps(program, buf, pw.words)
-        if steps is None:  # nothing to compare but the packed payload
+        t0 = time.perf_counter()
+        coded = self._delta(kept, program, buf, pw, sync_id)
+        if coded.encoding is Encoding.DENSE:  # by size: compared, then packed (not a dense pack's cost)
+            kept.costs.served("dense", None)
+        else:
+            kept.costs.served("delta", time.perf_counter() - t0)
+        return coded
+
+    def _delta(self, kept: _Kept, program: Program, buf: torch.Tensor, pw: PullWords, sync_id: int) -> Coded:
+        """Serve a pull whose engine rank holds the image's payload: the delta, or dense where it is no smaller."""
+        steps = None if finder(buf.device).packs_first else program_steps(program, buf, pw.words)
+        if steps is None:  # compare the packed payload
             program.run()
             steps = slot_steps(buf, pw.words)
         changes = diff(steps, kept.image, pw.words, pw.limit)
@@ -168,6 +245,13 @@ class Images:
         self._add("sent_bytes", nbytes)
         return Coded(nbytes, encoding, changed)
 
+    def note_read(self, key: tuple[str, int, int], seconds: float) -> None:
+        """The engine rank read what pull ``key`` was last served as in ``seconds``: the link's side of its
+        cost, which decides whether its deltas pay (:class:`Costs`)."""
+        kept = self._kept.get(key)
+        if kept is not None:
+            kept.costs.read(seconds)
+
     def _dense(self, words: Words) -> Coded:
         self._add("pulls.dense", 1)
         self._add("sent_bytes", words.dense_bytes)
@@ -175,19 +259,20 @@ class Images:
 
     def _refresh(
         self, key: tuple[str, int, int], kept: _Kept | None, sync_id: int, buf: torch.Tensor, words: Words
-    ) -> None:
+    ) -> _Kept:
         """After a dense pack: the image takes the payload, unless the pull skips comparisons for more than the
         next sync (then the copy would be wasted: the image is marked as held by no engine)."""
         payload = buf[: words.dense_bytes]
         if kept is None or kept.image.shape != payload.shape:
-            self._kept[key] = _Kept(sync_id, payload.clone())
-            return
+            kept = self._kept[key] = _Kept(sync_id, payload.clone())
+            return kept
         if kept.wait > 1:
             kept.sync_id = -1
         else:
             kept.image.copy_(payload)
             kept.sync_id = sync_id
         kept.wait = max(kept.wait - 1, 0)
+        return kept
 
     def _count_classes(self, pw: PullWords, positions: torch.Tensor) -> None:
         ends = torch.searchsorted(positions, pw.bounds).tolist()  # positions are ascending
@@ -218,6 +303,7 @@ def summary(counts: Sequence[dict[str, int]]) -> dict[str, Any]:
         "ratio": sent / dense if dense else 1.0,
         "pulls": {str(e): total.get(f"pulls.{e}", 0) for e in Encoding},
         "dense_by_size": total.get("pulls.dense_by_size", 0),
+        "dense_by_cost": total.get("pulls.dense_by_cost", 0),
         "changed_fraction": fractions,
         "changed_fraction_all": changed / compared if compared else None,
     }

@@ -3,21 +3,20 @@
 A packed pull is packed by a program of batched copies (``kvmove.sync.programs``), each from a source view into
 a stack of whole parts of the serve slot. The image a trainer rank keeps of a pull is laid out as the slot, so
 each copy's slot view, placed on the image instead, is where the image holds what that copy would write.
-:func:`diff` compares each copy's source with that view as integers of the copy's element size (the program
-already moves elements as the widest integer words the views allow, ``kvmove.sync.programs.as_words``: mostly
-int64), so the payload is never packed densely:
+:func:`diff` compares each copy's source with that view as the payload's words (int16, or bytes: bits, never
+values), so the payload is never packed densely:
 
-1. ``ne`` over the source and the image view, and the changed elements counted;
-2. if they hold no more words than an encoding carries in fewer bytes than dense (``limit``; where they could,
-   the changed words are counted by one more streaming pass), ``nonzero``: the elements that changed;
-3. their new values gathered from the source's storage and their old ones from the image, and only those
-   elements written into the image (``index_select``, ``index_copy_``);
-4. each changed element split into its words (int16, or bytes): the changed words, their positions in the
-   payload and their values.
+1. ``ne`` over the source and the image view, and the changed words counted;
+2. if they are no more than an encoding carries in fewer bytes than dense (``limit``), the positions of the
+   changed words (a ``nonzero``), their new values gathered from the source's storage and written, only they,
+   into the image.
 
-That is two reads of the pull's bytes and work proportional to the changes, where a dense pack reads and
-writes every byte. Where too many words changed, nothing is gathered: the pull goes dense (the caller packs it
-and refreshes the image from the slot).
+That is two reads of the pull's bytes, one flag per word, and work proportional to the changes, where a dense
+pack reads and writes every byte. Where too many words changed, nothing is gathered: the pull goes dense (the
+caller packs it and refreshes the image from the slot). The three passes over every word run on the device's
+own fastest kernels (:data:`FINDERS`): on a CPU, numpy's (its ``!=`` and ``flatnonzero`` over int16 words are
+3-5x faster than torch's on one thread), on a GPU, torch's; on a GPU with Triton, the comparison is instead a
+stream compaction of the whole pull in two kernel launches (:mod:`kvmove.sync.delta.triton_diff`).
 
 Where the program quantizes (FP8 computed on the trainer) there is no source of the payload's bytes to compare:
 the payload is packed into the slot first and the slot is compared instead (:func:`slot_steps`); the alignment
@@ -27,9 +26,10 @@ padding between its parts, which the pack leaves as it was, is dropped from the 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 
 from kvmove.sync.delta.encoding import Words
@@ -38,10 +38,66 @@ from kvmove.sync.programs import Program
 if TYPE_CHECKING:
     from kvmove.sync.delta.triton_diff import Rows
 
-INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-"""The integer type of each element size: elements are compared as bits."""
-
 Geometry = tuple[tuple[int, ...], tuple[int, ...]]
+Mask = Any
+"""One flag per word of a step (a numpy array or a torch tensor: the finder's own)."""
+
+
+class Finder(NamedTuple):
+    """The passes over every word of a pull, on one kind of device: the flags of the words that differ, flags
+    cleared at given indices, how many are set, and their row-major indices (int64, ascending, a torch tensor on
+    the device); and whether a pull is packed before it is compared."""
+
+    ne: Callable[[torch.Tensor, torch.Tensor], Mask]
+    clear: Callable[[Mask, torch.Tensor], None]
+    count: Callable[[Mask], int]
+    nonzero: Callable[[Mask], torch.Tensor]
+    packs_first: bool
+    """Compare the packed slot, one pass of each kind per pull (:func:`slot_steps`), rather than each copy's
+    source (:func:`program_steps`: a pass of each kind per copy, saving the pack's write)."""
+
+
+def _numpy_ne(a: torch.Tensor, b: torch.Tensor) -> Mask:
+    return np.not_equal(a.detach().numpy(), b.detach().numpy())
+
+
+def _numpy_clear(mask: Mask, index: torch.Tensor) -> None:
+    np.put(mask, index.numpy(), False)
+
+
+def _numpy_count(mask: Mask) -> int:
+    return int(np.count_nonzero(mask))
+
+
+def _numpy_nonzero(mask: Mask) -> torch.Tensor:
+    return torch.from_numpy(np.flatnonzero(mask).astype(np.int64, copy=False))
+
+
+def _torch_count(mask: Mask) -> int:
+    return int(torch.count_nonzero(mask))
+
+
+def _torch_clear(mask: Mask, index: torch.Tensor) -> None:
+    mask.index_fill_(0, index, False)
+
+
+def _torch_nonzero(mask: Mask) -> torch.Tensor:
+    return mask.flatten().nonzero().flatten()
+
+
+FINDERS: dict[str, Finder] = {
+    "cpu": Finder(_numpy_ne, _numpy_clear, _numpy_count, _numpy_nonzero, packs_first=True),
+    "cuda": Finder(torch.ne, _torch_clear, _torch_count, _torch_nonzero, packs_first=False),
+}
+"""The finder of each device type (any other uses CUDA's). On a CPU every call costs tens of microseconds of
+dispatch and a pull's copies are many (an MoE layer's experts: hundreds), so the pull is packed by its one
+batched program (a memory copy) and compared as one run of words; a GPU compares each copy's source, without
+the pack's write."""
+
+
+def finder(device: torch.device) -> Finder:
+    """The finder of ``device``'s type."""
+    return FINDERS.get(device.type, FINDERS["cuda"])
 
 
 class Flat(NamedTuple):
@@ -64,17 +120,15 @@ class Flat(NamedTuple):
 
 
 class Step(NamedTuple):
-    """One batched copy of a pack program, as integers: the source of the new payload, and the slot view it
-    packs into (the same on the image) - a stack of whole parts."""
+    """One batched copy of a pack program, as the payload's words: the source of the new payload, and the slot
+    view it packs into (the same on the image) - a stack of whole parts."""
 
     src: torch.Tensor
     source: Flat
     view: Geometry
-    """The slot view's shape and strides (the source's shape)."""
+    """The slot view's shape and strides (the source's shape), in words."""
     slot: Flat
-    """The slot view's offsets, from the start of the slot (in elements)."""
-    ratio: int
-    """Words per element."""
+    """The slot view's offsets, from the start of the slot (in words)."""
     blocks: tuple[int, ...]
     """The first word of each stacked part (ascending)."""
 
@@ -86,7 +140,7 @@ class Step(NamedTuple):
     def end(self) -> int:
         """The word past the step's last."""
         shape, stride = self.slot.geometry
-        return (self.slot.at + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * self.ratio
+        return self.slot.at + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1
 
 
 class Steps(NamedTuple):
@@ -97,7 +151,10 @@ class Steps(NamedTuple):
     order: tuple[tuple[int, int], ...] | None
     """(step, stacked part) in payload order."""
     packed: bool
-    """The steps read the packed slot (:func:`slot_steps`): run the pack first, drop padding from the result."""
+    """The steps read the packed slot (:func:`slot_steps`): run the pack first."""
+    padding: torch.Tensor | None
+    """The positions of the alignment padding between the parts (which a pack leaves as it was) where the steps
+    read the packed slot: never reported as changed."""
 
 
 class Changes(NamedTuple):
@@ -136,40 +193,55 @@ def offsets(index: torch.Tensor, shape: Sequence[int], stride: Sequence[int]) ->
 
 
 def program_steps(program: Program, buf: torch.Tensor, words: Words) -> Steps | None:
-    """The copies of ``program`` (packing into ``buf``) as steps; None where it quantizes, converts, copies
-    elements narrower than a word or into views that are not stacks of whole parts (then compare the packed
+    """The copies of ``program`` (packing into ``buf``) as steps; None where it quantizes, converts, or copies
+    views that are not stacks of whole parts or cannot be read as the payload's words (then compare the packed
     slot: :func:`slot_steps`)."""
     if program.quantize:
         return None
     steps = []
     for c in program.copies:
-        if c.src.dtype != c.dst.dtype:  # a copy that converts: its bytes exist only once packed
+        step = _step(c.dst, c.src, buf, words)
+        if step is None:
             return None
-        size = c.dst.element_size()
-        rel = c.dst.data_ptr() - buf.data_ptr()
-        dst, src = c.dst.view(INTS[size]), c.src.view(INTS[size])
-        geometry = merged(dst.shape, dst.stride())
-        if size % words.word_bytes or rel % size or len(geometry[0]) > 2 or geometry[1][-1] != 1:
-            return None
-        ratio, at = size // words.word_bytes, rel // size
-        blocks = tuple((at + i * dst.stride(0)) * ratio for i in range(dst.shape[0])) if dst.dim() else (at,)
-        slot = Flat(buf, at, geometry)
-        steps.append(Step(src, Flat.of(src), (tuple(dst.shape), tuple(dst.stride())), slot, ratio, blocks))
+        steps.append(step)
     steps.sort(key=lambda s: s.blocks[0])
     if all(a.end <= b.blocks[0] for a, b in itertools.pairwise(steps)):
-        return Steps(tuple(steps), None, packed=False)
+        return Steps(tuple(steps), None, packed=False, padding=None)
     order = sorted((b, s, i) for s, step in enumerate(steps) for i, b in enumerate(step.blocks))
-    return Steps(tuple(steps), tuple((s, i) for _, s, i in order), packed=False)
+    return Steps(tuple(steps), tuple((s, i) for _, s, i in order), packed=False, padding=None)
+
+
+def _step(dst: torch.Tensor, src: torch.Tensor, buf: torch.Tensor, words: Words) -> Step | None:
+    """One copy of ``src`` into ``dst`` (a view of ``buf``) as a step over words; None where it cannot be one."""
+    rel, w = dst.data_ptr() - buf.data_ptr(), words.word_bytes
+    if src.dtype != dst.dtype or not dst.dim() or rel % w or dst.element_size() % w:
+        return None  # a copy that converts (its bytes exist only once packed), or elements narrower than a word
+    try:
+        dst_w, src_w = dst.view(words.dtype), src.view(words.dtype)
+    except RuntimeError:  # a row, stride or offset that is not a multiple of the word
+        return None
+    geometry = merged(dst_w.shape, dst_w.stride())
+    if len(geometry[0]) > 2 or geometry[1][-1] != 1:
+        return None
+    at, ratio = rel // w, dst.element_size() // w
+    blocks = tuple(at + i * dst.stride(0) * ratio for i in range(dst.shape[0]))
+    view = (tuple(dst_w.shape), tuple(dst_w.stride()))
+    return Step(src_w, Flat.of(src_w), view, Flat(buf, at, geometry), blocks)
 
 
 def slot_steps(buf: torch.Tensor, words: Words) -> Steps:
-    """The packed payload in ``buf`` as one step of the widest integers its size and address allow."""
-    n = words.dense_bytes
-    size = next(s for s in (8, 4, 2, 1) if n % s == 0 and buf.data_ptr() % s == 0 and s >= words.word_bytes)
-    src = buf[:n].view(INTS[size])
+    """The packed payload in ``buf`` as one step over its words."""
+    src = buf[: words.dense_bytes].view(words.dtype)
     line = ((src.numel(),), (1,))
-    step = Step(src, Flat.of(src), line, Flat(buf, 0, line), size // words.word_bytes, (0,))
-    return Steps((step,), None, packed=True)
+    step = Step(src, Flat.of(src), line, Flat(buf, 0, line), (0,))
+    return Steps((step,), None, packed=True, padding=padding(words, buf.device))
+
+
+def padding(words: Words, device: torch.device) -> torch.Tensor:
+    """The positions of the payload that no part holds (int64, ascending)."""
+    ends = [p.start + p.words for p in words.parts]
+    runs = [range(a, b) for a, b in zip([0, *ends], [p.start for p in words.parts] + [words.words], strict=True)]
+    return torch.tensor([i for r in runs for i in r], dtype=torch.int64, device=device)
 
 
 def diff(steps: Steps, image: torch.Tensor, words: Words, limit: int, backend: str | None = None) -> Changes | None:
@@ -177,36 +249,36 @@ def diff(steps: Steps, image: torch.Tensor, words: Words, limit: int, backend: s
     slot), which then takes the new payload's values. None, the image left as it was, where more than ``limit``
     words changed (no encoding would be smaller than dense).
 
-    ``backend``: ``torch`` (any device) or ``triton`` (:mod:`kvmove.sync.delta.triton_diff`, where every step is
-    rows of contiguous words); by default Triton for CUDA tensors where it is installed and applies."""
-    rows = _rows(steps, image, words) if (backend or _default_backend(steps)) == "triton" else None
+    ``backend``: ``torch`` (the device's :data:`FINDERS`) or ``triton`` (:mod:`kvmove.sync.delta.triton_diff`: a
+    stream compaction of every step in two launches, where every step is a stack of contiguous rows and no
+    padding is to be dropped; else the finder); by default Triton for CUDA tensors where it is installed."""
+    rows = _rows(steps, image, words) if (backend or _default_backend(image)) == "triton" else None
     if rows is not None:
         return _diff_rows(steps, rows, image, words, limit)
-    masks = [torch.ne(step.src, step.on(image)).view(-1) for step in steps.steps]
-    elements = [int(torch.count_nonzero(m)) for m in masks]
-    if sum(elements) > limit:  # each changed element holds at least one changed word
+    find = finder(image.device)
+    masks = [find.ne(step.src, step.on(image)) for step in steps.steps]
+    if steps.padding is not None:
+        find.clear(masks[0], steps.padding)
+    if sum(find.count(m) for m in masks) > limit:
         return None
-    most = sum(n * step.ratio for n, step in zip(elements, steps.steps, strict=True))
-    if most > limit and _words(steps, image) > limit:
-        return None
-    found = [
-        _changed(step, image.view(step.src.dtype), m.nonzero().flatten(), words)
-        for step, m in zip(steps.steps, masks, strict=True)
-    ]
-    changes = _concat(found) if steps.order is None else _in_order(steps, found)
-    return _live(changes, words) if steps.packed else changes
+    flat = image.view(words.dtype)
+    found = [_changed(step, flat, find.nonzero(m).to(image.device)) for step, m in zip(steps.steps, masks, strict=True)]
+    return _concat(found) if steps.order is None else _in_order(steps, found)
 
 
-def _default_backend(steps: Steps) -> str:
+def _default_backend(image: torch.Tensor) -> str:
     from kvmove.quant.quantizer import triton_available
 
-    return "triton" if steps.steps and steps.steps[0].src.is_cuda and triton_available() else "torch"
+    return "triton" if image.is_cuda and triton_available() else "torch"
 
 
 def _rows(steps: Steps, image: torch.Tensor, words: Words) -> list[Rows] | None:
-    """Every step as word rows on ``image`` (None where one is not rows of contiguous words: compare with torch)."""
+    """Every step as word rows on ``image`` (None where one is not a stack of contiguous rows, or a packed slot's
+    padding must be dropped: the finder compares those)."""
     from kvmove.sync.delta.triton_diff import rows_of
 
+    if steps.padding is not None:
+        return None
     rows = [rows_of(s.src, s.view, s.slot.at, image, words.dtype) for s in steps.steps]
     return None if any(r is None for r in rows) else [r for r in rows if r is not None]
 
@@ -224,37 +296,17 @@ def _diff_rows(steps: Steps, rows: Sequence[Rows], image: torch.Tensor, words: W
         return None
     every = Changes(*compact(t, counts, ends, bounds[-1]))  # in step order
     if steps.order is None:
-        changes = every
-    else:
-        changes = _in_order(steps, [Changes(*(x[a:b] for x in every)) for a, b in itertools.pairwise(bounds)])
-    return _live(changes, words) if steps.packed else changes
+        return every
+    return _in_order(steps, [Changes(*(x[a:b] for x in every)) for a, b in itertools.pairwise(bounds)])
 
 
-def _words(steps: Steps, image: torch.Tensor) -> int:
-    """How many words of the new payload differ from ``image``, by one more streaming pass: for when the changed
-    elements could hold too many changed words between them (near dense, where gathering them all to find out
-    would cost more than packing)."""
-    total = 0
-    for step in steps.steps:
-        w = INTS[step.src.element_size() // step.ratio]
-        total += int(torch.count_nonzero(torch.ne(step.src.view(w), step.on(image).view(w))))
-    return total
-
-
-def _changed(step: Step, image: torch.Tensor, index: torch.Tensor, words: Words) -> Changes:
-    """The changed words among the changed elements ``index`` of ``step`` (written into ``image``, flat)."""
+def _changed(step: Step, image: torch.Tensor, index: torch.Tensor) -> Changes:
+    """The changed words ``index`` (row-major in the step's view) of ``step``, written into ``image`` (flat
+    words): their positions in the payload and new values."""
     at = step.slot.offsets(index)
     new = step.source.storage.index_select(0, step.source.offsets(index))
-    if step.ratio == 1:
-        image.index_copy_(0, at, new)
-        return Changes(at, new.view(words.dtype))
-    old = image.index_select(0, at)
     image.index_copy_(0, at, new)
-    new_words = new.view(words.dtype)
-    which = torch.ne(new_words, old.view(words.dtype)).nonzero().flatten()
-    shift = step.ratio.bit_length() - 1  # words per element: a power of two
-    positions = (at.index_select(0, which >> shift) << shift) | (which & (step.ratio - 1))
-    return Changes(positions, new_words.index_select(0, which))
+    return Changes(at, new)
 
 
 def _concat(found: Sequence[Changes]) -> Changes:
@@ -275,12 +327,3 @@ def _in_order(steps: Steps, found: Sequence[Changes]) -> Changes:
     return Changes(
         torch.cat([c.positions[a:b] for c, a, b in pieces]), torch.cat([c.values[a:b] for c, a, b in pieces])
     )
-
-
-def _live(changes: Changes, words: Words) -> Changes:
-    """``changes`` without positions in the padding between parts (a packed slot leaves it as it was)."""
-    starts = words.starts(changes.positions.device)
-    ends = starts + torch.tensor([s.words for s in words.parts], dtype=torch.int64, device=starts.device)
-    part = (torch.searchsorted(starts, changes.positions, right=True) - 1).clamp_(min=0)
-    keep = (changes.positions >= starts[part]) & (changes.positions < ends[part])
-    return Changes(changes.positions[keep], changes.values[keep])

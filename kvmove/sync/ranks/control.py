@@ -200,6 +200,9 @@ class Finish(Command):
     group: int
     engine: int
     slot: int
+    read_s: float = -1.0
+    """Seconds the engine's read of the slot took (0: nothing to read; -1: not measured): what a delta sync
+    weighs a pull's deltas against its dense syncs by (``kvmove.sync.delta.detect.Costs``)."""
 
 
 # -- driver -> trainer rank ---------------------------------------------------------------------------------

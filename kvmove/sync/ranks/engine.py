@@ -58,8 +58,9 @@ class TrainerClient(Protocol):
     def wait_direct(self, handle: Any) -> float:
         """Seconds from the start of a batch of direct reads until its bytes were in place."""
 
-    def finish(self, trainer: int, sync_id: int, group: int, slot: int) -> None:
-        """Free the trainer's slot and tell it this engine has all it pulls of ``group`` from it."""
+    def finish(self, trainer: int, sync_id: int, group: int, slot: int, read_s: float = -1.0) -> None:
+        """Free the trainer's slot and tell it this engine has all it pulls of ``group`` from it (``read_s``: the
+        seconds its read of the slot took)."""
 
 
 class EngineRank:
@@ -279,10 +280,12 @@ class _PullLoop:
             nxt = self.packed[self.k + self.depth]
             self.pending.append((nxt, self._request(nxt)))
         self.k += 1
+        read_s = 0.0
         if packed.nbytes:  # an empty delta (nothing changed) has nothing to read
-            self.transfer += self.client.read(pull.trainer, packed.slot, slot_index, packed.nbytes)
+            read_s = self.client.read(pull.trainer, packed.slot, slot_index, packed.nbytes)
+        self.transfer += read_s
         # NOTE: pulls are bucketed by (group, trainer), so this one pull is all of the group from it
-        self.client.finish(pull.trainer, self.sync_id, pull.group, packed.slot)
+        self.client.finish(pull.trainer, self.sync_id, pull.group, packed.slot, read_s)
         self.received += packed.nbytes
         entries = self._entries(pull)
         patch = Patch.of(packed.encoding, packed.changed, [n for e in entries for n in e.sizes])

@@ -54,8 +54,8 @@ class TrainerLinks:
         reply = self.packs[handle].receive()  # NOTE: replies come back in request order on each connection
         return Packed(*reply)
 
-    def finish(self, trainer: int, sync_id: int, strategy: str, group: int, slot: int) -> None:
-        self.notes[trainer].send(Finish(sync_id, strategy, group, self.engine, slot))
+    def finish(self, trainer: int, sync_id: int, strategy: str, group: int, slot: int, read_s: float = -1.0) -> None:
+        self.notes[trainer].send(Finish(sync_id, strategy, group, self.engine, slot, read_s))
 
     def close(self) -> None:
         for conn in (*self.packs.values(), *self.notes.values()):
@@ -153,8 +153,8 @@ class _Client:
     def wait_direct(self, handle: Any) -> float:
         return float(handle.wait().seconds)
 
-    def finish(self, trainer: int, sync_id: int, group: int, slot: int) -> None:
-        self.links.finish(trainer, sync_id, self.strategy, group, slot)
+    def finish(self, trainer: int, sync_id: int, group: int, slot: int, read_s: float = -1.0) -> None:
+        self.links.finish(trainer, sync_id, self.strategy, group, slot, read_s)
 
 
 class Puller:

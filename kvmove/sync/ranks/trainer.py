@@ -81,6 +81,8 @@ class TrainerRank:
         self.slots = {strategy: list(s) for strategy, s in slots.items()}
         self._free_slots = {strategy: list(range(len(s))) for strategy, s in self.slots.items()}
         self._slot_owner: dict[tuple[str, int], int] = {}
+        self._slot_pull: dict[tuple[str, int], tuple[str, int, int]] = {}
+        """The pull each slot was last packed with (whose read the engine's finish note times)."""
         self._pulls: dict[tuple[str, int, int], tuple[int, tuple[ServeSpec, ...]]] = {}
         self._shards = _raw_shards(source)
         self._cond = threading.Condition()
@@ -137,6 +139,7 @@ class TrainerRank:
             # NOTE: between syncs no read is in flight, so every slot is free again (a dead reader leaks none)
             self._free_slots = {strategy: list(range(len(s))) for strategy, s in self.slots.items()}
             self._slot_owner.clear()
+            self._slot_pull.clear()
             self._extra = self.slot_bytes(sync.strategy.name)
             self._peak_extra = self._extra + self.images.nbytes
             self.images.take_counts()
@@ -241,6 +244,7 @@ class TrainerRank:
                 self._cond.wait(min(left, 0.5))
             slot = self._free_slots[strategy].pop()
             self._slot_owner[(strategy, slot)] = engine
+            self._slot_pull[(strategy, slot)] = (strategy, engine, pull_id)
             held = [self._held(state, group, s) for s in specs]
         t0 = time.perf_counter()
         buf = self.slots[strategy][slot]
@@ -289,6 +293,13 @@ class TrainerRank:
         if spec.tensor not in self._shards:
             raise KvmoveError(f"trainer rank {self.rank} holds no raw shard of {spec.tensor} in an arena to serve")
         return self._shards[spec.tensor]
+
+    def note_read(self, strategy: str, slot: int, seconds: float) -> None:
+        """An engine rank read ``slot`` in ``seconds`` (negative: not measured): the cost of what it held."""
+        with self._cond:
+            key = self._slot_pull.pop((strategy, slot), None)
+        if key is not None and seconds >= 0:
+            self.images.note_read(key, seconds)
 
     def release_slot(self, strategy: str, slot: int) -> None:
         with self._cond:

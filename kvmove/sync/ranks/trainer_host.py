@@ -143,5 +143,6 @@ class TrainerHost(Host):
 
     @handles(Finish)
     def finish(self, command: Finish) -> None:
+        self.serving.note_read(command.strategy, command.slot, command.read_s)
         self.serving.release_slot(command.strategy, command.slot)
         self.serving.done(command.sync_id, command.group, command.engine)

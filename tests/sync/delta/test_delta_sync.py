@@ -40,7 +40,9 @@ def test_engines_equal_the_checkpoint_after_delta_syncs_with_dropped_and_rejoine
     assert killed.dead_replicas == (1,) and killed.delta["ratio"] < 0.5  # replica 0 takes a delta
     assert back.rejoined_replicas == (1,) and back.delta["pulls"]["dense"] > 0  # the rejoined replica: dense
     assert 0 < back.delta["ratio"] < 1
-    assert delta.delta["pulls"]["dense"] == 0 and delta.bytes < 0.2 * first.bytes
+    # every pull a delta, but those whose last delta cost more than dense (kvmove.sync.delta.detect.Costs): the
+    # rejoined replica's pulls, dense in sync 3, have no verdict yet and come as deltas
+    assert delta.delta["pulls"]["dense"] == delta.delta["dense_by_cost"] and delta.delta["ratio"] < 0.75
     assert 0 < delta.delta["changed_fraction_all"] < 0.1
     assert set(delta.delta["changed_fraction"]) >= {"attention", "experts", "embeddings"}  # direct reads went packed
     assert mid.dead_replicas == (0,) and mid.live_engines == 2 and mid.pulls_before_kill

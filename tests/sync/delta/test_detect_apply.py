@@ -8,8 +8,9 @@ import torch
 
 from kvmove.quant import FP8_DTYPE
 from kvmove.sync.delta import detect
+from kvmove.sync.delta import diff as diff_module
 from kvmove.sync.delta.apply import Patch
-from kvmove.sync.delta.detect import Images, region_class, summary
+from kvmove.sync.delta.detect import COST_WAIT, Costs, Images, region_class, summary
 from kvmove.sync.delta.encoding import Encoding
 from kvmove.sync.planning.entries import ENGINE, PLAIN, TRAINER
 from kvmove.sync.planning.packing import PartSpec, ServeSpec, pack_layout
@@ -17,6 +18,16 @@ from kvmove.sync.planning.plan import Box
 from kvmove.sync.programs import Program, ProgramBuilder
 from kvmove.sync.verify import bits_equal
 
+
+@pytest.fixture(autouse=True, params=["cpu", "cuda"])
+def finder_of(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs under each device's finder on CPU tensors: CPU's packs first and compares the slot,
+    CUDA's compares each copy's source."""
+    monkeypatch.setitem(diff_module.FINDERS, "cpu", diff_module.FINDERS[request.param])
+    return str(request.param)
+
+
+KEY = ("v1", 0, 7)
 NAMES = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.3.up_proj.weight", "model.norm.weight")
 
 
@@ -60,10 +71,15 @@ class Pull:
     def regions(self) -> list[torch.Tensor]:
         return [self.params[0][:, 1:5], *self.params[1:]]
 
-    def sync(self, images: Images, sync_id: int, base: int | None) -> Encoding:
-        """Serve (dense or delta), 'read' the slot's bytes into the receive slot, land."""
-        coded = images.serve(("v1", 0, 7), self.pack, self.slot, self.specs, sync_id, base)
+    def sync(
+        self, images: Images, sync_id: int, base: int | None, read_s: tuple[float, float] | None = None
+    ) -> Encoding:
+        """Serve (dense or delta), 'read' the slot's bytes into the receive slot (taking ``read_s``: seconds of a
+        dense read and of a delta's, as the engine's finish note says), land."""
+        coded = images.serve(KEY, self.pack, self.slot, self.specs, sync_id, base)
         self.recv[: coded.nbytes].copy_(self.slot[: coded.nbytes])
+        if read_s is not None:
+            images.note_read(KEY, read_s[coded.encoding is not Encoding.DENSE])
         patch = Patch.of(coded.encoding, coded.changed, self.sizes)
         if patch is None:
             self.program.run()
@@ -187,3 +203,72 @@ def test_summary_adds_up_every_trainer_rank() -> None:
     s = summary([a, b])
     assert s["ratio"] == 0.2 and s["pulls"] == {"dense": 1, "index": 1, "gaps": 0, "bitmap": 0}
     assert s["changed_fraction"] == {"experts": 0.05} and summary([{}]) == {}
+
+
+def test_costs_weigh_the_trainer_and_the_link_and_judge_each_delta_once_both_kinds_are_measured() -> None:
+    costs = Costs()
+    costs.served("dense", 0.010)
+    costs.read(0.050)
+    assert costs.verdict() is None  # no delta measured yet
+    costs.served("delta", 0.030)
+    assert costs.verdict() is None  # its read not noted yet
+    costs.read(0.002)
+    assert costs.verdict() is False  # 0.032 s against 0.060 s
+    assert costs.verdict() is None  # judged once
+    costs.served("delta", 0.070)
+    costs.read(0.002)
+    assert costs.verdict() is True  # 0.072 s against 0.060 s
+    costs.served("dense", None)  # dense by size: a read of dense bytes, not a dense pack's seconds
+    costs.read(0.100)
+    costs.served("delta", 0.070)
+    costs.read(0.002)
+    assert costs.pack_s == 0.010 and costs.dense_read_s == 0.100 and costs.verdict() is False
+
+
+def _changed(pull: Pull, i: int) -> None:
+    pull.src[0][i % 8, i % 4] += 1.0
+
+
+def test_a_pull_whose_delta_costs_more_than_dense_goes_dense_by_cost_then_is_measured_again() -> None:
+    """The per-pull fallback by cost: a delta whose read (or trainer work) costs more than the pull's dense
+    pack and read sends the pull dense up front for 1, then 2, ... syncs, every landing bit-exact; where the
+    delta is cheaper it stays a delta."""
+    pull, images = Pull(), Images()
+    reads = (0.0, 10.0)  # a dense read in no time, a delta's in 10 s
+    assert pull.sync(images, 1, None, reads) is Encoding.DENSE
+    kinds = []
+    for sync in range(2, 9):
+        _changed(pull, sync)
+        kinds.append(pull.sync(images, sync, sync - 1, reads))
+        assert pull.landed()
+        if sync == 3:
+            assert images.take_counts()["pulls.dense_by_cost"] == 1
+    d, x = Encoding.DENSE, Encoding.INDEX
+    assert kinds == [x, d, x, d, d, x, d]  # delta, dense 1, delta, dense 2, delta, dense 4 ...
+    assert COST_WAIT > 8
+
+
+def test_a_pull_whose_delta_is_cheaper_stays_a_delta() -> None:
+    pull, images = Pull(), Images()
+    reads = (10.0, 0.0)  # a dense read in 10 s, a delta's in no time
+    pull.sync(images, 1, None, reads)
+    for sync in range(2, 6):
+        _changed(pull, sync)
+        assert pull.sync(images, sync, sync - 1, reads) is Encoding.INDEX and pull.landed()
+    assert images.take_counts().get("pulls.dense_by_cost", 0) == 0
+
+
+def test_a_full_sync_leaves_the_verdict_on_a_costly_delta_to_the_next_sync_that_could_take_one() -> None:
+    pull, images = Pull(), Images()
+    reads = (0.0, 10.0)
+    pull.sync(images, 1, None, reads)
+    _changed(pull, 2)
+    assert pull.sync(images, 2, 1, reads) is Encoding.INDEX  # a delta that lost
+    _changed(pull, 3)
+    assert pull.sync(images, 3, None, reads) is Encoding.DENSE and pull.landed()  # full: dense anyway
+    assert images.take_counts().get("pulls.dense_by_cost", 0) == 0
+    _changed(pull, 4)
+    assert pull.sync(images, 4, 3, reads) is Encoding.DENSE and pull.landed()  # the verdict, here
+    assert images.take_counts()["pulls.dense_by_cost"] == 1
+    _changed(pull, 5)
+    assert pull.sync(images, 5, 4, reads) is Encoding.INDEX and pull.landed()  # measured again

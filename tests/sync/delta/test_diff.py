@@ -7,10 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmove.sync.delta.diff import diff, merged, offsets, program_steps, slot_steps
+from kvmove.sync.delta import diff as diff_module
+from kvmove.sync.delta.diff import FINDERS, diff, merged, offsets, program_steps, slot_steps
 from kvmove.sync.delta.encoding import most_changed, payload_words
 from kvmove.sync.planning.packing import pack_layout
 from kvmove.sync.programs import Program, ProgramBuilder
+
+
+@pytest.fixture(autouse=True, params=["cpu", "cuda"])
+def finder_of(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with CPU tensors under each device's finder (numpy's passes, and torch's as on CUDA)."""
+    monkeypatch.setitem(diff_module.FINDERS, "cpu", FINDERS[request.param])
+    return str(request.param)
 
 
 class Interleaved:
@@ -72,6 +80,7 @@ def test_interleaved_copies_give_every_changed_word_in_ascending_positions() -> 
 
 
 def test_a_packed_slot_is_compared_without_its_padding() -> None:
+    """The padding differs between the slot and the image: it is never reported, and the image keeps its own."""
     pull = Interleaved()
     image = pull.payload()
     old = image.clone()
@@ -83,12 +92,13 @@ def test_a_packed_slot_is_compared_without_its_padding() -> None:
     new = pull.payload()
     assert got is not None and torch.equal(got.positions, _expected(old, new))
     assert torch.equal(got.values, new.view(torch.int16)[got.positions])
+    assert torch.equal(image, new)  # the image's padding was never written
 
 
 @pytest.mark.parametrize("spare", [0, -1])
 def test_near_the_limit_the_changed_words_are_counted_exactly(spare: int) -> None:
-    """Changed int64 elements could hold up to 4 changed words each: where that could pass the limit, the words
-    are counted; at the limit the pull is still a delta, one past it nothing is gathered, the image untouched."""
+    """The changed words are counted exactly: at the limit the pull is still a delta, one past it nothing is
+    gathered, the image untouched."""
     pull = Interleaved()
     image = pull.payload()
     steps = program_steps(pull.program, pull.slot, pull.words)
