@@ -110,6 +110,15 @@ class Scatter(NamedTuple):
                 self.storages[s].index_copy_(0, at[lo:hi], values[lo:hi])
 
 
+def warm(device: torch.device) -> None:
+    """Compile the Triton scatter on ``device`` where it would run (CUDA with triton), so that an engine's first
+    delta sync pays no compilation; nothing elsewhere."""
+    if _default_backend(torch.empty(0, device=device)) == "triton":
+        from kvmove.sync.delta import triton_apply
+
+        triton_apply.warm(device)
+
+
 def _default_backend(positions: torch.Tensor) -> str:
     from kvmove.quant.quantizer import triton_available
 

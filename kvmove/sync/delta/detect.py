@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvmove.models.tensors import expert_of
-from kvmove.sync.delta.diff import diff, finder, program_steps, slot_steps
+from kvmove.sync.delta.diff import Steps, diff, finder, program_steps, slot_steps
 from kvmove.sync.delta.encoding import Encoding, Words, choose, longest_gap, most_changed, payload_words, write
 from kvmove.sync.planning.entries import ENGINE
 from kvmove.sync.planning.packing import ServeSpec
@@ -158,6 +158,8 @@ class Images:
     def __init__(self) -> None:
         self._kept: dict[tuple[str, int, int], _Kept] = {}
         self._words: dict[tuple[str, int, int], PullWords] = {}
+        self._steps: dict[tuple[str, int, int], tuple[Program, int, Steps | None]] = {}
+        """Per pull, its pack program's steps (a pull's program and slot are built once and replayed)."""
         self.counts: dict[str, int] = {}
         self._lock = threading.Lock()  # pulls of different engine ranks are packed on their own threads
 
@@ -171,6 +173,8 @@ class Images:
             del self._kept[key]
         for key in [k for k in self._words if k[1] == engine]:
             del self._words[key]
+        for key in [k for k in self._steps if k[1] == engine]:
+            del self._steps[key]
 
     def take_counts(self) -> dict[str, int]:
         with self._lock:
@@ -206,23 +210,25 @@ class Images:
         if vouched and kept is not None and not kept.wait and kept.judge():  # by cost: dense, then measured again
             self._add("pulls.dense_by_cost", 1)
         if kept is None or not vouched or kept.wait:
-            t0 = time.perf_counter()
+            t0 = _now(buf)
             program.run()
-            packed = time.perf_counter() - t0
+            packed = _now(buf) - t0
             kept = self._refresh(key, kept, sync_id, buf, pw.words)
             kept.costs.served("dense", packed)
             return self._dense(pw.words)
-        t0 = time.perf_counter()
-        coded = self._delta(kept, program, buf, pw, sync_id)
+        t0 = _now(buf)
+        coded = self._delta(key, kept, program, buf, pw, sync_id)
         if coded.encoding is Encoding.DENSE:  # by size: compared, then packed (not a dense pack's cost)
             kept.costs.served("dense", None)
         else:
-            kept.costs.served("delta", time.perf_counter() - t0)
+            kept.costs.served("delta", _now(buf) - t0)
         return coded
 
-    def _delta(self, kept: _Kept, program: Program, buf: torch.Tensor, pw: PullWords, sync_id: int) -> Coded:
+    def _delta(
+        self, key: tuple[str, int, int], kept: _Kept, program: Program, buf: torch.Tensor, pw: PullWords, sync_id: int
+    ) -> Coded:
         """Serve a pull whose engine rank holds the image's payload: the delta, or dense where it is no smaller."""
-        steps = None if finder(buf.device).packs_first else program_steps(program, buf, pw.words)
+        steps = None if finder(buf.device).packs_first else self._program_steps(key, program, buf, pw.words)
         if steps is None:  # compare the packed payload
             program.run()
             steps = slot_steps(buf, pw.words)
@@ -244,6 +250,16 @@ class Images:
         self._add(f"pulls.{encoding}", 1)
         self._add("sent_bytes", nbytes)
         return Coded(nbytes, encoding, changed)
+
+    def _program_steps(
+        self, key: tuple[str, int, int], program: Program, buf: torch.Tensor, words: Words
+    ) -> Steps | None:
+        """``program``'s steps into ``buf``, found once per pull (the program object and slot address vouch for
+        them: a pull rebuilt with another program or slot is found again)."""
+        found = self._steps.get(key)
+        if found is None or found[0] is not program or found[1] != buf.data_ptr():
+            found = self._steps[key] = (program, buf.data_ptr(), program_steps(program, buf, words))
+        return found[2]
 
     def note_read(self, key: tuple[str, int, int], seconds: float) -> None:
         """The engine rank read what pull ``key`` was last served as in ``seconds``: the link's side of its
@@ -279,6 +295,13 @@ class Images:
         for i, (cls, span) in enumerate(zip(pw.classes, pw.words.parts, strict=True)):
             self._add(f"changed.{cls}", ends[i + 1] - ends[i])
             self._add(f"words.{cls}", span.words)
+
+
+def _now(buf: torch.Tensor) -> float:
+    """The clock, once ``buf``'s device has run what was queued on it (a GPU's work is timed, not its launch)."""
+    if buf.is_cuda:
+        torch.cuda.current_stream(buf.device).synchronize()
+    return time.perf_counter()
 
 
 def summary(counts: Sequence[dict[str, int]]) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from kvmove.sync.delta.encoding import Words
 from kvmove.sync.programs import Program
 
 if TYPE_CHECKING:
-    from kvmove.sync.delta.triton_diff import Rows
+    from kvmove.sync.delta.triton_diff import Rows, Table
 
 Geometry = tuple[tuple[int, ...], tuple[int, ...]]
 Mask = Any
@@ -155,6 +155,9 @@ class Steps(NamedTuple):
     padding: torch.Tensor | None
     """The positions of the alignment padding between the parts (which a pack leaves as it was) where the steps
     read the packed slot: never reported as changed."""
+    tables: dict[int, Table | None]
+    """The Triton descriptor table of these steps per image address, built at the first comparison (None: the
+    finder compares them); a trainer keeps a pull's steps, so its table is built once."""
 
 
 class Changes(NamedTuple):
@@ -206,9 +209,9 @@ def program_steps(program: Program, buf: torch.Tensor, words: Words) -> Steps | 
         steps.append(step)
     steps.sort(key=lambda s: s.blocks[0])
     if all(a.end <= b.blocks[0] for a, b in itertools.pairwise(steps)):
-        return Steps(tuple(steps), None, packed=False, padding=None)
+        return Steps(tuple(steps), None, packed=False, padding=None, tables={})
     order = sorted((b, s, i) for s, step in enumerate(steps) for i, b in enumerate(step.blocks))
-    return Steps(tuple(steps), tuple((s, i) for _, s, i in order), packed=False, padding=None)
+    return Steps(tuple(steps), tuple((s, i) for _, s, i in order), packed=False, padding=None, tables={})
 
 
 def _step(dst: torch.Tensor, src: torch.Tensor, buf: torch.Tensor, words: Words) -> Step | None:
@@ -234,7 +237,7 @@ def slot_steps(buf: torch.Tensor, words: Words) -> Steps:
     src = buf[: words.dense_bytes].view(words.dtype)
     line = ((src.numel(),), (1,))
     step = Step(src, Flat.of(src), line, Flat(buf, 0, line), (0,))
-    return Steps((step,), None, packed=True, padding=padding(words, buf.device))
+    return Steps((step,), None, packed=True, padding=padding(words, buf.device), tables={})
 
 
 def padding(words: Words, device: torch.device) -> torch.Tensor:
@@ -252,9 +255,9 @@ def diff(steps: Steps, image: torch.Tensor, words: Words, limit: int, backend: s
     ``backend``: ``torch`` (the device's :data:`FINDERS`) or ``triton`` (:mod:`kvmove.sync.delta.triton_diff`: a
     stream compaction of every step in two launches, where every step is a stack of contiguous rows and no
     padding is to be dropped; else the finder); by default Triton for CUDA tensors where it is installed."""
-    rows = _rows(steps, image, words) if (backend or _default_backend(image)) == "triton" else None
-    if rows is not None:
-        return _diff_rows(steps, rows, image, words, limit)
+    t = _table(steps, image, words) if (backend or _default_backend(image)) == "triton" else None
+    if t is not None:
+        return _diff_table(steps, t, words, limit)
     find = finder(image.device)
     masks = [find.ne(step.src, step.on(image)) for step in steps.steps]
     if steps.padding is not None:
@@ -264,6 +267,15 @@ def diff(steps: Steps, image: torch.Tensor, words: Words, limit: int, backend: s
     flat = image.view(words.dtype)
     found = [_changed(step, flat, find.nonzero(m).to(image.device)) for step, m in zip(steps.steps, masks, strict=True)]
     return _concat(found) if steps.order is None else _in_order(steps, found)
+
+
+def warm(device: torch.device) -> None:
+    """Compile the Triton comparison on ``device`` where it would run (CUDA with triton), so that a trainer's first
+    delta sync pays no compilation; nothing elsewhere."""
+    if _default_backend(torch.empty(0, device=device)) == "triton":
+        from kvmove.sync.delta import triton_diff
+
+        triton_diff.warm(device)
 
 
 def _default_backend(image: torch.Tensor) -> str:
@@ -283,15 +295,24 @@ def _rows(steps: Steps, image: torch.Tensor, words: Words) -> list[Rows] | None:
     return None if any(r is None for r in rows) else [r for r in rows if r is not None]
 
 
-def _diff_rows(steps: Steps, rows: Sequence[Rows], image: torch.Tensor, words: Words, limit: int) -> Changes | None:
+def _table(steps: Steps, image: torch.Tensor, words: Words) -> Table | None:
+    """The Triton descriptor table of ``steps`` on ``image``, built once per steps and image (None: the finder)."""
+    from kvmove.sync.delta.triton_diff import table
+
+    if image.data_ptr() not in steps.tables:
+        rows = _rows(steps, image, words)
+        steps.tables[image.data_ptr()] = None if rows is None else table(rows, image, words.dtype)
+    return steps.tables[image.data_ptr()]
+
+
+def _diff_table(steps: Steps, t: Table, words: Words, limit: int) -> Changes | None:
     """:func:`diff` by the Triton compaction: two launches for every step of the pull and one host synchronization
     (each step's count)."""
-    from kvmove.sync.delta.triton_diff import compact, count, table
+    from kvmove.sync.delta.triton_diff import compact, count
 
-    t = table(rows, image, words.dtype)
     counts = count(t)
     ends = torch.cumsum(counts, 0, dtype=torch.int64)
-    bounds = [0, *ends.index_select(0, torch.tensor(t.ends, device=ends.device) - 1).tolist()]
+    bounds = [0, *ends.index_select(0, t.last).tolist()]
     if bounds[-1] > limit:
         return None
     every = Changes(*compact(t, counts, ends, bounds[-1]))  # in step order

@@ -23,16 +23,14 @@ BLOCK = 1024
 """Positions per program."""
 
 
-@triton.jit
-def _scatter_kernel(
-    base_ptr, pos_ptr, val_ptr, bounds_ptr, shifts_ptr, n, parts, STEPS: tl.constexpr, BLOCK: tl.constexpr
-):
+@triton.jit(do_not_specialize=["n", "parts", "steps"])
+def _scatter_kernel(base_ptr, pos_ptr, val_ptr, bounds_ptr, shifts_ptr, n, parts, steps, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
     p = tl.load(pos_ptr + i, mask=inside, other=0)
     lo = tl.zeros((BLOCK,), dtype=tl.int32)
     hi = tl.zeros((BLOCK,), dtype=tl.int32) + parts
-    for _ in tl.static_range(STEPS):  # bounds[lo] <= p < bounds[hi]
+    for _ in range(steps):  # bounds[lo] <= p < bounds[hi]
         mid = (lo + hi) // 2
         go = tl.load(bounds_ptr + mid) <= p
         open_ = hi - lo > 1
@@ -50,5 +48,20 @@ def scatter(
     n, parts = positions.numel(), shift.numel()
     if n:
         _scatter_kernel[(triton.cdiv(n, BLOCK),)](
-            base, positions, values, bounds, shift, n, parts, STEPS=max(parts - 1, 1).bit_length(), BLOCK=BLOCK
+            base, positions, values, bounds, shift, n, parts, max(parts - 1, 1).bit_length(), BLOCK=BLOCK
+        )
+
+
+def warm(device: torch.device | str) -> None:
+    """Compile the kernel for every word type (one compilation serves any pull: sizes are not specialized)."""
+    for unit in (torch.int16, torch.uint8):
+        base = torch.zeros(8, dtype=unit, device=device)
+        bounds = torch.tensor([0, 4, 8], dtype=torch.int64, device=device)
+        positions = torch.arange(8, dtype=torch.int64, device=device)
+        scatter(
+            base,
+            positions,
+            torch.ones(8, dtype=unit, device=device),
+            bounds,
+            torch.zeros(2, dtype=torch.int64, device=device),
         )

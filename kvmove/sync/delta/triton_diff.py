@@ -95,8 +95,8 @@ class Table(NamedTuple):
     fields: torch.Tensor
     owner: torch.Tensor
     """Each program's step (int32)."""
-    ends: tuple[int, ...]
-    """The program past each step's last."""
+    last: torch.Tensor
+    """Each step's last program (int64, on the image's device)."""
 
 
 def table(rows: Sequence[Rows], image: torch.Tensor, word: torch.dtype) -> Table:
@@ -115,9 +115,9 @@ def table(rows: Sequence[Rows], image: torch.Tensor, word: torch.dtype) -> Table
     device = image.device
     count = torch.tensor(programs, dtype=torch.int64)
     owner = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), count).to(device)
-    ends = tuple(int(e) for e in torch.cumsum(count, 0)) if programs else ()
+    last = (torch.cumsum(count, 0) - 1).to(device)
     at = torch.tensor(fields, dtype=torch.int64).view(-1, FIELDS)
-    return Table(words, at.to(device), owner, ends)
+    return Table(words, at.to(device), owner, last)
 
 
 @triton.jit
@@ -182,3 +182,13 @@ def compact(t: Table, counts: torch.Tensor, ends: torch.Tensor, total: int) -> C
     if total:
         _compact_kernel[(len(t.owner),)](t.image, t.fields, t.owner, counts, ends, positions, values, CHUNK=CHUNK)
     return Compacted(positions, values)
+
+
+def warm(device: torch.device | str) -> None:
+    """Compile both kernels for every word type (tables hold every size, so one compilation serves any pull)."""
+    for word in (torch.int16, torch.uint8):
+        image = torch.zeros(2 * CHUNK * word.itemsize, dtype=torch.uint8, device=device)
+        new = torch.ones(CHUNK, dtype=word, device=device)
+        t = table([Rows(new.view(1, 1, CHUNK), image.view(word)[:CHUNK].view(1, 1, CHUNK), 0)], image, word)
+        counts = count(t)
+        compact(t, counts, torch.cumsum(counts, 0, dtype=torch.int64), CHUNK)

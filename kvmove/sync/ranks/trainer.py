@@ -19,6 +19,7 @@ import torch
 
 from kvmove.errors import KvmoveError
 from kvmove.sync.delta.detect import Coded, Images
+from kvmove.sync.delta.diff import warm as warm_comparison
 from kvmove.sync.planning.blueprint import PullSpecs, TrainerSync
 from kvmove.sync.planning.direct import shard_views
 from kvmove.sync.planning.packing import ServeSpec
@@ -94,6 +95,8 @@ class TrainerRank:
         self._streams = Streams()
         self.images = Images()
         """Delta syncs: what each engine rank was last served, per pull (kvmove.sync.delta.detect)."""
+        for device in {t.device for s in self.slots.values() for t in s if t.is_cuda}:
+            warm_comparison(device)  # a first delta sync pays no compilation
 
     def slot_bytes(self, strategy: str) -> int:
         return sum(s.numel() for s in self.slots.get(strategy, ()))
