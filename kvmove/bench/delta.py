@@ -140,15 +140,14 @@ def delta_bench(bench: DeltaBench, say: Say) -> list[Row]:
     """``bench.steps`` rows (see the module docstring); raises if a landed tensor differs from the image."""
     from kvmove.models import model_totals, resolve_model
     from kvmove.models.table import hf_tensors
-    from kvmove.sync.delta.apply import warm as warm_scatter
-    from kvmove.sync.delta.diff import warm as warm_comparison
+    from kvmove.sync.delta import warm
 
     cfg = resolve_model(bench.model, {"num_hidden_layers": bench.layers})
     total = model_totals(cfg).total_bytes
     say(f"delta: {cfg.name} with {bench.layers} layers, {total / 1e9:.1f} GB, {bench.steps} steps at lr {bench.lr}")
     copy = device_copy_gbps(bench.device, bench.copy_bytes)
-    warm_comparison(torch.device(bench.device))  # as a trainer rank does at init
-    warm_scatter(torch.device(bench.device))  # and an engine rank
+    for side in ("trainer", "engine"):  # as ranks do at init
+        warm(torch.device(bench.device), side)
     timers = [_Timer(bench.device) for _ in range(bench.steps)]
     counts: list[list[dict[str, int]]] = [[] for _ in range(bench.steps)]
     for group in pulls(hf_tensors(cfg)):

@@ -10,3 +10,21 @@
 - :mod:`~kvmove.sync.delta.stepping`: a realistic training step to measure it on (FP32 master weights stepped by
   AdamW, a BF16 image), and its replay for verification.
 """
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from kvmove.quant.quantizer import default_backend
+
+KERNELS = {"trainer": "kvmove.sync.delta.triton_diff", "engine": "kvmove.sync.delta.triton_apply"}
+"""The Triton kernels each side of a delta sync runs on CUDA: the trainer's comparison, the engine's scatter."""
+
+
+def warm(device: torch.device, side: str) -> None:
+    """Compile ``side``'s delta kernels on ``device`` where they would run (CUDA with triton), so that its first
+    delta sync pays no compilation; nothing elsewhere."""
+    if default_backend(torch.empty(0, device=device)) == "triton":
+        importlib.import_module(KERNELS[side]).warm(device)

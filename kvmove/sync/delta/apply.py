@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvmove.quant.quantizer import default_backend
 from kvmove.sync.delta.diff import merged
 from kvmove.sync.delta.encoding import Encoding, Words, payload_words, read
 
@@ -85,7 +86,7 @@ class Scatter(NamedTuple):
 
         ``backend``: ``torch`` or ``triton`` (one launch; only where :attr:`flat_shifts` is set); by default
         Triton for CUDA tensors where it is installed and applies."""
-        if self.flat_shifts is not None and (backend or _default_backend(positions)) == "triton":
+        if self.flat_shifts is not None and (backend or default_backend(positions)) == "triton":
             from kvmove.sync.delta.triton_apply import scatter
 
             scatter(self.storages[0], positions, values.view(self.unit), self.bounds, self.flat_shifts)
@@ -108,21 +109,6 @@ class Scatter(NamedTuple):
         for s, lo, hi in zip(self.runs, bounds, bounds[1:], strict=False):
             if hi > lo:
                 self.storages[s].index_copy_(0, at[lo:hi], values[lo:hi])
-
-
-def warm(device: torch.device) -> None:
-    """Compile the Triton scatter on ``device`` where it would run (CUDA with triton), so that an engine's first
-    delta sync pays no compilation; nothing elsewhere."""
-    if _default_backend(torch.empty(0, device=device)) == "triton":
-        from kvmove.sync.delta import triton_apply
-
-        triton_apply.warm(device)
-
-
-def _default_backend(positions: torch.Tensor) -> str:
-    from kvmove.quant.quantizer import triton_available
-
-    return "triton" if positions.is_cuda and triton_available() else "torch"
 
 
 def _geometry(dsts: Sequence[torch.Tensor], size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
+from kvmove.quant.quantizer import default_backend
 from kvmove.sync.delta.encoding import Words
 from kvmove.sync.programs import Program
 
@@ -255,7 +256,7 @@ def diff(steps: Steps, image: torch.Tensor, words: Words, limit: int, backend: s
     ``backend``: ``torch`` (the device's :data:`FINDERS`) or ``triton`` (:mod:`kvmove.sync.delta.triton_diff`: a
     stream compaction of every step in two launches, where every step is a stack of contiguous rows and no
     padding is to be dropped; else the finder); by default Triton for CUDA tensors where it is installed."""
-    t = _table(steps, image, words) if (backend or _default_backend(image)) == "triton" else None
+    t = _table(steps, image, words) if (backend or default_backend(image)) == "triton" else None
     if t is not None:
         return _diff_table(steps, t, words, limit)
     find = finder(image.device)
@@ -267,21 +268,6 @@ def diff(steps: Steps, image: torch.Tensor, words: Words, limit: int, backend: s
     flat = image.view(words.dtype)
     found = [_changed(step, flat, find.nonzero(m).to(image.device)) for step, m in zip(steps.steps, masks, strict=True)]
     return _concat(found) if steps.order is None else _in_order(steps, found)
-
-
-def warm(device: torch.device) -> None:
-    """Compile the Triton comparison on ``device`` where it would run (CUDA with triton), so that a trainer's first
-    delta sync pays no compilation; nothing elsewhere."""
-    if _default_backend(torch.empty(0, device=device)) == "triton":
-        from kvmove.sync.delta import triton_diff
-
-        triton_diff.warm(device)
-
-
-def _default_backend(image: torch.Tensor) -> str:
-    from kvmove.quant.quantizer import triton_available
-
-    return "triton" if image.is_cuda and triton_available() else "torch"
 
 
 def _rows(steps: Steps, image: torch.Tensor, words: Words) -> list[Rows] | None:

@@ -28,8 +28,8 @@ from torch import nn
 
 from kvmove.errors import KvmoveError
 from kvmove.quant.quantizer import non_finite_blocks
+from kvmove.sync.delta import warm as warm_delta
 from kvmove.sync.delta.apply import Patch
-from kvmove.sync.delta.apply import warm as warm_scatter
 from kvmove.sync.planning.entries import Entry
 from kvmove.sync.planning.plan import ShardingPlan
 from kvmove.sync.planning.schedule import Pull, PullPlan
@@ -79,7 +79,7 @@ class EngineRank:
         self.mapped_bytes = 0
         """FP8 bytes landed by mapped pulls since :meth:`take_mapped_bytes`."""
         for device in {t.device for r in self.recv.values() for t in r if t.is_cuda}:
-            warm_scatter(device)  # a first delta sync pays no compilation
+            warm_delta(device, "engine")  # a first delta sync pays no compilation
 
     def map_arenas(self, arenas: Mapping[int, torch.Tensor]) -> None:
         """The arenas of the trainer ranks this rank's mapped pulls quantize from, mapped into this process."""

@@ -18,8 +18,8 @@ from typing import NamedTuple
 import torch
 
 from kvmove.errors import KvmoveError
+from kvmove.sync.delta import warm as warm_delta
 from kvmove.sync.delta.detect import Coded, Images
-from kvmove.sync.delta.diff import warm as warm_comparison
 from kvmove.sync.planning.blueprint import PullSpecs, TrainerSync
 from kvmove.sync.planning.direct import shard_views
 from kvmove.sync.planning.packing import ServeSpec
@@ -96,7 +96,7 @@ class TrainerRank:
         self.images = Images()
         """Delta syncs: what each engine rank was last served, per pull (kvmove.sync.delta.detect)."""
         for device in {t.device for s in self.slots.values() for t in s if t.is_cuda}:
-            warm_comparison(device)  # a first delta sync pays no compilation
+            warm_delta(device, "trainer")  # a first delta sync pays no compilation
 
     def slot_bytes(self, strategy: str) -> int:
         return sum(s.numel() for s in self.slots.get(strategy, ()))
