@@ -20,10 +20,12 @@ from kvmove.sync.delta.detect import REGION_CLASSES
 
 TRAINER_KEYS = ("send", "pack", "regions", "calls", "yield", "h2d", "quant")
 ENGINE_KEYS = (
-    "recv", "kept", "scatter", "regions", "direct", "pulls", "direct_pulls", "quant", "layer_bytes",
+    "recv", "kept", "scatter", "regions", "direct", "pulls", "direct_pulls", "quant", "layer_bytes", "mapped",
     *(f"recv.{c}" for c in REGION_CLASSES),
 )  # fmt: skip
-"""``recv.CLASS``: the received bytes of one region class (``kvmove.sync.delta.detect``), for delta pricing."""
+"""``mapped``: BF16 bytes an engine rank quantizes itself from a trainer rank's mapped arena (mapped pulls:
+``kvmove.bench.sim.mapped``), kept but neither received nor landed. ``recv.CLASS``: the received bytes of one
+region class (``kvmove.sync.delta.detect``), for delta pricing."""
 
 
 @dataclass(frozen=True, eq=False)
