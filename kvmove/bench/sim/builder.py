@@ -242,6 +242,7 @@ class _Builder:
             return demand
         mine, moved = keepers[mask], tensors[mask] * es.keep * w
         self.e["mapped"][g, mine] += tensors[mask] * es.keep * bf
+        self.e["mapped_kept"][g, mine] += moved
         for key in ("recv", f"recv.{region_class(planned.tensor)}"):
             self.e[key][g, mine] -= moved
         return keepers[~mask], tensors[~mask], index[~mask], owner

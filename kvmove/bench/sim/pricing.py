@@ -61,7 +61,7 @@ class Prediction:
     seconds: float
     phases: dict[str, float]
     bytes_moved: float
-    """Wire bytes the engine ranks receive, all replicas."""
+    """Wire bytes the engine ranks receive, and FP8 bytes they land from mapped arenas, all replicas."""
     bytes_kept: float
     speed_of_light_seconds: float
     """This strategy's transfers at line rate, everything at once (no overheads, no efficiencies)."""
@@ -114,7 +114,7 @@ def price(traffic: Traffic, s: SimSetup, book: CostBook, totals: Traffic | None 
         strategy=traffic.strategy.name,
         seconds=seconds,
         phases=phases,
-        bytes_moved=traffic.received_per_replica * s.engine.replicas,
+        bytes_moved=traffic.moved_per_replica * s.engine.replicas,
         bytes_kept=traffic.kept_per_replica * s.engine.replicas,
         speed_of_light_seconds=sol,
         receiver_bound_seconds=float(whole.total("engine", "kept").max())

@@ -59,6 +59,7 @@ def test_a_colocated_cuda_ipc_fp8_v3_sync_is_priced_with_mapped_pulls() -> None:
     assert ahead_seconds(t, s, BOOK) == pytest.approx(quantize)
     assert p.seconds >= quantize and p.phases["load"] >= quantize  # started ahead, on a stream of their own
     assert p.seconds >= p.speed_of_light_seconds >= floor_seconds(t, s) > 0
+    assert p.bytes_moved == pytest.approx(kept)  # landed from the arena or read directly, as the executors count
 
 
 def test_a_disaggregated_fp8_sync_packs_what_a_colocated_one_maps() -> None:
