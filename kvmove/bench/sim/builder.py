@@ -8,7 +8,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvmove.bench.sim.groups import Item, host_owner, units
+from kvmove.bench.sim.groups import Demand, Item, by_owner, host_owner, units
+from kvmove.bench.sim.mapped import Mapper, entry
 from kvmove.bench.sim.setup import SimSetup
 from kvmove.bench.sim.shards import (
     Split,
@@ -23,6 +24,7 @@ from kvmove.bench.sim.shards import (
 from kvmove.bench.sim.strategies import SimStrategy
 from kvmove.bench.sim.traffic import ENGINE_KEYS, TRAINER_KEYS, Traffic
 from kvmove.sync.delta.detect import region_class
+from kvmove.sync.planning.entries import PLAIN, Entry
 
 
 def build_traffic(setup: SimSetup, strategy: SimStrategy) -> Traffic:
@@ -47,10 +49,6 @@ class Contribution(NamedTuple):
     stage: int
 
 
-Demand = tuple[np.ndarray, np.ndarray, np.ndarray, int | None]
-"""(keeper local ranks, tensors each keeps, slice index each reads, trainer EP owner it reads from)."""
-
-
 class _Builder:
     """Accumulates one strategy's per-group arrays, item by item (one occurrence of each group)."""
 
@@ -70,6 +68,7 @@ class _Builder:
             np.array([getattr(c, k) for c in tc]) for k in ("pp", "tp", "ep", "etp")
         )
         self._cache: dict[tuple[object, ...], Contribution] = {}
+        self.mapper = Mapper(s)
         self._reloads: dict[tuple[object, ...], np.ndarray] = {}
         self._scratch: _Builder | None = _Builder(s, strategy, 1, scratch=True) if groups and not scratch else None
 
@@ -144,32 +143,29 @@ class _Builder:
         demands = self._demands(item, es)
         for keepers, tensors, _, _ in demands:
             self._keep(g, keepers, tensors, es.keep * w, es.keep * bf, region_class(item.name))
+        planned = entry(item.name, item.shape, bf > 0 and s.quantize_on == "trainer", self._reads_shard(es, ts))
         if self.strategy.broadcast:
             self._broadcast(g, item, es, ts, w, bf)
-        elif self._direct(es, ts, bf):
+        elif planned.shard and planned.transform == PLAIN:  # a direct read
             assert ts is not None
             for demand in demands:
                 self._serve_direct(g, demand, es, ts, w)
         else:
-            for demand in demands:
+            packed = [d for d in (self._serve_mapped(g, planned, d, es, ts, w, bf) for d in demands) if len(d[0])]
+            for demand in packed:
                 self._serve_packed(g, item, demand, es, ts, w, bf)
-            self._materialize(g, item, ts, demands)
+            if packed or not demands:
+                self._materialize(g, item, ts, packed)
 
     @property
     def _megatron(self) -> bool:
         return self.s.trainer.kind == "megatron"
 
-    def _direct(self, es: Split, ts: Split | None, bf: float) -> bool:
-        s = self.s
-        quantized_on_trainer = bf > 0 and s.quantize_on == "trainer"
-        return (
-            s.direct
-            and s.delta is None  # a delta sync plans direct reads packed (kvmove.sync.driver.checks.delta_checked)
-            and self.strategy.scope == "stage"
-            and ts is not None
-            and nested(es, ts)
-            and not quantized_on_trainer
-        )
+    def _reads_shard(self, es: Split, ts: Split | None) -> bool:
+        """Whether the strategy serves the item from the raw shard holding each engine slice: read directly, or,
+        for a cover the trainer quantizes, mapped or packed from that shard."""
+        s = self.s  # a delta sync plans direct reads packed (kvmove.sync.driver.checks.delta_checked)
+        return s.direct and s.delta is None and self.strategy.scope == "stage" and ts is not None and nested(es, ts)
 
     # --- the engine side --------------------------------------------------------------------------------------
     def _demands(self, item: Item, es: Split) -> list[Demand]:
@@ -187,12 +183,12 @@ class _Builder:
             for j in np.unique(owner_e):
                 keeper = np.flatnonzero(stage & (self.e_ep == j))
                 mine = owner_e == j
-                out += _by_owner(
+                out += by_owner(
                     keeper, int(mine.sum()), None if owner_t is None else owner_t[mine], self._index(es, keeper)
                 )
             return out
         keepers = np.flatnonzero(stage)
-        return _by_owner(keepers, item.experts, owner_t, self._index(es, keepers))
+        return by_owner(keepers, item.experts, owner_t, self._index(es, keepers))
 
     def _index(self, es: Split, keepers: np.ndarray) -> np.ndarray:
         return np.array([slice_index(es, self.s.engine, int(t)) for t in self.e_tp[keepers]], dtype=np.int64)
@@ -230,6 +226,26 @@ class _Builder:
             self.t["send"][g, holders] += n * es.keep * w / len(holders)
             self.e["direct"][g, k] += n
             self.sources[g].add((int(k), ("shard", ts.stage, owner, shard, tuple(holders))))
+
+    def _serve_mapped(
+        self, g: int, planned: Entry, demand: Demand, es: Split, ts: Split | None, w: float, bf: float
+    ) -> Demand:
+        """Keepers that quantize the item themselves from a trainer rank's mapped arena (``kvmove.bench.sim.mapped``)
+        take its BF16 bytes as mapped and receive nothing; the rest of the demand is returned, to be packed."""
+        keepers, tensors, index, owner = demand
+        if ts is None:
+            return demand
+        mask = self.mapper.mapped(
+            planned, keepers, lambda i: self._holders(ts, owner, trainer_shard_of(es, ts, int(index[i])), None)
+        )
+        if not mask.any():
+            return demand
+        mine, moved = keepers[mask], tensors[mask] * es.keep * w
+        self.e["mapped"][g, mine] += tensors[mask] * es.keep * bf
+        self.e["mapped_kept"][g, mine] += moved
+        for key in ("recv", f"recv.{region_class(planned.tensor)}"):
+            self.e[key][g, mine] -= moved
+        return keepers[~mask], tensors[~mask], index[~mask], owner
 
     def _serve_packed(
         self, g: int, item: Item, demand: Demand, es: Split, ts: Split | None, w: float, bf: float
@@ -376,10 +392,3 @@ class _Builder:
                     holders = np.asarray(key[2])
                     calls[g, holders] += 1.0 / len(holders)
         return Traffic(self.strategy, count, self.stage, self.layers, self.t, self.e, self.gather, self.max_request)
-
-
-def _by_owner(keepers: np.ndarray, experts: int, owner_t: np.ndarray | None, index: np.ndarray) -> list[Demand]:
-    """Split one keeper group's expert tensors by the trainer EP rank that owns them."""
-    if owner_t is None:
-        return [(keepers, np.full(len(keepers), float(experts)), index, None)]
-    return [(keepers, np.full(len(keepers), float((owner_t == i).sum())), index, int(i)) for i in np.unique(owner_t)]

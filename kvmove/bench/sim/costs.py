@@ -168,6 +168,11 @@ def check_value(name: str, value: float) -> None:
         )
 
 
+QUANTIZE_TRAFFIC = 1.5
+"""HBM bytes FP8 block quantization moves per BF16 byte: it reads 2 B and writes 1 B per element (the FP32 block
+scales are a rounding error)."""
+
+
 @dataclass(frozen=True)
 class CostBook:
     """Every cost the simulator prices with, each with its provenance."""
@@ -181,6 +186,10 @@ class CostBook:
 
     def __getitem__(self, name: str) -> float:
         return self.costs[name].value
+
+    def quantize_seconds(self, bf16: Any, hbm_rate: float) -> Any:
+        """Seconds to quantize ``bf16`` BF16 bytes (a number or an array) to FP8 on a GPU of this HBM line rate."""
+        return QUANTIZE_TRAFFIC * bf16 / (hbm_rate * self["quantize_efficiency"])
 
     def defaults(self) -> list[str]:
         """Costs without a measurement of ours (flagged in the report)."""

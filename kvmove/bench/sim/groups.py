@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from kvmove.bench.sim.setup import SimSetup
 from kvmove.bench.sim.shards import wire_bytes
 from kvmove.bench.sim.strategies import SimStrategy
@@ -227,3 +229,15 @@ def _with_layers(groups: list[list[Item]], s: SimSetup) -> list[Unit]:
     return [
         Unit(group, 1.0, len(done.get(g, [])), layer_items(s.model, done.get(g, []))) for g, group in enumerate(groups)
     ]
+
+
+Demand = tuple[np.ndarray, np.ndarray, np.ndarray, int | None]
+"""Who wants an item: (keeper local ranks, tensors each keeps, slice index each reads, trainer EP owner it reads
+from)."""
+
+
+def by_owner(keepers: np.ndarray, experts: int, owner_t: np.ndarray | None, index: np.ndarray) -> list[Demand]:
+    """Split one keeper group's expert tensors by the trainer EP rank that owns them."""
+    if owner_t is None:
+        return [(keepers, np.full(len(keepers), float(experts)), index, None)]
+    return [(keepers, np.full(len(keepers), float((owner_t == i).sum())), index, int(i)) for i in np.unique(owner_t)]

@@ -21,7 +21,7 @@ from typing import Any
 
 import pandas as pd
 
-from kvmove.bench.sim.costs import SPECS, Cost, CostBook, default_book
+from kvmove.bench.sim.costs import QUANTIZE_TRAFFIC, SPECS, Cost, CostBook, default_book
 from kvmove.bench.sim.counts import Counts, row_counts
 from kvmove.bench.sim.hardware import Gpu
 from kvmove.bench.sim.matching import TARGETS
@@ -265,7 +265,7 @@ def _quantize(df: pd.DataFrame) -> list[Sample]:
             continue
         seconds -= counts.calls * _median(df, "pack_call_s")
         if seconds > 0:
-            out.append(Sample(1.5 * counts.quant / seconds / (r["gpu"].hbm_gbps * 1e9), row_ref(r)))
+            out.append(Sample(QUANTIZE_TRAFFIC * counts.quant / seconds / (r["gpu"].hbm_gbps * 1e9), row_ref(r)))
     return out
 
 

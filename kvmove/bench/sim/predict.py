@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 from kvmove.bench.sim.builder import build_traffic
 from kvmove.bench.sim.costs import CostBook
 from kvmove.bench.sim.delta import apply_delta
+from kvmove.bench.sim.mapped import mapping_key
 from kvmove.bench.sim.pricing import Prediction, price
 from kvmove.bench.sim.setup import SimSetup
 from kvmove.bench.sim.strategies import SimStrategy
@@ -18,8 +19,9 @@ _CACHE_LIMIT = 96
 
 
 def traffic_for(s: SimSetup, strategy: SimStrategy) -> Traffic:
-    """The traffic of ``strategy`` on ``s``, built once per process (it does not depend on costs or topology); a
-    delta sync's is the dense traffic with its changed fractions applied."""
+    """The traffic of ``strategy`` on ``s``, built once per process (it depends on no cost and on the topology only
+    through where mapped pulls are planned: ``kvmove.bench.sim.mapped.mapping_key``); a delta sync's is the dense
+    traffic with its changed fractions applied."""
     key = (
         s.model,
         s.trainer,
@@ -32,6 +34,7 @@ def traffic_for(s: SimSetup, strategy: SimStrategy) -> Traffic:
         s.group_size,
         s.bucket_bytes,
         s.ep_gather,
+        mapping_key(s),
         strategy,
     )
     dense = _cached(key, lambda: build_traffic(s, strategy))

@@ -9,8 +9,11 @@ busiest rank's work:
 - transfer: the busiest link (each GPU's NIC share and each node's NICs, both sides; NVLink when colocated) at the
   transport's efficiency, plus per-pull and per-region operation costs;
 - relay (fan-out between replicas): per hop, the forwarding GPU's bytes at the same efficiency;
-- load: regions x load_region_s + scattered bytes at the load rate + engine-side quantization, and, with the
-  published engine's layer-wise reload, reload_layer_s and a copy of its bytes per decoder layer.
+- load: regions x load_region_s + scattered bytes at the load rate + engine-side quantization (the engine's own, or
+  its mapped pulls' one after another: ``kvmove.bench.sim.mapped``), and, with the published engine's layer-wise
+  reload, reload_layer_s and a copy of its bytes per decoder layer.
+Mapped pulls started ahead (v3) run on their own stream from the sync's start: the sync lasts at least their
+quantization, and no sync beats it at the HBM's line rate.
 Unpipelined strategies run phases and steps back to back; pipelined ones flow through the phases with at most
 ``lookahead`` groups gathered ahead of release and ``num_buffers`` groups between transfer and load.
 Every rate is a vendor line rate times an efficiency in (0, 1], so no step beats its own line-rate transfer.
@@ -24,7 +27,9 @@ from typing import NamedTuple
 import numpy as np
 
 from kvmove.bench.sim.costs import CostBook
+from kvmove.bench.sim.flow import flow_shop, one_update
 from kvmove.bench.sim.hardware import rounds
+from kvmove.bench.sim.mapped import ahead_seconds, floor_seconds
 from kvmove.bench.sim.setup import BUCKET_CALLS, SimSetup
 from kvmove.bench.sim.traffic import Traffic
 
@@ -56,7 +61,7 @@ class Prediction:
     seconds: float
     phases: dict[str, float]
     bytes_moved: float
-    """Wire bytes the engine ranks receive, all replicas."""
+    """Wire bytes the engine ranks receive, and FP8 bytes they land from mapped arenas, all replicas."""
     bytes_kept: float
     speed_of_light_seconds: float
     """This strategy's transfers at line rate, everything at once (no overheads, no efficiencies)."""
@@ -86,24 +91,30 @@ def price(traffic: Traffic, s: SimSetup, book: CostBook, totals: Traffic | None 
     steps = _steps(traffic, s)
     table = _phase_table(steps, traffic, s, book)
     if s.constraints.one_update and len(np.unique(steps.stage)) > 1:
-        seconds = _one_update(table, steps.stage)
+        seconds = one_update(table, steps.stage)
     elif traffic.strategy.pipelined:
-        seconds = _flow_shop(table, s)
+        seconds = flow_shop(table, s)
     else:
         seconds = float((table.sum(axis=0) * steps.times).sum())
+    mapped = ahead_seconds(whole, s, book)  # on a stream of their own from the sync's start (v3)
+    seconds = max(seconds, mapped)
     if s.cold:
         seconds += book["cold_s_per_byte"] * float(whole.total("engine", "kept").max())
     seconds += book["sync_s"]
     seconds += _host_rounds(whole, s, book)
     phases = _phase_sums(table, steps.times)
+    phases["load"] += mapped
     whole_steps = _steps(whole, s)
+    floor = floor_seconds(whole, s)  # the engines' mapped quantization at the HBM's line rate
     sol, link = _speed_of_light(whole, s, whole_steps, by_stage=False)
     serial, _ = _speed_of_light(whole, s, whole_steps, by_stage=True)
+    if floor > sol:
+        sol, serial, link = floor, max(serial, floor), "HBM (mapped quantization)"
     return Prediction(
         strategy=traffic.strategy.name,
         seconds=seconds,
         phases=phases,
-        bytes_moved=traffic.received_per_replica * s.engine.replicas,
+        bytes_moved=traffic.moved_per_replica * s.engine.replicas,
         bytes_kept=traffic.kept_per_replica * s.engine.replicas,
         speed_of_light_seconds=sol,
         receiver_bound_seconds=float(whole.total("engine", "kept").max())
@@ -157,7 +168,6 @@ def _phase_table(st: Steps, traffic: Traffic, s: SimSetup, book: CostBook) -> np
     replica's load in the flow, outside the first replica's receive-buffer window."""
     c = s.cluster
     copy = c.hbm_rate / 2 * book["copy_efficiency"]
-    quant = c.hbm_rate * book["quantize_efficiency"]
     pack_times = 1.0 if (s.constraints.synchronized_replicas or traffic.strategy.broadcast) else _served(s)
     t = st.t
     gather = _gather(st, s, book, traffic.strategy.grouping == "tensor", traffic.strategy.broadcast and s.funnel)
@@ -166,7 +176,7 @@ def _phase_table(st: Steps, traffic: Traffic, s: SimSetup, book: CostBook) -> np
     pack = _rank_max(
         t["calls"] * book["pack_call_s"]
         + t["pack"] / (copy * book["pack_efficiency"])
-        + 1.5 * t["quant"] / quant
+        + book.quantize_seconds(t["quant"], c.hbm_rate)
         + host * book["host_register_s_per_byte"]
         + t.get("detect", 0.0) / (copy * book["delta_detect_efficiency"])
     )
@@ -181,7 +191,7 @@ def _phase_table(st: Steps, traffic: Traffic, s: SimSetup, book: CostBook) -> np
     load = _rank_max(
         calls * book["loader_tensor_s" if own_loader else "load_call_s"]
         + e["scatter"] / (copy * book["load_efficiency"])
-        + 1.5 * e["quant"] / quant
+        + book.quantize_seconds(e["quant"] + (0.0 if traffic.strategy.ahead else e["mapped"]), c.hbm_rate)
         + e.get("apply", 0.0) / (copy * book["delta_apply_efficiency"])
     )
     if s.constraints.layerwise_reload:
@@ -365,36 +375,3 @@ def _phase_sums(table: np.ndarray, count: np.ndarray) -> dict[str, float]:
     for name, row in zip(rows, table, strict=True):
         out[name] = out.get(name, 0.0) + float((row * count).sum())
     return out
-
-
-def _one_update(table: np.ndarray, stage: np.ndarray) -> float:
-    """Each pipeline stage prepares (gathers, packs) its next group once its previous one has landed; the engines
-    take one group at a time (transfer, load, relays), in the order the stages offer them."""
-    prepare, deliver = table[:2].sum(axis=0), table[2:].sum(axis=0)
-    ready: dict[int, float] = {}
-    engine = 0.0
-    seen: dict[int, int] = {}
-    turn = []
-    for k in stage:  # the stages offer their groups in turn
-        seen[int(k)] = seen.get(int(k), -1) + 1
-        turn.append(seen[int(k)])
-    for g in sorted(range(len(stage)), key=lambda g: (turn[g], int(stage[g]))):
-        k = int(stage[g])
-        start = max(ready.get(k, 0.0) + prepare[g], engine)
-        ready[k], engine = start + table[2, g], start + deliver[g]  # the stage goes on once its bytes have landed
-    return engine
-
-
-def _flow_shop(table: np.ndarray, s: SimSetup) -> float:
-    """Makespan of steps through the phases, each phase one server, with bounded buffers."""
-    phases, n = table.shape
-    done = np.zeros((phases, n))
-    for g in range(n):
-        for p in range(phases):
-            start = max(done[p - 1, g] if p else 0.0, done[p, g - 1] if g else 0.0)
-            if p == 0 and g > s.lookahead:
-                start = max(start, done[2, g - s.lookahead - 1])  # gather waits for a group's release
-            if p == 2 and g >= s.num_buffers:
-                start = max(start, done[3, g - s.num_buffers])  # a receive slot frees once its group is loaded
-            done[p, g] = start + table[p, g]
-    return float(done[:, -1].max()) if n else 0.0

@@ -1,7 +1,8 @@
 """The strategies the simulator prices: the planner's own registry (``kvmove.sync.strategies``), read as data.
 
 Each :class:`SimStrategy` is a planner :class:`~kvmove.sync.strategies.Strategy` seen through the four facts the
-pricing needs (its grouping, its gather scope, whether it broadcasts, whether its phases overlap), so the
+pricing needs (its grouping, its gather scope, whether it broadcasts, whether its phases overlap, whether engine
+ranks start their direct and mapped pulls at once), so the
 simulator keeps no second list of what v1/v2/v3/broadcast do. One more strategy is priced that kvmove does not
 run: ``broadcast-pipelined``, MoonshotAI checkpoint-engine's bucketed host-to-device + broadcast pipeline, built as
 a planner ``Strategy`` value so its published figures can be simulated as the setup they describe.
@@ -34,13 +35,16 @@ class SimStrategy:
     """``grouping``: the unit of gather, transfer and release ("tensor", "stage" or "layer");
     ``scope``: which trainer ranks hold a full tensor when engine ranks read it ("global": every rank;
     "stage": the ranks of its pipeline stage, experts only their expert-parallel owners; "root": one rank
-    broadcasts it); ``pipelined``: groups flow through the phases overlapped, with bounded buffers."""
+    broadcasts it); ``pipelined``: groups flow through the phases overlapped, with bounded buffers; ``ahead``:
+    engine ranks start every direct and mapped pull at the sync's start (``Overlap.direct_ahead``), so mapped
+    pulls' quantizations run beside everything else on a stream of their own."""
 
     name: str
     grouping: str
     scope: str
     pipelined: bool
     summary: str
+    ahead: bool = False
 
     @property
     def broadcast(self) -> bool:
@@ -52,7 +56,9 @@ class SimStrategy:
         broadcast = s.delivery is Delivery.BROADCAST
         if broadcast != (s.scope is Gather.ROOT):
             raise KvmoveError(f"strategy {s.name}: the simulator prices broadcasts from a root gather only")
-        return cls(s.name, GROUPING[s.grouping], s.scope.value, s.overlap.gather_ahead, s.summary)
+        return cls(
+            s.name, GROUPING[s.grouping], s.scope.value, s.overlap.gather_ahead, s.summary, s.overlap.direct_ahead
+        )
 
 
 SIM_STRATEGIES: dict[str, SimStrategy] = {s.name: SimStrategy.of(s) for s in (*STRATEGIES.values(), *PUBLISHED_ONLY)}

@@ -20,10 +20,14 @@ from kvmove.sync.delta.detect import REGION_CLASSES
 
 TRAINER_KEYS = ("send", "pack", "regions", "calls", "yield", "h2d", "quant")
 ENGINE_KEYS = (
-    "recv", "kept", "scatter", "regions", "direct", "pulls", "direct_pulls", "quant", "layer_bytes",
+    "recv", "kept", "scatter", "regions", "direct", "pulls", "direct_pulls", "quant", "layer_bytes", "mapped",
+    "mapped_kept",
     *(f"recv.{c}" for c in REGION_CLASSES),
 )  # fmt: skip
-"""``recv.CLASS``: the received bytes of one region class (``kvmove.sync.delta.detect``), for delta pricing."""
+"""``mapped``: BF16 bytes an engine rank quantizes itself from a trainer rank's mapped arena (mapped pulls:
+``kvmove.bench.sim.mapped``), kept (``mapped_kept``: the FP8 bytes they land) but neither received nor landed
+from a receive slot. ``recv.CLASS``: the received bytes of one region class (``kvmove.sync.delta.detect``), for
+delta pricing."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,6 +57,12 @@ class Traffic:
     def kept_per_replica(self) -> float:
         """Wire bytes one replica's ranks keep."""
         return float(self.total("engine", "kept").sum())
+
+    @property
+    def moved_per_replica(self) -> float:
+        """Wire bytes one replica's ranks receive, plus the FP8 bytes they land from mapped arenas (a sync's bytes
+        moved, as its copy executors count them: ``mapped-quantize`` next to the transport's)."""
+        return self.received_per_replica + float(self.total("engine", "mapped_kept").sum())
 
     @property
     def received_per_replica(self) -> float:

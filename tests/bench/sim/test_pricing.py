@@ -46,6 +46,10 @@ def _grid() -> list[SimSetup]:
                      placement="colocated"))  # fmt: skip
     out.append(_qwen(trainer=TrainerSpec.parse("tp=4,pp=2,ep=8,dp=2"), engine=EngineLayout.parse("tp=8", 2),
                      placement="colocated", transport="cuda-ipc"))  # fmt: skip
+    # mapped pulls where an engine rank shares a GPU with a trainer rank holding its slice
+    out.append(_qwen(trainer=TrainerSpec.parse("tp=4,pp=2,ep=8,dp=2"), engine=EngineLayout.parse("tp=8", 2),
+                     placement="colocated", transport="cuda-ipc", dtype="fp8", quantize_on="trainer",
+                     direct=True))  # fmt: skip
     out.append(_qwen(cluster=Cluster.parse("gpu=b200,nic=cx8-800"), cold=True))
     out.append(_qwen(cluster=Cluster.parse("gpu=h20,nic=cx7-200,nics_per_node=4"), via_host=True))
     out.append(_qwen(transport="nccl", bucket_bytes=1 << 28, constraints=CONSTRAINTS["sglang"], ep_gather=True))
