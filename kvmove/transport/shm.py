@@ -12,13 +12,39 @@ handle. Same host only; never picked by ``auto`` (network transports are).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
 
 from kvmove.transport.base import BufferDesc, EndpointInfo, Transport, TransportError
 from kvmove.transport.copies import copy_views, plan_copies
+
+T = TypeVar("T")
+
+
+ATTEMPTS = 4
+"""How often a call that reaches ``torch_shm_manager`` is tried when the manager does not answer in time (it is a
+daemon PyTorch starts on first use; on a loaded host its first answer can come late)."""
+
+
+def _patiently(call: Callable[[], T]) -> T:
+    """``call()``, tried again (after 0.5, 1, 2 s) while the shared-memory manager's connection times out."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return call()
+        except RuntimeError as exc:
+            if "timed out" not in str(exc) or attempt == ATTEMPTS - 1:
+                raise
+            time.sleep(0.5 * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+def _open(seg: Segment) -> torch.UntypedStorage:
+    return torch.UntypedStorage._new_shared_filename_cpu(seg.manager, seg.handle, seg.storage_bytes)
 
 
 class Segment(NamedTuple):
@@ -50,7 +76,7 @@ class ShmTransport(Transport):
             raise TransportError(f"the shm transport moves CPU buffers only, not {buf.device}")
         storage = buf.untyped_storage()
         try:
-            manager, handle, size = storage._share_filename_cpu_()
+            manager, handle, size = _patiently(storage._share_filename_cpu_)
         except RuntimeError as exc:  # already shared another way (a file descriptor): no name to open it by
             raise TransportError(f"the shm transport cannot share this buffer by name: {exc}") from exc
         self._segments[buffer_id] = Segment(manager, handle, int(size), int(buf.storage_offset()), buf.numel())
@@ -64,7 +90,7 @@ class ShmTransport(Transport):
         for buffer_id, seg in segments.items():
             seg = Segment(*seg)
             try:
-                storage = torch.UntypedStorage._new_shared_filename_cpu(seg.manager, seg.handle, seg.storage_bytes)
+                storage = _patiently(partial(_open, seg))
             except RuntimeError as exc:
                 raise TransportError(f"cannot open shared buffer {buffer_id} of {peer.endpoint}: {exc}") from exc
             whole = torch.empty(0, dtype=torch.uint8).set_(storage)

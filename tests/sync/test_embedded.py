@@ -51,14 +51,18 @@ def test_delta_syncs_from_the_framework_process_move_only_what_a_step_changed() 
     weights = {t.name: stepped.tensor(t, 0) for t in metas}
     trainer = EmbeddedTrainer(0, DictSource(weights), engines, TrainerSettings(strategy="v3", delta=True))
     try:
-        served = []
+        served, by_cost = [], []
         for version in (1, 2, 3):
             weights.update({t.name: stepped.tensor(t, version) for t in metas})  # an optimizer step
             stats = trainer.sync(weight_version=str(version))
             assert engines.mismatches(weights) == [], f"sync to version {version}"
             served.append(stats.delta["sent_bytes"])
+            by_cost.append(stats.delta.get("pulls.dense_by_cost", 0) == stats.delta.get("pulls.dense", 0))  # counts
             assert stats.delta["dense_bytes"] == served[0]
-        assert served[1] < 0.2 * served[0] and served[2] < 0.2 * served[0]  # a first sync is dense
+        assert served[1] < 0.2 * served[0]  # a first sync is dense, the next all deltas (no verdict on cost yet)
+        # then a pull whose delta cost more than packing it (the clock decides: on a loaded host, it may) goes
+        # dense by cost, and only so
+        assert served[2] < 0.2 * served[0] or by_cost[2]
     finally:
         trainer.close()
         engines.close()
