@@ -270,5 +270,8 @@ def test_delta_syncs_into_vllm_verify_with_staged_pulls_asked_for_whole(vllm_ray
     for r in results[1:]:
         assert 0 < r.delta["ratio"] <= 1.0, r.delta
         pulls = r.delta["pulls"]
-        # on CPU vLLM packs almost every parameter (staged: whole); the ones it serves as loaded came as deltas
-        assert pulls["dense"] >= 1 and pulls["index"] + pulls["gaps"] + pulls["bitmap"] >= 1, r.delta
+        deltas = pulls["index"] + pulls["gaps"] + pulls["bitmap"]
+        # on CPU vLLM packs almost every parameter (staged: whole); the ones it serves as loaded come as deltas in
+        # the first delta sync, and after it as deltas unless their delta cost more than packing them (by cost)
+        assert pulls["dense"] >= 1 and (deltas >= 1 or (r.sync > 2 and r.delta["dense_by_cost"] >= 1)), r.delta
+    assert results[1].delta["ratio"] < 1.0
