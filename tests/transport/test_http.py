@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import NBYTES, expected_after, random_ranges, seeded_bytes
+from byte_ranges import NBYTES, expected_after, random_ranges, seeded_bytes
 
 from kvmove.transport import TRANSPORTS, TransportError
 from kvmove.transport.http import HttpTransport, _chunks, _Scatter

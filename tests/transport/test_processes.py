@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import NBYTES, expected_after, random_ranges, seeded_bytes
+from byte_ranges import NBYTES, expected_after, random_ranges, seeded_bytes
 
 from kvmove.transport import TRANSPORTS, TransportError
 from kvmove.transport.bandwidth import Peer, measure_bandwidth, pair_memberships

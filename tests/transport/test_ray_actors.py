@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import NBYTES, expected_after, random_ranges, seeded_bytes
+from byte_ranges import NBYTES, expected_after, random_ranges, seeded_bytes
 
 from kvmove.transport import TRANSPORTS, TransportError
 from kvmove.transport.bandwidth import Peer, measure_bandwidth, pair_memberships

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_ranges, seeded_bytes
+from byte_ranges import random_ranges, seeded_bytes
 
 from kvmove.transport import TransportError, get_transport
 from kvmove.transport.local import LocalTransport

@@ -1,4 +1,5 @@
-"""One Ray session for the whole folder (loopback only), and seeded ranges for bit-exact checks."""
+"""Seeded bytes and shuffled ranges for the transports' bit-exact checks: a helper module, not a conftest, so its
+name is unique across the test folders and any set of them runs in one pytest call."""
 
 from __future__ import annotations
 
