@@ -270,14 +270,14 @@ def diff(steps: Steps, image: torch.Tensor, words: Words, limit: int, backend: s
     return _concat(found) if steps.order is None else _in_order(steps, found)
 
 
-def _rows(steps: Steps, image: torch.Tensor, words: Words) -> list[Rows] | None:
-    """Every step as word rows on ``image`` (None where one is not a stack of contiguous rows, or a packed slot's
+def _rows(steps: Steps, words: Words) -> list[Rows] | None:
+    """Every step as word rows (None where one is not a stack of contiguous rows, or a packed slot's
     padding must be dropped: the finder compares those)."""
     from kvmove.sync.delta.triton_diff import rows_of
 
     if steps.padding is not None:
         return None
-    rows = [rows_of(s.src, s.view, s.slot.at, image, words.dtype) for s in steps.steps]
+    rows = [rows_of(s.src, s.view, s.slot.at, words.dtype) for s in steps.steps]
     return None if any(r is None for r in rows) else [r for r in rows if r is not None]
 
 
@@ -286,7 +286,7 @@ def _table(steps: Steps, image: torch.Tensor, words: Words) -> Table | None:
     from kvmove.sync.delta.triton_diff import table
 
     if image.data_ptr() not in steps.tables:
-        rows = _rows(steps, image, words)
+        rows = _rows(steps, words)
         steps.tables[image.data_ptr()] = None if rows is None else table(rows, image, words.dtype)
     return steps.tables[image.data_ptr()]
 

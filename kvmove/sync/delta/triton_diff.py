@@ -33,12 +33,16 @@ CHUNK = 4096
 
 
 class Rows(NamedTuple):
-    """One step's words as a stack of rows: the new payload's and the image's views, ``(stack, rows, cols)`` with
-    contiguous rows, and the payload position of the image view's first word."""
+    """One step's words as a stack of rows ``(stack, rows, cols)``, contiguous along a row on both sides: where the
+    new payload's first word lies (its address) and its stack and row strides, and the image view's first word (a
+    payload position) and its strides, all in words. Plain integers: a pull's table is built from hundreds of
+    these at its first comparison, and no tensor view is made for them."""
 
-    new: torch.Tensor
-    old: torch.Tensor
-    at: int
+    size: tuple[int, int, int]
+    new_ptr: int
+    new_strides: tuple[int, int]
+    old_at: int
+    old_strides: tuple[int, int]
 
 
 def joint_geometry(shape: Sequence[int], a: Sequence[int], b: Sequence[int]) -> tuple[tuple[int, ...], ...] | None:
@@ -60,26 +64,17 @@ def joint_geometry(shape: Sequence[int], a: Sequence[int], b: Sequence[int]) -> 
 
 
 def rows_of(
-    src: torch.Tensor,
-    view: tuple[tuple[int, ...], tuple[int, ...]],
-    slot_at: int,
-    image: torch.Tensor,
-    word: torch.dtype,
+    src: torch.Tensor, view: tuple[tuple[int, ...], tuple[int, ...]], slot_at: int, word: torch.dtype
 ) -> Rows | None:
-    """A step (its source ``src``, its slot view's shape/strides ``view`` at element ``slot_at``) as word rows on
-    ``image`` (uint8, laid out as the slot); None where source or slot view are not stacks of contiguous rows."""
+    """A step (its source ``src``, its slot view's shape/strides ``view`` at element ``slot_at``) as word rows; None
+    where source or slot view are not stacks of contiguous rows."""
     shape, stride = view
     found = joint_geometry(shape, src.stride(), stride)
     if found is None:
         return None
     (n, rows, cols), sa, sb = found
     k = src.element_size() // word.itemsize  # words per element
-    size = (n, rows, cols * k)
-    storage = src.untyped_storage()
-    flat = torch.empty(0, dtype=word, device=src.device).set_(storage, 0, (storage.nbytes() // word.itemsize,), (1,))
-    new = flat.as_strided(size, (sa[0] * k, sa[1] * k, 1), src.storage_offset() * k)
-    old = image.view(word).as_strided(size, (sb[0] * k, sb[1] * k, 1), slot_at * k)
-    return Rows(new, old, slot_at * k)
+    return Rows((n, rows, cols * k), src.data_ptr(), (sa[0] * k, sa[1] * k), slot_at * k, (sb[0] * k, sb[1] * k))
 
 
 FIELDS = 10
@@ -100,18 +95,19 @@ class Table(NamedTuple):
 
 
 def table(rows: Sequence[Rows], image: torch.Tensor, word: torch.dtype) -> Table:
-    """The descriptor table of ``rows`` (views on ``image``, uint8, and on sources; addresses stay word-aligned)."""
+    """The descriptor table of ``rows`` (sources anywhere in the device's memory, the image as ``image``, uint8):
+    addresses become word offsets from the image's first word (every address is word-aligned)."""
     words = image.view(word)
     base, size = words.data_ptr(), word.itemsize
     fields: list[list[int]] = []
     programs: list[int] = []
+    first = 0
     for r in rows:
-        n, rs, cols = r.new.shape
-        chunks = triton.cdiv(cols, CHUNK)
-        (a0, a1, _), (b0, b1, _) = r.new.stride(), r.old.stride()
-        new_at, old_at = (r.new.data_ptr() - base) // size, (r.old.data_ptr() - base) // size
-        fields.append([new_at, old_at, rs, cols, chunks, a0, a1, b0, b1, sum(programs)])
+        n, rs, cols = r.size
+        chunks = -(-cols // CHUNK)
+        fields.append([(r.new_ptr - base) // size, r.old_at, rs, cols, chunks, *r.new_strides, *r.old_strides, first])
         programs.append(n * rs * chunks)
+        first += programs[-1]
     device = image.device
     count = torch.tensor(programs, dtype=torch.int64)
     owner = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), count).to(device)
@@ -189,6 +185,6 @@ def warm(device: torch.device | str) -> None:
     for word in (torch.int16, torch.uint8):
         image = torch.zeros(2 * CHUNK * word.itemsize, dtype=torch.uint8, device=device)
         new = torch.ones(CHUNK, dtype=word, device=device)
-        t = table([Rows(new.view(1, 1, CHUNK), image.view(word)[:CHUNK].view(1, 1, CHUNK), 0)], image, word)
+        t = table([Rows((1, 1, CHUNK), new.data_ptr(), (CHUNK, CHUNK), 0, (CHUNK, CHUNK))], image, word)
         counts = count(t)
         compact(t, counts, torch.cumsum(counts, 0, dtype=torch.int64), CHUNK)
