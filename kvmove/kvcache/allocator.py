@@ -113,3 +113,36 @@ class PageAllocator:
             raise KVCacheError("allocator: duplicate ids in the free list")
         if bool(self._allocated[self._free].any()):
             raise KVCacheError("allocator: an id is both free and allocated")
+
+
+class Paged:
+    """What a pool of pages answers through its allocator (``_alloc``), shared by the device and host pools: page
+    counts, allocation and freeing, and whether pages are allocated. The pool sets ``_alloc`` and ``page_size``."""
+
+    _alloc: PageAllocator
+
+    @property
+    def num_pages(self) -> int:
+        return self._alloc.num_pages
+
+    @property
+    def free_pages(self) -> int:
+        return self._alloc.free_pages
+
+    @property
+    def used_pages(self) -> int:
+        return self._alloc.used_pages
+
+    def can_alloc(self, n: int) -> bool:
+        return self._alloc.can_alloc(n)
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """``n`` free page ids (int64, CPU); KVCacheError if ``not can_alloc(n)``."""
+        return self._alloc.alloc(n)
+
+    def free(self, pages: PageIds) -> None:
+        """Return allocated pages; KVCacheError (nothing freed) on a free, repeated or out-of-range id."""
+        self._alloc.free(pages)
+
+    def is_allocated(self, pages: PageIds) -> bool:
+        return self._alloc.is_allocated(pages)

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from kvmove.errors import KVCacheError
-from kvmove.kvcache.allocator import PageAllocator, PageIds, as_page_ids, pages_to_slots
+from kvmove.kvcache.allocator import PageAllocator, Paged, PageIds, as_page_ids, pages_to_slots
 from kvmove.kvcache.checksum import pages_digest
 from kvmove.kvcache.geometry import KVGeometry
 from kvmove.kvcache.pool import KVPool
@@ -20,7 +20,7 @@ class PagePair(NamedTuple):
     host: torch.Tensor
 
 
-class HostKVPool:
+class HostKVPool(Paged):
     """Paged KV cache in host memory with the device pool's geometry.
 
     Layout: ``2 * num_layers`` contiguous buffers (K of every layer, then V of every layer, the order of SGLang's
@@ -42,34 +42,8 @@ class HostKVPool:
         ]
 
     @property
-    def num_pages(self) -> int:
-        return self._alloc.num_pages
-
-    @property
     def page_size(self) -> int:
         return self.geometry.page_size
-
-    @property
-    def free_pages(self) -> int:
-        return self._alloc.free_pages
-
-    @property
-    def used_pages(self) -> int:
-        return self._alloc.used_pages
-
-    def can_alloc(self, n: int) -> bool:
-        return self._alloc.can_alloc(n)
-
-    def alloc(self, n: int) -> torch.Tensor:
-        """``n`` free page ids (int64); KVCacheError if ``not can_alloc(n)``."""
-        return self._alloc.alloc(n)
-
-    def free(self, pages: PageIds) -> None:
-        """Return allocated pages; KVCacheError (nothing freed) on a free, repeated or out-of-range id."""
-        self._alloc.free(pages)
-
-    def is_allocated(self, pages: PageIds) -> bool:
-        return self._alloc.is_allocated(pages)
 
     def token_slots(self, pages: PageIds) -> torch.Tensor:
         """Token slots of ``pages`` (SGLang's host ``kv_indices`` are token slots, not page ids)."""

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from kvmove.errors import KVCacheError
-from kvmove.kvcache.allocator import PageAllocator, PageIds, as_page_ids, pages_to_slots
+from kvmove.kvcache.allocator import PageAllocator, Paged, PageIds, as_page_ids, pages_to_slots
 from kvmove.kvcache.checksum import pages_digest
 from kvmove.kvcache.geometry import KVGeometry
 
@@ -19,7 +19,7 @@ class KV(NamedTuple):
     v: torch.Tensor
 
 
-class KVPool:
+class KVPool(Paged):
     """Paged KV cache on one device (``device`` may be ``"cpu"``).
 
     Layout: per layer one K and one V buffer of shape ``[num_pages * page_size, num_kv_heads, head_dim]``; page
@@ -55,34 +55,8 @@ class KVPool:
         return self._alloc
 
     @property
-    def num_pages(self) -> int:
-        return self._alloc.num_pages
-
-    @property
     def page_size(self) -> int:
         return self.geometry.page_size
-
-    @property
-    def free_pages(self) -> int:
-        return self._alloc.free_pages
-
-    @property
-    def used_pages(self) -> int:
-        return self._alloc.used_pages
-
-    def can_alloc(self, n: int) -> bool:
-        return self._alloc.can_alloc(n)
-
-    def alloc(self, n: int) -> torch.Tensor:
-        """``n`` free page ids (int64, CPU); KVCacheError if ``not can_alloc(n)``."""
-        return self._alloc.alloc(n)
-
-    def free(self, pages: PageIds) -> None:
-        """Return allocated pages; KVCacheError (nothing freed) on a free, repeated or out-of-range id."""
-        self._alloc.free(pages)
-
-    def is_allocated(self, pages: PageIds) -> bool:
-        return self._alloc.is_allocated(pages)
 
     def token_slots(self, pages: PageIds) -> torch.Tensor:
         """Token slots of ``pages``, page by page, on this pool's device."""
