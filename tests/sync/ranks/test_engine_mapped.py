@@ -20,7 +20,6 @@ from kvmove.sync.config import Placement, SyncConfig
 from kvmove.sync.driver.dryrun import build_plans
 from kvmove.sync.planning.blueprint import Blueprint
 from kvmove.sync.planning.placement import DeviceMap
-from kvmove.sync.programs import Program
 from kvmove.sync.ranks.control import TrainerEndpoint
 from kvmove.sync.ranks.engine import EngineRank
 from kvmove.sync.ranks.puller import ByteReader, mapped_arenas, register_params
@@ -53,24 +52,6 @@ class NoPacking:
         raise AssertionError("a mapped cover went back to the slot path (a pack request)")
 
     wait = read = finish = request
-
-
-@pytest.fixture
-def runs(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
-    seen: dict[str, list[int]] = {"warm": [], "run": []}
-    real_run, real_warm = Program.run, Program.warm
-
-    def run(self: Program, check: bool = True) -> None:
-        seen["run"].append(id(self))
-        real_run(self, check)
-
-    def warm(self: Program, restore: bool = False) -> None:
-        seen["warm"].append(id(self))
-        real_warm(self, restore)
-
-    monkeypatch.setattr(Program, "run", run)
-    monkeypatch.setattr(Program, "warm", warm)
-    return seen
 
 
 def _engine(strategy: str = "v3", device: str = "cpu") -> tuple[Blueprint, EngineRank, NoPacking, ShardedSource, Any]:

@@ -112,27 +112,6 @@ def _fp8_blueprint() -> Any:
     return Blueprint(config.model, config.trainer, config.engine, plans, [v3], config.options)
 
 
-@pytest.fixture
-def runs(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
-    """Ids of the programs run by a warm-up (``warm``) and by a sync (``run``), in order."""
-    from kvmove.sync.programs import Program
-
-    seen: dict[str, list[int]] = {"warm": [], "run": []}
-    real_run, real_warm = Program.run, Program.warm
-
-    def run(self: Program, check: bool = True) -> None:
-        seen["run"].append(id(self))
-        real_run(self, check)
-
-    def warm(self: Program, restore: bool = False) -> None:
-        seen["warm"].append(id(self))
-        real_warm(self, restore)
-
-    monkeypatch.setattr(Program, "run", run)
-    monkeypatch.setattr(Program, "warm", warm)
-    return seen
-
-
 def test_a_first_sync_runs_no_pack_program_for_the_first_time(runs: dict[str, list[int]]) -> None:
     """Each (pull, slot) program runs once at init; a sync whose pulls use every slot then only replays them."""
     import torch
