@@ -72,11 +72,16 @@ def dry_run_sync(config: SyncConfig) -> list[DryRunReport]:
     """Check what a dry run is refused for (kvmove.sync.driver.checks), plan once, route per strategy, verify if
     asked: one report per strategy."""
     with _collector_paused():
-        check_plannable(config)
-        plans, plan_seconds = build_plans(config)
-        ownership = Ownership(config.model, config.trainer)
-        shared = _Shared(ownership, {})
-        return [_report(config, plans, plan_seconds, shared, s) for s in config.strategies]
+        # NOTE: planned in a call of its own, so the plans are freed before the collector resumes: its first pass
+        # walks every object allocated while it was paused (Kimi K2: a million left alive cost 0.4 s)
+        return _reports(config)
+
+
+def _reports(config: SyncConfig) -> list[DryRunReport]:
+    check_plannable(config)
+    plans, plan_seconds = build_plans(config)
+    shared = _Shared(Ownership(config.model, config.trainer), {})
+    return [_report(config, plans, plan_seconds, shared, s) for s in config.strategies]
 
 
 @contextmanager

@@ -131,3 +131,36 @@ def test_broadcast_is_routed_only_to_be_verified(monkeypatch) -> None:
     assert [r._replace(plan_seconds=0, verified=None) for r in verified] == [
         r._replace(plan_seconds=0) for r in plain
     ]  # the same bytes, routed or not
+
+
+def test_the_plans_are_freed_before_the_collector_resumes(monkeypatch) -> None:
+    import weakref
+    from contextlib import contextmanager
+
+    from kvmove.sync.driver import dryrun
+
+    owned: list[weakref.ref] = []
+    alive_at_resume: list[bool] = []
+    real_ownership, real_paused = dryrun.Ownership, dryrun._collector_paused
+
+    def ownership(*args):
+        made = real_ownership(*args)
+        owned.append(weakref.ref(made))
+        return made
+
+    @contextmanager
+    def paused():
+        with real_paused():
+            yield
+            alive_at_resume.append(owned[0]() is not None)
+
+    monkeypatch.setattr(dryrun, "Ownership", ownership)
+    monkeypatch.setattr(dryrun, "_collector_paused", paused)
+    config = SyncConfig(
+        model=resolve_model("qwen3-tiny"),
+        trainer=TrainerLayout.parse("tp=2"),
+        engine=EngineLayout.parse("tp=2"),
+        strategies=(STRATEGIES["v2"],),
+    )
+    assert len(dryrun.dry_run_sync(config)) == 1
+    assert alive_at_resume == [False]
