@@ -151,16 +151,27 @@ def config_from_dict(
 
 
 def _transformers_defaults(arch: str, data: dict[str, Any], name: str) -> dict[str, Any]:
-    """The shape-deciding fields ``data`` leaves out, as transformers' config class of ``arch`` defaults them."""
-    from kvmove.models.hf import model_type_of, quiet_transformers
+    """The shape-deciding fields ``data`` leaves out, as transformers' config class of ``arch`` defaults them
+    (ModelError where transformers knows no such causal LM); kept on disk between runs (kvmove.models.diskcache)."""
+    from kvmove.models.diskcache import remembered
 
     wanted = [k for k in ("head_dim", "tie_word_embeddings") if k not in data]
+    fields = {k: v for k, v in data.items() if k in ("hidden_size", "num_attention_heads")}
+    key = {"architecture": arch, "model_type": data.get("model_type"), "wanted": wanted, "fields": fields}
+    answer: dict[str, Any] = remembered("defaults", key, lambda: _asked_transformers(arch, data, wanted, fields, name))
+    return answer
+
+
+def _asked_transformers(
+    arch: str, data: dict[str, Any], wanted: list[str], fields: dict[str, Any], name: str
+) -> dict[str, Any]:
+    from kvmove.models.hf import model_type_of, quiet_transformers
+
     model_type = model_type_of(arch, data.get("model_type"))
     if not wanted:
         return {}
     from transformers import AutoConfig
 
-    fields = {k: v for k, v in data.items() if k in ("hidden_size", "num_attention_heads")}
     try:
         with quiet_transformers():
             config = AutoConfig.for_model(model_type, **fields)

@@ -93,6 +93,12 @@ def meta_model(hf: Mapping[str, Any]) -> torch.nn.Module:
 
 @lru_cache(maxsize=32)
 def _config_table(frozen: tuple[tuple[str, Any], ...]) -> TensorTable:
+    from kvmove.models.diskcache import decode_table, encode_table, remembered
+
+    return remembered("table", frozen, lambda: _built_table(frozen), encode_table, decode_table)
+
+
+def _built_table(frozen: tuple[tuple[str, Any], ...]) -> TensorTable:
     from transformers.core_model_loading import revert_weight_conversion
 
     model: Any = meta_model(_thaw(frozen))
@@ -266,7 +272,7 @@ def _assemble(
 @lru_cache(maxsize=32)
 def table_of(cfg: ModelConfig) -> TensorTable:
     """The tensor table of ``cfg`` (memoized): its checkpoint directory's headers (checked against its config)
-    or, with no checkpoint, what its config describes."""
+    or, with no checkpoint, what its config describes (kept on disk between runs: kvmove.models.diskcache)."""
     from kvmove.models.config import hf_dict
 
     frozen = _freeze(hf_dict(cfg))
@@ -307,13 +313,8 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
 @lru_cache(maxsize=8)
 def _checked_headers(directory: str, frozen: tuple[tuple[str, Any], ...]) -> TensorTable:
     found = header_table(directory)
-    check_matches(found, _config_table(frozen), directory)
+    check_matches(found, _built_table(frozen), directory)  # headers are read each time: nothing from the disk cache
     return found
-
-
-def config_table(hf: Mapping[str, Any]) -> TensorTable:
-    """The checkpoint table HF config ``hf`` describes (transformers' meta model and conversion mapping)."""
-    return _config_table(_freeze(hf))
 
 
 def header_table(directory: str | Path) -> TensorTable:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvmove.models import resolve_model
@@ -104,3 +106,61 @@ def test_the_cycle_collector_is_paused_while_planning_and_restored_after(monkeyp
     assert gc.isenabled()
     assert [r.strategy for r in dryrun.dry_run_sync(config)] == ["v2"]
     assert seen == [False] and gc.isenabled()
+
+
+def test_broadcast_is_routed_only_to_be_verified(monkeypatch) -> None:
+    from kvmove.sync.driver import dryrun
+
+    routed = []
+    real = dryrun.route
+    monkeypatch.setattr(
+        dryrun,
+        "route",
+        lambda plans, layout, own, s, *a, **k: routed.append(s.name) or real(plans, layout, own, s, *a, **k),
+    )
+    config = SyncConfig(
+        model=resolve_model("qwen3-tiny"),
+        trainer=TrainerLayout.parse("tp=2"),
+        engine=EngineLayout.parse("tp=2"),
+        strategies=(STRATEGIES["v1"], STRATEGIES["broadcast"]),
+    )
+    plain = dryrun.dry_run_sync(config)
+    assert routed == ["v1"]
+    verified = dryrun.dry_run_sync(replace(config, verify=True))
+    assert routed == ["v1", "v1", "broadcast"] and all(r.verified for r in verified)
+    assert [r._replace(plan_seconds=0, verified=None) for r in verified] == [
+        r._replace(plan_seconds=0) for r in plain
+    ]  # the same bytes, routed or not
+
+
+def test_the_plans_are_freed_before_the_collector_resumes(monkeypatch) -> None:
+    import weakref
+    from contextlib import contextmanager
+
+    from kvmove.sync.driver import dryrun
+
+    owned: list[weakref.ref] = []
+    alive_at_resume: list[bool] = []
+    real_ownership, real_paused = dryrun.Ownership, dryrun._collector_paused
+
+    def ownership(*args):
+        made = real_ownership(*args)
+        owned.append(weakref.ref(made))
+        return made
+
+    @contextmanager
+    def paused():
+        with real_paused():
+            yield
+            alive_at_resume.append(owned[0]() is not None)
+
+    monkeypatch.setattr(dryrun, "Ownership", ownership)
+    monkeypatch.setattr(dryrun, "_collector_paused", paused)
+    config = SyncConfig(
+        model=resolve_model("qwen3-tiny"),
+        trainer=TrainerLayout.parse("tp=2"),
+        engine=EngineLayout.parse("tp=2"),
+        strategies=(STRATEGIES["v2"],),
+    )
+    assert len(dryrun.dry_run_sync(config)) == 1
+    assert alive_at_resume == [False]
