@@ -106,3 +106,28 @@ def test_chunks_join_and_a_refusal_in_a_later_chunk_puts_the_earlier_ones_back(
         assert torch.equal(image, expected)
     else:
         assert got is None and torch.equal(image, old)
+
+
+@pytest.mark.parametrize("spare", [0, -1])
+def test_a_pull_that_changed_nearly_everywhere_is_compared_word_by_word(
+    spare: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where most of the first chunk's wide words differ, nothing is gathered by wide word: the same changes word
+    by word (differing padding not counted), and one past the limit, refused with the image as it was."""
+    monkeypatch.setattr(wide, "CHUNK", 8)
+    gathered: list[int] = []
+    chunk = wide._chunk
+    monkeypatch.setattr(wide, "_chunk", lambda *a: gathered.append(a[3]) or chunk(*a))
+    new, image = _case(1030, torch.int16, 0.5, seed=6)
+    padding = torch.tensor([40, 41, 300], dtype=torch.int64)
+    new[padding] ^= 5
+    want, old = _reference(new, image, padding), image.clone()
+    got = compare(new, image, padding, want.numel() + spare)
+    assert gathered == []
+    if spare == 0:
+        assert got is not None and torch.equal(got.positions, want) and torch.equal(got.values, new[want])
+        expected = new.view(torch.uint8).clone()
+        expected.view(torch.int16)[padding] = old.view(torch.int16)[padding]
+        assert torch.equal(image, expected)
+    else:
+        assert got is None and torch.equal(image, old)
