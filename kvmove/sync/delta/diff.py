@@ -14,8 +14,9 @@ values), so the payload is never packed densely:
 That is two reads of the pull's bytes, one flag per word, and work proportional to the changes, where a dense
 pack reads and writes every byte. Where too many words changed, nothing is gathered: the pull goes dense (the
 caller packs it and refreshes the image from the slot). The three passes over every word run on the device's
-own fastest kernels (:data:`FINDERS`): on a CPU, numpy's (its ``!=`` and ``flatnonzero`` over int16 words are
-3-5x faster than torch's on one thread), on a GPU, torch's; on a GPU with Triton, the comparison is instead a
+own fastest kernels (:data:`FINDERS`): on a CPU, numpy's (its ``!=`` and ``flatnonzero`` are 3-5x faster than
+torch's on one thread), over 64-bit words first and only the differing ones' lanes after (:mod:`kvmove.sync.
+delta.wide`), on a GPU, torch's; on a GPU with Triton, the comparison is instead a
 stream compaction of the whole pull in two kernel launches (:mod:`kvmove.sync.delta.triton_diff`).
 
 Where the program quantizes (FP8 computed on the trainer) there is no source of the payload's bytes to compare:
@@ -25,6 +26,7 @@ padding between its parts, which the pack leaves as it was, is dropped from the 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -33,7 +35,8 @@ import numpy as np
 import torch
 
 from kvmove.quant.quantizer import default_backend
-from kvmove.sync.delta.encoding import Words
+from kvmove.sync.delta import wide
+from kvmove.sync.delta.encoding import Changes, Words
 from kvmove.sync.programs import Program
 
 if TYPE_CHECKING:
@@ -56,6 +59,9 @@ class Finder(NamedTuple):
     packs_first: bool
     """Compare the packed slot, one pass of each kind per pull (:func:`slot_steps`), rather than each copy's
     source (:func:`program_steps`: a pass of each kind per copy, saving the pack's write)."""
+    packed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], Changes | None] | None = None
+    """The whole comparison of a packed slot in one call (new words, image, padding, limit), where the device
+    has one that beats the passes above (None: the passes)."""
 
 
 def _numpy_ne(a: torch.Tensor, b: torch.Tensor) -> Mask:
@@ -87,13 +93,13 @@ def _torch_nonzero(mask: Mask) -> torch.Tensor:
 
 
 FINDERS: dict[str, Finder] = {
-    "cpu": Finder(_numpy_ne, _numpy_clear, _numpy_count, _numpy_nonzero, packs_first=True),
+    "cpu": Finder(_numpy_ne, _numpy_clear, _numpy_count, _numpy_nonzero, packs_first=True, packed=wide.compare),
     "cuda": Finder(torch.ne, _torch_clear, _torch_count, _torch_nonzero, packs_first=False),
 }
 """The finder of each device type (any other uses CUDA's). On a CPU every call costs tens of microseconds of
 dispatch and a pull's copies are many (an MoE layer's experts: hundreds), so the pull is packed by its one
-batched program (a memory copy) and compared as one run of words; a GPU compares each copy's source, without
-the pack's write."""
+batched program (a memory copy) and compared as one run of words, 64-bit words first (:mod:`kvmove.sync.delta.
+wide`); a GPU compares each copy's source, without the pack's write."""
 
 
 def finder(device: torch.device) -> Finder:
@@ -159,13 +165,6 @@ class Steps(NamedTuple):
     tables: dict[int, Table | None]
     """The Triton descriptor table of these steps per image address, built at the first comparison (None: the
     finder compares them); a trainer keeps a pull's steps, so its table is built once."""
-
-
-class Changes(NamedTuple):
-    """The words of a pull that changed: positions in the payload (int64, ascending) and new values."""
-
-    positions: torch.Tensor
-    values: torch.Tensor
 
 
 def merged(shape: Sequence[int], stride: Sequence[int]) -> Geometry:
@@ -241,8 +240,10 @@ def slot_steps(buf: torch.Tensor, words: Words) -> Steps:
     return Steps((step,), None, packed=True, padding=padding(words, buf.device), tables={})
 
 
+@functools.lru_cache(maxsize=1024)
 def padding(words: Words, device: torch.device) -> torch.Tensor:
-    """The positions of the payload that no part holds (int64, ascending)."""
+    """The positions of the payload that no part holds (int64, ascending; one tensor per payload layout, kept:
+    a CPU trainer compares each pull's packed slot every delta sync - never written to)."""
     ends = [p.start + p.words for p in words.parts]
     runs = [range(a, b) for a, b in zip([0, *ends], [p.start for p in words.parts] + [words.words], strict=True)]
     return torch.tensor([i for r in runs for i in r], dtype=torch.int64, device=device)
@@ -260,6 +261,8 @@ def diff(steps: Steps, image: torch.Tensor, words: Words, limit: int, backend: s
     if t is not None:
         return _diff_table(steps, t, words, limit)
     find = finder(image.device)
+    if steps.packed and find.packed is not None:
+        return find.packed(steps.steps[0].src, image, steps.padding, limit)
     masks = [find.ne(step.src, step.on(image)) for step in steps.steps]
     if steps.padding is not None:
         find.clear(masks[0], steps.padding)

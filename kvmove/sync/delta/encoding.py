@@ -79,6 +79,13 @@ class Words(NamedTuple):
         return torch.tensor([s.start for s in self.parts], dtype=torch.int64, device=device)
 
 
+class Changes(NamedTuple):
+    """The words of a pull that changed: positions in the payload (int64, ascending) and new values."""
+
+    positions: torch.Tensor
+    values: torch.Tensor
+
+
 def payload_words(sizes: Sequence[int]) -> Words:
     """The words of a payload whose parts have ``sizes`` bytes (int16 words where every part allows it)."""
     layout = pack_layout(sizes)
