@@ -92,6 +92,26 @@ def hardware_label(device: str = "cpu") -> str:
     return f"cpu:{cpu} x{os.cpu_count()}"
 
 
+def link_conditions() -> dict[str, str]:
+    """What this host does to loopback links that a row cannot see otherwise: UCX's transport selection and TCP port
+    range where set (``UCX_TLS``, ``UCX_TCP_PORT_RANGE``), and the shaping classes ``tc`` puts on ``lo`` (rates and
+    qdiscs, one line each; docs/delta-sync.md shapes NIXL's loopback traffic to a stated rate). Empty where there
+    is none (no ``tc``, no qdisc but the default)."""
+    out = {k.lower(): os.environ[k] for k in ("UCX_TLS", "UCX_TCP_PORT_RANGE") if os.environ.get(k)}
+    shaping = [ln for kind in ("qdisc", "class") for ln in _tc_lines(kind) if "noqueue" not in ln]
+    if shaping:
+        out["loopback_shaping"] = "; ".join(shaping)
+    return out
+
+
+def _tc_lines(kind: str) -> list[str]:
+    try:
+        done = subprocess.run(["tc", kind, "show", "dev", "lo"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [" ".join(ln.split()) for ln in done.stdout.splitlines() if ln.strip()] if done.returncode == 0 else []
+
+
 def versions() -> dict[str, str]:
     import torch
 

@@ -10,7 +10,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import replace
 
-from kvmove.bench.results import Row
+from kvmove.bench.results import Row, link_conditions
 from kvmove.models import resolve_model
 from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import SyncConfig
@@ -56,6 +56,7 @@ def sync_row(config: SyncConfig, r: SyncResult, suite: str = "sync", extra: dict
             "lookahead": config.options.lookahead,
             "direct": config.options.direct,
             "engine_kind": config.engine_kind,
+            **link_conditions(),
             "engine_dtype": config.model.engine_dtype,
             "launcher": r.launcher,
             "trainer_devices": list(config.placement.trainer_devices),

@@ -49,3 +49,30 @@ def test_rows_from_a_dirty_tree_are_refused_and_nothing_is_written(tmp_path) -> 
     with pytest.raises(KvmoveError, match="dirty tree"):
         append_rows(tmp_path, "sync", [row], dirty)
     assert (tmp_path / "plan.parquet").read_bytes() == before and not (tmp_path / "sync.parquet").exists()
+
+
+def test_rows_name_the_loopback_shaping_and_ucx_selection_they_ran_under(tmp_path, monkeypatch) -> None:
+    """A fake ``tc`` stands for a host whose loopback carries an htb class: the class and qdisc lines come back, the
+    default qdisc does not; without ``tc`` or any shaping nothing is added."""
+    from kvmove.bench.results import link_conditions
+
+    tc = tmp_path / "tc"
+    tc.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = qdisc ]; then echo "qdisc htb 1: root refcnt 2 r2q 10 default 0x99"; fi\n'
+        'if [ "$1" = class ]; then echo "class htb 1:2 root prio 0 rate 1Gbit ceil 1Gbit burst 256Kb"; fi\n'
+    )
+    tc.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.delenv("UCX_TCP_PORT_RANGE", raising=False)
+    got = link_conditions()
+    assert got["ucx_tls"] == "tcp" and "ucx_tcp_port_range" not in got
+    assert got["loopback_shaping"] == (
+        "qdisc htb 1: root refcnt 2 r2q 10 default 0x99; class htb 1:2 root prio 0 rate 1Gbit ceil 1Gbit burst 256Kb"
+    )
+    tc.write_text('#!/bin/sh\nif [ "$1" = qdisc ]; then echo "qdisc noqueue 0: root refcnt 2"; fi\n')
+    assert "loopback_shaping" not in link_conditions()
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    monkeypatch.delenv("UCX_TLS")
+    assert link_conditions() == {}
