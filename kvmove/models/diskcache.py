@@ -10,6 +10,11 @@ changing names another file, so a stale answer is never read (safe to delete at 
 neither reads nor writes it). A file that does not hold its own key, or cannot be read, is rebuilt and
 rewritten; a directory that cannot be written leaves the answer uncached. Checkpoint directories are never
 cached: their headers are read each time.
+
+The answers for the full-size presets (Qwen3-235B-A22B, Kimi K2) ship with kvmove as data
+(``kvmove/models/configs/answers.json``, :data:`SHIPPED`), so even a first run of a full-size plan imports no
+transformers: they are read where the disk cache has no answer (and never with ``KVMOVE_NO_CACHE=1``), and
+``tests/models/test_diskcache.py`` checks each against transformers' answer of the installed version.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from functools import lru_cache
-from importlib import metadata
+from importlib import metadata, resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -33,6 +38,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+SHIPPED = "answers.json"
+"""The shipped answers' file, beside the presets' configs in ``kvmove/models/configs``."""
 CACHE_DIR_ENV = "KVMOVE_CACHE_DIR"
 NO_CACHE_ENV = "KVMOVE_NO_CACHE"
 
@@ -94,9 +101,30 @@ def remembered(
             return decode(stored)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
             pass  # written by a codec of another shape: rebuilt below
+    shipped = shipped_answers().get(shipped_key(kind, key))
+    if shipped is not None:
+        try:
+            return decode(shipped)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            pass  # a file of another shape: built below
     answer = build()
     _write(path, {"key": text, "value": encode(answer)})
     return answer
+
+
+def shipped_key(kind: str, key: Any) -> str:
+    """How a shipped answer is named: what it answers, without the code version (a test vouches for the code)."""
+    return json.dumps({"kind": kind, "key": key}, sort_keys=True, default=repr)
+
+
+@lru_cache(maxsize=1)
+def shipped_answers() -> dict[str, Any]:
+    """The answers shipped with kvmove, by :func:`shipped_key` (empty where the file is absent or unreadable)."""
+    try:
+        data = json.loads(resources.files("kvmove.models").joinpath("configs", SHIPPED).read_text())
+        return {str(a["key"]): a["value"] for a in data["answers"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
 
 
 def _key_text(kind: str, key: Any) -> str:

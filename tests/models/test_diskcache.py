@@ -120,3 +120,54 @@ def test_a_dry_run_on_a_warm_cache_never_imports_transformers(cache: Path) -> No
     *reports, imported = done.stdout.splitlines()
     assert imported == "transformers imported: False"
     assert [json.loads(line)["verified"] for line in reports] == [True] * 4  # the plans read from the cached table
+
+
+FULL_SIZE = ("qwen3-235b-a22b", "kimi-k2")
+
+
+def _asked_now(monkeypatch: pytest.MonkeyPatch, root: Path) -> list[dict]:
+    """What transformers answers now for the full-size presets (their tables and config defaults), as the shipped
+    file holds them: built into an empty cache with the shipped answers hidden."""
+    from kvmove.models.table import _config_table
+
+    monkeypatch.setenv(diskcache.CACHE_DIR_ENV, str(root))
+    monkeypatch.setattr(diskcache, "shipped_answers", dict)
+    _config_table.cache_clear()
+    for name in FULL_SIZE:
+        table_of(resolve_model(name))
+    _config_table.cache_clear()
+    out = []
+    for path in sorted(root.glob("*.json")):
+        stored = json.loads(path.read_text())
+        asked = json.loads(stored["key"])
+        out.append({"key": diskcache.shipped_key(asked["kind"], asked["key"]), "value": stored["value"]})
+    return sorted(out, key=lambda a: a["key"])
+
+
+def test_the_shipped_answers_are_what_transformers_answers_now(tmp_path: Path, monkeypatch) -> None:
+    """The full-size presets' answers shipped in kvmove/models/configs/answers.json equal what the installed
+    transformers builds (KVMOVE_WRITE_ANSWERS=1 rewrites the file from it instead)."""
+    import os
+    from importlib import resources
+
+    asked = _asked_now(monkeypatch, tmp_path / "asked")
+    assert {json.loads(a["key"])["kind"] for a in asked} == {"table", "defaults"}
+    path = Path(str(resources.files("kvmove.models").joinpath("configs", diskcache.SHIPPED)))
+    if os.environ.get("KVMOVE_WRITE_ANSWERS") == "1":
+        path.write_text(json.dumps({"answers": asked}, separators=(",", ":")) + "\n")
+    shipped = json.loads(path.read_text())["answers"]
+    assert shipped == asked, "rerun with KVMOVE_WRITE_ANSWERS=1 to ship what transformers answers now"
+
+
+def test_a_first_full_size_plan_reads_the_shipped_answers_and_imports_no_transformers(tmp_path: Path) -> None:
+    """A fresh process with an empty disk cache plans Kimi K2's full-size layout (its table and defaults shipped)
+    without importing transformers."""
+    code = (
+        "import sys; from kvmove.models import resolve_model; from kvmove.models.table import table_of; "
+        "t = table_of(resolve_model('kimi-k2')); "
+        "print(len(t.kinds), 'transformers' in sys.modules)"
+    )
+    env = {**__import__("os").environ, diskcache.CACHE_DIR_ENV: str(tmp_path / "empty")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["61", "False"]
