@@ -128,14 +128,10 @@ FULL_SIZE = ("qwen3-235b-a22b", "kimi-k2")
 def _asked_now(monkeypatch: pytest.MonkeyPatch, root: Path) -> list[dict]:
     """What transformers answers now for the full-size presets (their tables and config defaults), as the shipped
     file holds them: built into an empty cache with the shipped answers hidden."""
-    from kvmove.models.table import _config_table
-
     monkeypatch.setenv(diskcache.CACHE_DIR_ENV, str(root))
     monkeypatch.setattr(diskcache, "shipped_answers", dict)
-    _config_table.cache_clear()
-    for name in FULL_SIZE:
-        table_of(resolve_model(name))
-    _config_table.cache_clear()
+    for name in FULL_SIZE:  # past every in-process memo: the defaults, then the table
+        _config_table.__wrapped__(_frozen(name))
     out = []
     for path in sorted(root.glob("*.json")):
         stored = json.loads(path.read_text())
