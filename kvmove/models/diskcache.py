@@ -27,14 +27,11 @@ from collections.abc import Callable
 from functools import lru_cache
 from importlib import metadata, resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from kvmove.models.tensors import TensorMeta
-
-if TYPE_CHECKING:
-    from kvmove.models.table import TensorTable
+from kvmove.models.tensors import TensorMeta, TensorTable
 
 T = TypeVar("T")
 
@@ -169,7 +166,6 @@ def encode_table(table: TensorTable) -> dict[str, Any]:
 
 def decode_table(data: dict[str, Any]) -> TensorTable:
     """The table :func:`encode_table` wrote (ValueError on a dtype torch lacks)."""
-    from kvmove.models.table import TensorTable
 
     def metas(rows: list[Any]) -> tuple[TensorMeta, ...]:
         return tuple(TensorMeta(str(n), tuple(int(s) for s in shape), _dtype(d)) for n, shape, d in rows)

@@ -29,7 +29,7 @@ import torch
 from kvmove.errors import ModelError
 from kvmove.models.config import ModelConfig
 from kvmove.models.hf import model_type_of, quiet_transformers
-from kvmove.models.tensors import TensorMeta, expert_of, layer_of, with_layer
+from kvmove.models.tensors import TensorMeta, TensorTable, expert_of, layer_of, with_layer
 
 _SAFETENSORS_DTYPES = {
     "BF16": torch.bfloat16,
@@ -45,35 +45,6 @@ _SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-
-
-class TensorTable(NamedTuple):
-    """Every tensor of one checkpoint: those before the decoder layers, one template per layer kind, those after."""
-
-    head: tuple[TensorMeta, ...]
-    """Tensors outside the decoder layers that precede them (``model.embed_tokens.weight``)."""
-    kinds: tuple[str, ...]
-    """The kind of each decoder layer."""
-    templates: Mapping[str, tuple[int, tuple[TensorMeta, ...]]]
-    """kind -> (its first layer, that layer's tensors)."""
-    tail: tuple[TensorMeta, ...]
-    """Tensors outside the decoder layers that follow them (final norm, ``lm_head.weight``)."""
-
-    def layer(self, i: int) -> list[TensorMeta]:
-        """The tensors of decoder layer ``i``, in checkpoint order."""
-        if not 0 <= i < len(self.kinds):
-            raise ModelError(f"layer {i} is outside the model's {len(self.kinds)} layers")
-        first, tensors = self.templates[self.kinds[i]]
-        if first == i:
-            return list(tensors)
-        return [t._replace(name=with_layer(t.name, i)) for t in tensors]
-
-    def tensors(self, layers: Iterable[int] | None = None) -> list[TensorMeta]:
-        wanted = range(len(self.kinds)) if layers is None else sorted(set(layers))
-        out = list(self.head)
-        for i in wanted:
-            out += self.layer(i)
-        return out + list(self.tail)
 
 
 def meta_model(hf: Mapping[str, Any]) -> torch.nn.Module:

@@ -1,11 +1,15 @@
-"""One HF checkpoint tensor (name, shape, dtype): the metadata every planner reads, and what its name says."""
+"""One HF checkpoint tensor (name, shape, dtype), the metadata every planner reads, and what its name says; and a
+checkpoint's tensors as a table (:class:`TensorTable`: one template per kind of decoder layer)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 import torch
+
+from kvmove.errors import ModelError
 
 _LAYER_RE = re.compile(r"^(model|decoder)\.layers\.(\d+)\.")
 """Decoder layers in HF (``model.layers.N.``) and megatron-core (``decoder.layers.N.``) names."""
@@ -61,3 +65,32 @@ def expert_of(name: str) -> int | None:
 def with_layer(name: str, layer: int) -> str:
     """``model.layers.3.x`` -> ``model.layers.{layer}.x``; names outside layers are returned unchanged."""
     return _LAYER_RE.sub(lambda m: f"{m.group(1)}.layers.{layer}.", name, count=1)
+
+
+class TensorTable(NamedTuple):
+    """Every tensor of one checkpoint: those before the decoder layers, one template per layer kind, those after."""
+
+    head: tuple[TensorMeta, ...]
+    """Tensors outside the decoder layers that precede them (``model.embed_tokens.weight``)."""
+    kinds: tuple[str, ...]
+    """The kind of each decoder layer."""
+    templates: Mapping[str, tuple[int, tuple[TensorMeta, ...]]]
+    """kind -> (its first layer, that layer's tensors)."""
+    tail: tuple[TensorMeta, ...]
+    """Tensors outside the decoder layers that follow them (final norm, ``lm_head.weight``)."""
+
+    def layer(self, i: int) -> list[TensorMeta]:
+        """The tensors of decoder layer ``i``, in checkpoint order."""
+        if not 0 <= i < len(self.kinds):
+            raise ModelError(f"layer {i} is outside the model's {len(self.kinds)} layers")
+        first, tensors = self.templates[self.kinds[i]]
+        if first == i:
+            return list(tensors)
+        return [t._replace(name=with_layer(t.name, i)) for t in tensors]
+
+    def tensors(self, layers: Iterable[int] | None = None) -> list[TensorMeta]:
+        wanted = range(len(self.kinds)) if layers is None else sorted(set(layers))
+        out = list(self.head)
+        for i in wanted:
+            out += self.layer(i)
+        return out + list(self.tail)
