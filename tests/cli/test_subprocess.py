@@ -24,6 +24,13 @@ ENV = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_AUTH_
 SMALL = ["--trainer", "tp=1", "--engine", "tp=1", "--replicas", "2", "--strategy", "v3"]
 
 
+def interruptible() -> None:
+    """In the child before it execs: SIGINT back to its default, as a terminal's foreground job has it. A test run
+    started as a background job of a non-interactive shell (`cmd &`) inherits SIGINT ignored, and a Python whose
+    SIGINT is ignored at start installs no KeyboardInterrupt handler: the interrupt tests would test nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def kvmove(*args: str, timeout: float = 300, prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*(prefix or KVMOVE), *args], capture_output=True, text=True, timeout=timeout, env=ENV)
 
@@ -112,6 +119,7 @@ def test_interrupt_exits_130_after_cleanup() -> None:
         text=True,
         env=ENV,
         start_new_session=True,
+        preexec_fn=interruptible,
     )
     assert proc.stderr is not None
     lines = []
@@ -163,7 +171,12 @@ def test_serve_ready_line_prometheus_port_in_use_and_interrupt() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     proc = subprocess.Popen(
-        [*KVMOVE, "serve", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+        [*KVMOVE, "serve", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        preexec_fn=interruptible,
     )
     try:
         assert proc.stdout is not None
