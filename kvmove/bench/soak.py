@@ -60,7 +60,9 @@ class SoakConfig:
     warmup: int = 20
     transports: tuple[str, ...] = ()  # empty: every server transport installed here
     prompt_len: int = 48
-    new_tokens: int = 8
+    new_tokens: int = 32
+    """Tokens each live request generates: enough decode steps that the client can hold it while it runs on a
+    loaded 2-core host (at 8, a request finished before its hold 5 times in a row in one CI run)."""
     page_size: int = 16
     num_pages: int = 64
     model: str = "qwen3-tiny"
