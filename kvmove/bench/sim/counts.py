@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from kvmove.bench.sim.builder import build_traffic
 from kvmove.bench.sim.hardware import GPUS, Cluster
-from kvmove.bench.sim.setup import SimSetup, TrainerSpec
+from kvmove.bench.sim.setup import SimSetup, Spec, TrainerSpec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
 from kvmove.bench.sim.traffic import Traffic
 from kvmove.errors import KvmoveError
@@ -106,3 +106,28 @@ def _layers_matching(cfg: Any, nbytes: int) -> Any:
         if model_totals(candidate).total_bytes == nbytes:
             return candidate
     return cfg
+
+
+def mapped_bf16(r: Any) -> float:
+    """BF16 bytes the busiest engine rank of a one-GPU FP8 row quantized itself from the trainer's mapped arena
+    (``kvmove.bench.sim.mapped``), in the row's own setup: its model slice and layouts, colocated on its GPU over
+    cuda-ipc. 0 when the row's setup cannot be rebuilt or maps nothing."""
+    e, gpu = r["extra_d"], r["gpu"]
+    overrides = tuple(f"{k}={v}" for k, v in sorted((e.get("model_overrides") or {}).items()))
+    layout, _, reps = str(r["engine"]).partition(" x")
+    try:
+        return _mapped(str(r["model"]), str(r["trainer"]), layout, int(reps or 1), gpu.name, str(r["strategy"]),
+                       bool(e.get("direct", False)), overrides)  # fmt: skip
+    except (KvmoveError, ValueError, KeyError, AttributeError):
+        return 0.0
+
+
+@lru_cache(maxsize=64)
+def _mapped(
+    model: str, trainer: str, engine: str, reps: int, gpu: str, strategy: str, direct: bool, overrides: tuple[str, ...]
+) -> float:
+    cluster = f"gpu={gpu},nic=cx7-400,gpus_per_node=1,nics_per_node=1"
+    spec = Spec(model, trainer, engine, reps, 1, 1, cluster, "colocated", "cuda-ipc", dtype="fp8",
+                quantize_on="trainer", direct=direct, overrides=overrides)  # fmt: skip
+    t = build_traffic(spec.build(), SIM_STRATEGIES[strategy])
+    return float(t.total("engine", "mapped").max(initial=0.0))

@@ -182,9 +182,11 @@ ONE_GPU: dict[str, Match] = {
     "pull_op_s": _ONE_GPU,
     "broadcast_op_s": _NO_ROWS,
     "cold_s_per_byte": _ONE_GPU,
+    "sync_s": _ONE_GPU,
     "quantize_efficiency": _ONE_GPU._replace(dtypes=("fp8",)),
 }
-"""kvmove's colocated one-GPU syncs: CUDA-IPC on one device is a device copy; costs from one-GPU rows."""
+"""kvmove's colocated one-GPU syncs: CUDA-IPC on one device is a device copy; costs from one-GPU rows, the sync's
+fixed cost (``sync_s``) included: direct one-GPU syncs measure it (seconds - their transfer phase)."""
 
 _CPU_SYNC = Match(PLACEMENTS, ("cpu",), gathers=("none", "host-gloo"), device="cpu")
 """kvmove's syncs between CPU processes of one host: NIXL over loopback and gloo, the trainer's ranks gathering

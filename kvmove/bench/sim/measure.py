@@ -22,7 +22,7 @@ from typing import Any
 import pandas as pd
 
 from kvmove.bench.sim.costs import QUANTIZE_TRAFFIC, SPECS, Cost, CostBook, default_book
-from kvmove.bench.sim.counts import Counts, row_counts
+from kvmove.bench.sim.counts import Counts, mapped_bf16, row_counts
 from kvmove.bench.sim.hardware import Gpu
 from kvmove.bench.sim.matching import TARGETS
 from kvmove.bench.sim.samples import Extractor, RowFilter, Sample, decorate, row_ref, syncs, where
@@ -269,6 +269,20 @@ def _quantize(df: pd.DataFrame) -> list[Sample]:
     return out
 
 
+def _mapped_quantize(df: pd.DataFrame) -> list[Sample]:
+    """Warm FP8 v3 syncs on one GPU whose engine quantized covers itself from the trainer's mapped arena (their copy
+    executors name ``mapped-quantize`` bytes): those programs run on a stream of their own from the sync's start and
+    bound it, so BF16 bytes quantized x 1.5 / (seconds - the sync's fixed cost) / HBM bandwidth."""
+    out = []
+    rows = where(syncs(df, None, ("v3",)), lambda e: (e.get("copy_executor_bytes") or {}).get("mapped-quantize", 0))
+    for _, r in rows.iterrows():
+        seconds = float(r["seconds"]) - _median(df, "sync_s")
+        bf16 = mapped_bf16(r)
+        if seconds > 0 and bf16 > 0:
+            out.append(Sample(QUANTIZE_TRAFFIC * bf16 / seconds / (r["gpu"].hbm_gbps * 1e9), row_ref(r)))
+    return out
+
+
 def _delta_pass(phase: str, minus: str) -> Extractor:
     """Delta suite rows on a GPU: model bytes over (phase - ``minus`` phase) over the run's device copy rate
     (``device_copy_gbps`` counts reads and writes: a copy moves half of it)."""
@@ -369,9 +383,10 @@ EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
     "reload_layer_s": ("derived", _reload, "vLLM (CPU) load phase minus the reference engine's, per layer"),
     "quantize_efficiency": (
         "derived",
-        _quantize,
+        lambda df: _quantize(df) + _mapped_quantize(df),
         "FP8 syncs: BF16 bytes the trainer quantized x 1.5 (read 2 B, write 1 B) / (pack phase - its per-pull "
-        "calls) / HBM bandwidth",
+        "calls) / HBM bandwidth; one GPU, mapped pulls: BF16 bytes the engine quantized x 1.5 / (seconds - the "
+        "sync's fixed cost) / HBM bandwidth",
     ),
     "delta_detect_efficiency": (
         "measured",

@@ -140,3 +140,34 @@ def test_the_simulators_mapped_bytes_are_the_planners(model: str, trainer: str, 
              direct=True).build()  # fmt: skip
     t = build_traffic(s, V3)
     assert any(planned) and list(t.total("engine", "kept") - t.total("engine", "recv")) == planned
+
+
+def test_a_mapped_fp8_row_sets_the_quantize_rate_that_prices_it_back_to_its_own_seconds(tmp_path) -> None:
+    """One GPU, FP8 v3 with mapped pulls: the sync is bounded by the engine's quantize programs, so the row's
+    seconds (less the direct BF16 row's fixed cost) give the quantize rate, and that book predicts the row."""
+    from kvmove.bench.results import Labels, Row, append_rows, load_results
+    from kvmove.bench.sim.measure import costs_from_rows
+    from kvmove.bench.sim.ownruns import one_gpu_book
+
+    def row(dtype: str, seconds: float, transfer: float, executors: dict[str, int]) -> Row:
+        return Row(kind="measured", suite="gpu", name=f"fp8 sync v3 {dtype}", model="qwen3-235b-a22b",
+                   trainer="tp=1,pp=1,ep=1,etp=1,dp=1", engine="tp=1,dp=1,ep=1,pp=1 x1", strategy="v3",
+                   transport="cuda-ipc", bytes=sum(executors.values()), seconds=seconds,
+                   phases={"transfer": transfer, "load": seconds - transfer},
+                   extra={"sync": 2, "verified": True, "direct": True, "engine_dtype": dtype,
+                          "trainer_devices": ["cuda:0"], "engine_devices": ["cuda:0"],
+                          "transfer_gbps": 1000.0, "copy_executor_bytes": executors,
+                          "model_overrides": {"num_hidden_layers": 2}})  # fmt: skip
+
+    bf16 = row("bf16", 0.0070, 0.0060, {"driver": 10**10})
+    fp8 = row("fp8", 0.0080, 0.0020, {"driver": 2 * 10**9, "mapped-quantize": 5 * 10**9})
+    append_rows(tmp_path, "gpu", [bf16, fp8], Labels("gpu:H200 x1", {}, "m"))
+    rows = load_results(tmp_path)
+    book = costs_from_rows(rows, "one-gpu")
+    quantize, fixed = book.costs["quantize_efficiency"], book.costs["sync_s"]
+    assert quantize.kind == "derived" and [r.commit for r in quantize.rows] == ["m"]
+    assert fixed.kind == "derived" and fixed.value == pytest.approx(0.0010)
+    bf16_bytes = float(build_traffic(_slice(), V3).total("engine", "mapped").max())
+    assert quantize.value == pytest.approx(1.5 * bf16_bytes / 0.0070 / 4800e9)
+    (p,) = simulate(_slice(), [V3], one_gpu_book(rows))
+    assert p.seconds == pytest.approx(0.0080, rel=1e-6)
