@@ -1,9 +1,10 @@
 """The simulator judged on our own measurements: held-out runs of ours that set no cost, predicted.
 
 The one-GPU matrix (``kvmove bench run --suite gpu --gpus 1``) syncs a 2-layer slice of Qwen3-235B-A22B in
-several layouts, colocated on one H200; the same machine also synced an 8-layer slice in BF16 and in FP8
-(``--suite gpu-fp8 --layers 8``). Costs for the ``one-gpu`` target come from the 2-layer rows only
-(:data:`TRAIN_LAYERS`); every 8-layer row of the newest commit that has them is held out and predicted.
+several layouts, colocated on one H200; the same machine also synced the 2-layer and an 8-layer slice in BF16 and in
+FP8 (``--suite gpu-fp8 --layers 2`` and ``--layers 8``, one commit). Costs for the ``one-gpu`` target come from the
+2-layer rows only (:data:`TRAIN_LAYERS`); every 8-layer row of the newest commit that has them is held out and
+predicted.
 """
 
 from __future__ import annotations
@@ -55,16 +56,10 @@ class OwnCheck(NamedTuple):
 
 
 def one_gpu_book(rows: pd.DataFrame | None) -> CostBook:
-    """Costs for kvmove's colocated one-GPU syncs: sync rows of the :data:`TRAIN_LAYERS`-layer slice (and rows of
-    no slice: ceilings, micro-benchmarks), plus, for the FP8 quantization rate (no FP8 row of that slice exists),
-    FP8 rows of any commit but the held-out one."""
-    held = _held_out_commit(rows)
-
-    def keep(r: pd.Series) -> bool:
-        fp8_elsewhere = r["setup"].dtype == "fp8" and r["git_commit"] != held
-        return model_layers(r) in (None, TRAIN_LAYERS) or fp8_elsewhere
-
-    return costs_from_rows(rows, "one-gpu", keep=keep)
+    """Costs for kvmove's colocated one-GPU syncs: rows of the :data:`TRAIN_LAYERS`-layer slice (the matrix, and
+    the gpu-fp8 suite's BF16 and FP8 syncs of that slice: the quantization rate) and rows of no slice (ceilings,
+    micro-benchmarks); no row of a held-out slice, of any commit."""
+    return costs_from_rows(rows, "one-gpu", keep=lambda r: model_layers(r) in (None, TRAIN_LAYERS))
 
 
 def _candidates(rows: pd.DataFrame | None) -> pd.DataFrame | None:
@@ -77,11 +72,6 @@ def _candidates(rows: pd.DataFrame | None) -> pd.DataFrame | None:
     df = df[[model_layers(r) not in (None, TRAIN_LAYERS) for _, r in df.iterrows()]]
     df = df[df["extra_d"].map(lambda e: e.get("verified") is not False and int(e.get("sync", 2)) >= 2)]
     return None if df.empty else df
-
-
-def _held_out_commit(rows: pd.DataFrame | None) -> str | None:
-    df = _candidates(rows)
-    return None if df is None else str(df["git_commit"].iloc[-1])
 
 
 def held_out_runs(rows: pd.DataFrame | None) -> list[OwnRun]:
