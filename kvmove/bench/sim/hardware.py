@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,8 @@ class Gpu:
     pcie_gbps: float
     memory_gb: float
     source: str
+    cores: int = 0
+    """A CPU host's cores: how many of its processes' copies progress at once (0: a GPU, no such bound)."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ NICS: dict[str, Nic] = {
     )
 }
 
-_NUMBERS = ("gpus_per_node", "nics_per_node", "nic_gbps", "nvlink_gbps", "pcie_gbps", "hbm_gbps")
+_NUMBERS = ("gpus_per_node", "nics_per_node", "nic_gbps", "nvlink_gbps", "pcie_gbps", "hbm_gbps", "cores")
 
 
 @dataclass(frozen=True)
@@ -92,13 +95,16 @@ class Cluster:
     def parse(cls, text: str) -> Cluster:
         """``gpu=h200,nic=cx7-400[,gpus_per_node=8,nics_per_node=8,nic_gbps=..,nvlink_gbps=..,pcie_gbps=..]``.
 
-        Numbers override the preset's (nic_gbps in Gb/s; nvlink/pcie/hbm in GB/s); a KvmoveError names a bad key.
+        Numbers override the preset's (nic_gbps in Gb/s; nvlink/pcie/hbm in GB/s; ``cores``: a CPU host's cores);
+        a KvmoveError names a bad key.
         """
         values = _parse_pairs(text)
         gpu = _preset(GPUS, values.pop("gpu", "h100"), "gpu")
         nic = _preset(NICS, values.pop("nic", "cx7-400"), "nic")
         numbers = {k: _number(text, k, v) for k, v in values.items()}
-        gpu = _override(gpu, numbers, ("nvlink_gbps", "pcie_gbps", "hbm_gbps"))
+        gpu = _override(gpu, numbers, ("nvlink_gbps", "pcie_gbps", "hbm_gbps", "cores"))
+        if gpu.cores and gpu.name.rstrip("*") != "cpu":
+            raise KvmoveError(f"cluster spec {text!r}: cores bounds a CPU host's copies (gpu=cpu), not a GPU's")
         if min(gpu.nvlink_gbps, gpu.pcie_gbps, gpu.hbm_gbps) <= 0:
             raise KvmoveError(
                 f"cluster spec {text!r}: gpu={gpu.name.rstrip('*')} has no vendor figures: give nvlink_gbps, "
@@ -138,9 +144,10 @@ class Cluster:
 
     def label(self) -> str:
         if self.host:
+            cores = f" on {self.gpu.cores} cores" if self.gpu.cores else ""
             return (
-                f"{self.gpus_per_node} CPU processes/node over loopback at {self.gpu.nvlink_gbps:.3g} GB/s, memory "
-                f"{self.gpu.hbm_gbps:.3g} GB/s"
+                f"{self.gpus_per_node} CPU processes/node{cores} over loopback at {self.gpu.nvlink_gbps:.3g} GB/s, "
+                f"memory {self.gpu.hbm_gbps:.3g} GB/s"
             )
         return (
             f"{self.gpus_per_node}x{self.gpu.name.upper()}/node, {self.nics_per_node}x{self.nic.nic_gbps:g} Gb/s NICs, "
@@ -153,6 +160,7 @@ class Cluster:
             f"gpu={self.gpu.name.rstrip('*')},nic={self.nic.name.rstrip('*')},gpus_per_node={self.gpus_per_node},"
             f"nics_per_node={self.nics_per_node},nic_gbps={self.nic.nic_gbps:g},nvlink_gbps={self.gpu.nvlink_gbps:g},"
             f"pcie_gbps={self.gpu.pcie_gbps:g},hbm_gbps={self.gpu.hbm_gbps:g}"
+            + (f",cores={self.gpu.cores}" if self.gpu.cores else "")
         )
 
 
@@ -168,14 +176,21 @@ def gpu_of_hardware(label: str) -> Gpu | None:
     return None
 
 
-def host_of_run(raw_gbps: float) -> Gpu:
+def host_of_run(raw_gbps: float, cores: int = 0) -> Gpu:
     """A CPU host as the sync suite measured it: its raw loopback read (``extra.raw_gbps``, GB/s) is the line rate
     of its link and of a copy between its processes (a loopback read is that copy), so memory moves at twice it
-    (read plus write) and host<->"device" copies at it."""
+    (read plus write) and host<->"device" copies at it; ``cores`` (its hardware label's ``xN``) bound how many of
+    its processes' transfers progress at once."""
     host = GPUS["cpu"]
-    note = f"{host.source}; the run's raw loopback read: {raw_gbps:g} GB/s"
+    note = f"{host.source}; the run's raw loopback read: {raw_gbps:g} GB/s" + (f", {cores} cores" if cores else "")
     return dataclasses.replace(host, name="cpu*", hbm_gbps=2 * raw_gbps, nvlink_gbps=raw_gbps, pcie_gbps=raw_gbps,
-                               source=note)  # fmt: skip
+                               cores=cores, source=note)  # fmt: skip
+
+
+def cores_of_hardware(label: str) -> int:
+    """A CPU host's cores from a results row's hardware label (``cpu:AMD EPYC x2`` -> 2), else 0."""
+    found = re.search(r" x(\d+)$", label.strip())
+    return int(found.group(1)) if label.startswith("cpu:") and found else 0
 
 
 def _parse_pairs(text: str) -> dict[str, str]:
@@ -203,13 +218,15 @@ def _number(text: str, key: str, raw: str) -> float:
         raise KvmoveError(f"cluster spec {text!r}: {key} must be a number, got {raw!r}") from None
     if value <= 0 or not math.isfinite(value):
         raise KvmoveError(f"cluster spec {text!r}: {key} must be positive")
-    if key in ("gpus_per_node", "nics_per_node") and value != int(value):
+    if key in ("gpus_per_node", "nics_per_node", "cores") and value != int(value):
         raise KvmoveError(f"cluster spec {text!r}: {key} must be a whole number")
     return value
 
 
 def _override(preset: Any, numbers: dict[str, float], keys: tuple[str, ...]) -> Any:
-    changed = {k: numbers[k] for k in keys if k in numbers and numbers[k] != getattr(preset, k)}
+    whole = ("cores",)
+    changed = {k: int(numbers[k]) if k in whole else numbers[k] for k in keys if k in numbers}
+    changed = {k: v for k, v in changed.items() if v != getattr(preset, k)}
     if not changed:
         return preset
     note = ", ".join(f"{k}={v:g}" for k, v in changed.items())

@@ -29,7 +29,7 @@ from kvmove.bench.sim.samples import Extractor, RowFilter, Sample, decorate, row
 from kvmove.bench.sim.sender import Rates, broadcast_op, funnel_yield, raw_broadcast
 from kvmove.errors import KvmoveError
 from kvmove.models import resolve_model
-from kvmove.models.layout import TrainerLayout
+from kvmove.models.layout import EngineLayout, TrainerLayout
 
 _MEMO: dict[tuple[int, str, str], float] = {}
 _FULL: dict[str, pd.DataFrame] = {}
@@ -91,18 +91,33 @@ def _ceiling(prefix: str, line: Callable[[Gpu], float]) -> Extractor:
 # --- syncs ------------------------------------------------------------------------------------------------------
 def _transfer_efficiency(transport: str) -> Extractor:
     """Warm v2/v3 syncs: the transfer phase's rate over the line rate of the link used (NVLink between the
-    two GPUs of one host, unless the row names another link in ``extra.link``)."""
+    two GPUs of one host, unless the row names another link in ``extra.link``). On a CPU host of ``cores`` cores
+    whose ``k`` engine ranks pulled at once, each progressed at ``cores / k`` of its own rate (when ``k`` > cores):
+    its own rate is the one measured times ``k / cores`` (the pricing's host bound, ``kvmove.bench.sim.pricing``)."""
 
     def extract(df: pd.DataFrame) -> list[Sample]:
         out = []
         for _, r in syncs(df, transport, ("v2", "v3")).iterrows():
-            rate = float(r["extra_d"].get("transfer_gbps", 0.0))
+            rate = float(r["extra_d"].get("transfer_gbps", 0.0)) * _sharing(r)
             line = _line_gbps(r)
             if rate > 0 and line > 0:
                 out.append(Sample(rate / line, row_ref(r)))
         return out
 
     return extract
+
+
+def _sharing(r: Any) -> float:
+    """How many engine ranks shared each of a CPU host's cores while pulling (1 on a GPU, or with cores to spare)."""
+    cores = r["gpu"].cores
+    if not cores:
+        return 1.0
+    layout, _, reps = str(r["engine"]).partition(" x")
+    try:
+        ranks = EngineLayout.parse(layout, int(reps or 1)).world
+    except (KvmoveError, ValueError):
+        return 1.0
+    return max(1.0, ranks / cores)
 
 
 def _line_gbps(r: Any) -> float:

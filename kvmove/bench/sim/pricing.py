@@ -296,8 +296,10 @@ def _links(
     local = _local_link(s, broadcast)
     if local:
         name, line = local
-        worst = np.maximum(_rank_max(send), _rank_max(recv)) / (line * eff)
-        return np.maximum(worst, largest / (line * eff)), name
+        worst = np.maximum(_rank_max(send), _rank_max(recv))
+        if c.gpu.cores and not broadcast:  # a host's cores bound how many ranks' pulls progress at once
+            worst = np.maximum(worst, np.maximum(send.sum(axis=1), recv.sum(axis=1) * s.engine.replicas) / c.gpu.cores)
+        return np.maximum(worst, largest) / (line * eff), name
     gpn = c.gpus_per_node
     candidates = {
         "trainer GPU NIC": np.maximum(_rank_max(send), largest) / (c.gpu_nic_rate * nic),

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import pandas as pd
 
 from kvmove.bench.sim.costs import RowRef
-from kvmove.bench.sim.hardware import Gpu, gpu_of_hardware, host_of_run
+from kvmove.bench.sim.hardware import Gpu, cores_of_hardware, gpu_of_hardware, host_of_run
 from kvmove.bench.sim.matching import TARGETS, Match, row_setup
 
 RowFilter = Callable[[Any], bool]
@@ -46,10 +46,10 @@ def decorate(rows: pd.DataFrame, matches: dict[str, Match], keep: RowFilter | No
 
 def _device(hardware: str, extra: dict[str, Any]) -> Gpu | None:
     """A row's device preset: the GPU its hardware label names, or a CPU host at the raw loopback read its run
-    measured (the sync suite's ``extra.raw_gbps``); None when neither is known."""
+    measured (the sync suite's ``extra.raw_gbps``) with the cores its label names; None when neither is known."""
     raw = extra.get("raw_gbps")
     if gpu_of_hardware(hardware) is None and hardware.startswith("cpu:") and isinstance(raw, int | float) and raw > 0:
-        return host_of_run(float(raw))
+        return host_of_run(float(raw), cores_of_hardware(hardware))
     return gpu_of_hardware(hardware)
 
 

@@ -4,6 +4,9 @@ other's costs."""
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
+
 import pytest
 
 from kvmove.bench.results import Labels, Row, append_rows, load_results
@@ -11,6 +14,8 @@ from kvmove.bench.sim.cpuruns import cpu_book, cpu_checks, cpu_runs, cpu_split
 from kvmove.bench.sim.hardware import Cluster
 from kvmove.bench.sim.measure import costs_from_rows
 from kvmove.bench.sim.models import sim_model
+from kvmove.bench.sim.predict import simulate
+from kvmove.bench.sim.strategies import SIM_STRATEGIES
 from kvmove.errors import KvmoveError
 from kvmove.models import model_totals
 
@@ -149,3 +154,36 @@ def test_a_runs_raw_gloo_broadcast_sets_the_cpu_broadcast_rate(tmp_path) -> None
     fast = {c.run.strategy: c.predicted for c in cpu_checks(load_results(tmp_path / "fast"))}
     # the same measured broadcast with its bytes slower leaves less per call: the small model's prediction drops
     assert slow["broadcast"] < fast["broadcast"] and slow["v2"] == pytest.approx(fast["v2"])
+
+
+def test_a_hosts_cores_bound_how_many_ranks_pull_at_once(tmp_path) -> None:
+    """On a 2-core host the training run's 4 engine ranks pulled 2 at a time: the pull rate a rank reaches alone is
+    twice the one measured, and a held-out setup with one engine rank is priced at that rate (a 4-rank setup at
+    half of it); a GPU takes no cores, and a cluster without them prices each rank alone."""
+    append_rows(tmp_path, "sync", _run("qwen3-moe-small", 3.5, 1.0), Labels(CPU, {}, "c1"))
+    one = [r.__class__(**{**r.__dict__, "engine": "tp=1,dp=1,ep=1,pp=1 x1"}) for r in _run("qwen3-moe-small", None, 1)]
+    append_rows(tmp_path, "sync", one, Labels(CPU, {}, "c1"))
+    rows = load_results(tmp_path)
+    split = cpu_split(rows)
+    assert split is not None and split.cores == 2
+    nbytes = model_totals(sim_model("qwen3-moe-small")).total_bytes
+    measured = nbytes / 0.05 / 1e9  # the v2 rows' per-rank transfer rate
+    expected = statistics.median([measured * 4 / 2 / 3.5, nbytes / 0.04 / 1e9 * 4 / 2 / 3.5])
+    assert cpu_book(rows, split)["pull_efficiency"] == pytest.approx(min(expected, 1.0))
+    (run,) = [r for r in cpu_runs(rows, split) if r.strategy == "v2"]
+    host = Cluster.parse(run.spec.cluster)
+    assert host.gpu.cores == 2 and "2 cores" in host.label() and Cluster.parse(host.spec()) == host
+    four = dataclasses.replace(run.spec, engine="tp=2,dp=1,ep=2,pp=1", replicas=2)
+    unbounded = dataclasses.replace(four, cluster=run.spec.cluster.replace(",cores=2", ""))
+    book = cpu_book(rows, split)
+    (alone,), (shared,), (free,) = (
+        simulate(s.build(), [SIM_STRATEGIES["v2"]], book) for s in (run.spec, four, unbounded)
+    )
+    # 4 ranks of equal bytes on 2 cores: twice the line-rate time of 4 ranks each alone; one rank keeps all bytes
+    assert shared.speed_of_light_seconds == pytest.approx(2 * free.speed_of_light_seconds, rel=1e-3)
+    assert alone.speed_of_light_seconds == pytest.approx(shared.speed_of_light_seconds, rel=0.05)
+    assert shared.phases["transfer"] > free.phases["transfer"] and alone.seconds > free.seconds
+    with pytest.raises(KvmoveError, match="cores bounds a CPU host"):
+        Cluster.parse("gpu=h200,cores=8")
+    with pytest.raises(KvmoveError, match="whole number"):
+        Cluster.parse("gpu=cpu,nvlink_gbps=3.5,hbm_gbps=7,pcie_gbps=3.5,cores=1.5")
