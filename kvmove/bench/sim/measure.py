@@ -186,8 +186,14 @@ def _bytes_at(efficiency: str) -> Callable[[Any, pd.DataFrame], float]:
 
 
 def _transfer_bytes(r: Any, df: pd.DataFrame) -> float:
+    """A v1 row's transfer phase for its bytes alone, as the pricing's link takes them: the busiest engine rank's
+    bytes (on a CPU host of ``cores`` cores, at least all ranks' bytes / cores) at the measured transfer rate."""
     efficiency = "pull_efficiency" if r["transport"] == "nixl" else "ipc_efficiency"
-    return float(r["bytes"]) / (_line_gbps(r) * 1e9 * _median(df, efficiency))
+    counts = row_counts(r)
+    moved = counts.kept if counts is not None and counts.kept > 0 else float(r["bytes"])
+    if r["gpu"].cores:
+        moved = max(moved, float(r["bytes"]) / r["gpu"].cores)
+    return moved / (_line_gbps(r) * 1e9 * _median(df, efficiency))
 
 
 def _median(df: pd.DataFrame, name: str) -> float:
