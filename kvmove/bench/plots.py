@@ -223,7 +223,10 @@ def _validation(report: Report, path: Path) -> str | None:
     if df.empty:
         return "no published figures in simulated rows"
     fig, ax = plt.subplots(figsize=(7, 7))
-    ax.scatter(df["published"], df["predicted"], color="tab:blue")
+    colors = {"training": "tab:red", "held-out": "tab:blue"}
+    for role, group in df.groupby(df["role"].map(lambda r: r if r in colors else "held-out (ours)")):
+        label = {"training": "training (sets fitted costs)", "held-out": "held-out published"}.get(role, role)
+        ax.scatter(group["published"], group["predicted"], color=colors.get(role, "tab:green"), label=label)
     for _, r in df.iterrows():
         ax.annotate(r["figure"], (r["published"], r["predicted"]), fontsize=5, alpha=0.8)
     lo = float(min(df["published"].min(), df["predicted"].min())) / 1.5
@@ -232,10 +235,10 @@ def _validation(report: Report, path: Path) -> str | None:
     ax.fill_between([lo, hi], [lo / 2, hi / 2], [lo * 2, hi * 2], color="gray", alpha=0.15, label="within 2x")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("published (s)")
+    ax.set_xlabel("published (s; ours: measured)")
     ax.set_ylabel("simulated (s)")
     ax.legend(fontsize=8)
-    _save(fig, path, "Simulator validation: published figures vs predictions (no figure sets a cost)")
+    _save(fig, path, "Simulator validation: published figures and our held-out runs vs predictions")
     return None
 
 

@@ -22,7 +22,8 @@ TITLES = {
     "faults": "Faulty syncs (dead replica, missing ranks, failed verify): kept out of the medians",
     "links": "Raw links: the ceilings syncs are held to",
     "plans": "Full-size sharding plans",
-    "validation": "Simulator validation: published figures vs predictions (no figure sets a cost)",
+    "validation": "Simulator validation: published figures and our held-out runs vs predictions (training figures set "
+    "the fitted costs, held-out ones set none)",
     "migrations": "KV-cache migrations, per prompt length",
     "costs": "Simulator costs (from our measured rows; default = no measurement of ours yet)",
     "other": "Other measured rows (their fields in --format json)",
@@ -60,6 +61,10 @@ def _times(v: Any) -> str:
 
 def _pct(v: Any) -> str:
     return "" if pd.isna(v) else f"{v:.0f}%"
+
+
+def _error(v: Any) -> str:
+    return "" if v is None or pd.isna(v) else f"{v:+.0f}%"
 
 
 def _bytes(v: Any) -> str:
@@ -128,8 +133,9 @@ VIEWS: dict[str, list[Column]] = {
         ("metric", lambda r: str(r["metric"]), False),
         ("published", lambda r: _metric(r, "published"), True),
         ("predicted", lambda r: _metric(r, "predicted"), True),
-        ("error", lambda r: _pct(r["error_pct"]), True),
-        ("sets a\ncost", lambda r: str(r["used_for_costs"]), False),
+        ("role", lambda r: str(r["role"]), False),
+        ("error", lambda r: _error(r["error_pct"]), True),
+        ("leave one\nsource out", lambda r: _error(r["loso_error_pct"]), True),
         ("source", lambda r: str(r["source"]), False),
     ],
     "other": [

@@ -9,6 +9,7 @@ from result_rows import migration_rows, sync_rows, write
 from kvmove.bench.report import Filters, build_report
 from kvmove.bench.results import Row
 from kvmove.bench.runs import latest_complete, short_commit
+from kvmove.bench.sim.validation import Check
 from kvmove.errors import KvmoveError
 
 
@@ -193,3 +194,37 @@ def test_plots_without_matplotlib_name_the_extra(tmp_path, monkeypatch) -> None:
     write(tmp_path, "sync", sync_rows())
     with pytest.raises(KvmoveError, match=r"kvmove\[plots\]"):
         plots_mod.render_plots(build_report(tmp_path), tmp_path / "plots")
+
+
+def test_the_validation_view_shows_each_figures_role_and_leave_one_source_out_error(tmp_path) -> None:
+    """``bench report`` renders training and held-out figures apart and each leave-one-source-out error."""
+    from typer.testing import CliRunner
+
+    from kvmove.cli.main import app
+
+    (check,) = [c for c in _validation_checks() if c.figure.key == "vllm-qwen3-v3"]
+    write(tmp_path, "simulated", [_row_of(check)])
+    out = CliRunner().invoke(app, ["bench", "report", "--results", str(tmp_path), "--format", "markdown",
+                                   "--table", "validation"])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    header = next(line for line in out.stdout.splitlines() if line.startswith("| figure"))
+    assert "| role |" in header and "| leave one source out |" in header
+    line = next(line for line in out.stdout.splitlines() if line.startswith("| vllm-qwen3-v3 "))
+    assert f"| held-out | {check.error_pct:+.0f}% | {check.loso_error_pct:+.0f}% |" in line
+
+
+def _validation_checks() -> list[Check]:
+    from kvmove.bench.sim.costs import default_book
+    from kvmove.bench.sim.figures import FIGURES
+    from kvmove.bench.sim.validation import validate
+
+    wanted = tuple(f for f in FIGURES if f.key in ("vllm-qwen3-v2", "vllm-qwen3-v3"))
+    return validate(default_book(), wanted, loso={"vllm-qwen3-v3": 5.0})
+
+
+def _row_of(c: Check) -> Row:
+    from kvmove.bench.sim.costs import default_book
+    from kvmove.bench.sim.rows import prediction_row
+    from kvmove.bench.sim.validation import figure_setup
+
+    return prediction_row(c.prediction, figure_setup(c.figure), default_book(), c.figure.key, c)
