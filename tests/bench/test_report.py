@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pandas as pd
 import pytest
 from result_rows import migration_rows, sync_rows, write
@@ -228,3 +231,45 @@ def _row_of(c: Check) -> Row:
     from kvmove.bench.sim.validation import figure_setup
 
     return prediction_row(c.prediction, figure_setup(c.figure), default_book(), c.figure.key, c)
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+BEGIN, END = "<!-- validation table: begin -->", "<!-- validation table: end -->"
+
+
+def _readme_table(table: pd.DataFrame) -> str:
+    """The README's per-figure table from the report's validation table (``KVMOVE_WRITE_README=1`` rewrites it)."""
+
+    def value(r: pd.Series, col: str) -> str:
+        return f"{r[col] / 1e12:.3g} TB" if r["metric"] == "bytes" else f"{r[col]:.4g} s"
+
+    def signed(v: object) -> str:
+        return "" if v is None or pd.isna(v) else f"{v:+.0f}%".replace("-0%", "+0%")
+
+    lines = [
+        "| figure | role | published / measured | predicted | error | leave one source out |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for _, r in table.iterrows():
+        lines.append(f"| {r['figure']} | {r['role']} | {value(r, 'published')} | {value(r, 'predicted')} | "
+                     f"{signed(r['error_pct'])} | {signed(r['loso_error_pct'])} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def test_the_readme_lists_every_figures_error_from_the_committed_rows() -> None:
+    """Every published figure and held-out run of ours, as the committed simulated rows judge them, is in the
+    README, good or bad."""
+    from kvmove.bench.report import build_report
+
+    table = build_report(README.parent / "results").validation
+    expected = _readme_table(table)
+    text = README.read_text()
+    if os.environ.get("KVMOVE_WRITE_README") == "1":
+        head, _, rest = text.partition(BEGIN)
+        _, _, tail = rest.partition(END)
+        README.write_text(f"{head}{BEGIN}\n\n{expected}\n\n{END}{tail}")
+        text = README.read_text()
+    assert BEGIN in text and END in text, "README lacks the validation table markers"
+    block = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    assert block == expected, "README's validation table is stale: rerun with KVMOVE_WRITE_README=1"
+    assert len(table) >= 29 and set(table["role"]) >= {"training", "held-out", "held-out (ours)"}

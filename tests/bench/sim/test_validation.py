@@ -1,4 +1,5 @@
-"""Published figures: each simulated as the setup it describes, none sets a cost; rows regenerate."""
+"""Published figures: each simulated as the setup it describes (training figures set only the fitted costs);
+rows regenerate."""
 
 from __future__ import annotations
 
