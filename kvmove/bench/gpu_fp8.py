@@ -24,7 +24,7 @@ import statistics
 import torch
 
 from kvmove.bench.gpu import GpuSuite, Record, Say
-from kvmove.bench.results import Row
+from kvmove.bench.results import Row, link_conditions
 from kvmove.errors import JobFailed, KvmoveError
 from kvmove.models.config import ModelConfig
 
@@ -96,7 +96,7 @@ def _runs(suite: GpuSuite, cfg: ModelConfig, transport: str, p2p_gbps: float, sa
         deadline_s=suite.deadline_s,
     )
     (plan,) = dry_run_sync(dataclasses.replace(config, verify=False))  # the plan only: the syncs verify
-    rows = []
+    rows, link = [], link_conditions()
     try:
         for r in run_syncs(config, progress=say):
             say(f"  {cfg.engine_dtype} {r.strategy} sync {r.sync}: {r.seconds:.4f} s, {r.bytes / 1e9:.2f} GB, "
@@ -108,7 +108,7 @@ def _runs(suite: GpuSuite, cfg: ModelConfig, transport: str, p2p_gbps: float, sa
                 "bytes_by_transform": plan.bytes_by_transform,
                 "planned_bytes": plan.bytes_total,
             }
-            row = sync_row(config, r, suite="gpu", extra=extra)
+            row = sync_row(config, r, suite="gpu", extra=extra, link=link)
             name = f"fp8 sync {r.strategy} {cfg.engine_dtype}"
             rows.append(dataclasses.replace(row, name=name, link_limit_gbps=p2p_gbps or row.link_limit_gbps))
     except (KvmoveError, JobFailed) as exc:  # the BF16 rows of the run must survive a failed FP8 one

@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from kvmove.bench.results import Row
+from kvmove.bench.results import Row, link_conditions
 from kvmove.errors import JobFailed, KvmoveError
 from kvmove.sync.planning.ceiling import seconds_at
 
@@ -176,7 +176,8 @@ def run_cell(suite: GpuSuite, cfg: ModelConfig, cell: Cell, rates: Rates, say: S
     ceiling = 0.0
     if split is not None and (rates.link_gbps or not split.cross_max):  # a link this run measured, or none crossed
         ceiling = seconds_at(split.local_max, split.cross_max, rates.copy_gbps, rates.link_gbps)
-    rows = [_sync_row(config, r, suite, ceiling) for r in results]
+    link = link_conditions()
+    rows = [_sync_row(config, r, suite, ceiling, link) for r in results]
     if split is not None and ceiling > 0:
         rows.append(_ceiling_row(config, cell, split, ceiling, rates))
         say(f"  ceiling: {ceiling:.4f} s ({split.total / ceiling / 1e9:.1f} GB/s)")
@@ -219,7 +220,7 @@ def _split(results: list[SyncResult]) -> Split | None:
     return Split(b["local_bytes"] + b["cross_bytes"], b["local_max_bytes"], b["cross_max_bytes"])
 
 
-def _sync_row(config: SyncConfig, r: SyncResult, suite: GpuSuite, ceiling: float) -> Row:
+def _sync_row(config: SyncConfig, r: SyncResult, suite: GpuSuite, ceiling: float, link: dict[str, str]) -> Row:
     from kvmove.bench.syncs import sync_row
 
     extra: dict[str, object] = {
@@ -227,7 +228,7 @@ def _sync_row(config: SyncConfig, r: SyncResult, suite: GpuSuite, ceiling: float
         "ceiling_seconds": ceiling or None,
         "fraction_of_ceiling": ceiling / r.seconds if ceiling and r.seconds > 0 and r.bytes else None,
     }
-    row = sync_row(config, r, suite="gpu", extra=extra)
+    row = sync_row(config, r, suite="gpu", extra=extra, link=link)
     limit = r.bytes / ceiling / 1e9 if ceiling and r.bytes else row.link_limit_gbps
     return dataclasses.replace(row, link_limit_gbps=limit)
 

@@ -24,9 +24,17 @@ from kvmove.transport import get_transport
 RAW_SIZES = (1 << 20, 16 << 20, 64 << 20)
 
 
-def sync_row(config: SyncConfig, r: SyncResult, suite: str = "sync", extra: dict[str, object] | None = None) -> Row:
+def sync_row(
+    config: SyncConfig,
+    r: SyncResult,
+    suite: str = "sync",
+    extra: dict[str, object] | None = None,
+    link: dict[str, str] | None = None,
+) -> Row:
     """One measured row per (strategy, sync), the same for every launcher and suite; ``link_limit_gbps`` is the
-    run's copy ceiling between a trainer's and an engine's device, measured at init."""
+    run's copy ceiling between a trainer's and an engine's device, measured at init. ``link``: the run's
+    :func:`~kvmove.bench.results.link_conditions`, read once per run by callers that write several rows (read
+    here otherwise)."""
     return Row(
         kind="measured",
         suite=suite,
@@ -56,7 +64,7 @@ def sync_row(config: SyncConfig, r: SyncResult, suite: str = "sync", extra: dict
             "lookahead": config.options.lookahead,
             "direct": config.options.direct,
             "engine_kind": config.engine_kind,
-            **link_conditions(),
+            **(link_conditions() if link is None else link),
             "engine_dtype": config.model.engine_dtype,
             "launcher": r.launcher,
             "trainer_devices": list(config.placement.trainer_devices),
@@ -126,7 +134,7 @@ def sync_suite(
     results = list(run_syncs(config, progress=say))
     ceiling = max(r.gbps for r in raw)
     shared = concurrent.gbps if concurrent is not None else 0.0
-    rows = []
+    rows, link = [], link_conditions()
     for r in results:
         pulls = STRATEGIES[r.strategy].pulls
         extra: dict[str, object] = {
@@ -137,7 +145,7 @@ def sync_suite(
             "raw_broadcast_gbps": broadcast.gbps,
             "raw_broadcast_members": broadcast.extra["members"],
         }
-        rows.append(sync_row(config, r, extra=extra))
+        rows.append(sync_row(config, r, extra=extra, link=link))
     return raw + ([concurrent] if concurrent is not None else []) + [broadcast] + rows
 
 
@@ -220,5 +228,6 @@ def vllm_suite(
             engine_kind=kind,
         )
         extra: dict[str, object] = {"engine_model_bytes": served}
-        rows += [sync_row(config, r, suite="vllm", extra=extra) for r in run_syncs(config, progress=progress)]
+        link = link_conditions()
+        rows += [sync_row(config, r, "vllm", extra, link) for r in run_syncs(config, progress=progress)]
     return rows

@@ -233,10 +233,11 @@ def _run(config: SyncConfig, as_json: bool, results: Path | None) -> None:
             render.sync_table(landed)
         raise
     if results is not None and rows:
-        from kvmove.bench.results import append_rows
+        from kvmove.bench.results import append_rows, link_conditions
         from kvmove.bench.syncs import sync_row
 
-        path = append_rows(results, "sync", [sync_row(config, r) for r in rows])
+        link = link_conditions()
+        path = append_rows(results, "sync", [sync_row(config, r, link=link) for r in rows])
         streams.note(f"{len(rows)} measured rows appended to {path}")
     failed = sync_failures(rows)
     if failed:
