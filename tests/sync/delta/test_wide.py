@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvmove.sync.delta import wide
+from kvmove.sync.delta.encoding import Changes
 from kvmove.sync.delta.wide import compare
 
 
@@ -24,6 +25,26 @@ def _case(nbytes: int, dtype: torch.dtype, fraction: float, seed: int) -> tuple[
     flips = torch.rand(nbytes, generator=g) < fraction
     new[flips] ^= torch.randint(1, 256, (int(flips.sum()),), dtype=torch.uint8, generator=g)
     return new.view(dtype) if dtype == torch.int16 else new, image
+
+
+def _check_outcome(
+    got: Changes | None,
+    accepted: bool,
+    new: torch.Tensor,
+    image: torch.Tensor,
+    old: torch.Tensor,
+    padding: torch.Tensor,
+    want: torch.Tensor,
+) -> None:
+    """Accepted: the reference changes, and the image is the new bytes with its padding words as they were.
+    Refused: nothing, and the image as it was."""
+    if not accepted:
+        assert got is None and torch.equal(image, old)
+        return
+    assert got is not None and torch.equal(got.positions, want) and torch.equal(got.values, new[want])
+    expected = new.view(torch.uint8).clone()
+    expected.view(torch.int16)[padding] = old.view(torch.int16)[padding]
+    assert torch.equal(image, expected)
 
 
 @pytest.mark.parametrize(
@@ -99,13 +120,7 @@ def test_chunks_join_and_a_refusal_in_a_later_chunk_puts_the_earlier_ones_back(
     want, old = _reference(new, image, padding), image.clone()
     limit = want.numel() if limit_spare is None else want.numel() + limit_spare
     got = compare(new, image, padding, limit)
-    if limit_spare is None:
-        assert got is not None and torch.equal(got.positions, want) and torch.equal(got.values, new[want])
-        expected = new.view(torch.uint8).clone()
-        expected.view(torch.int16)[padding] = old.view(torch.int16)[padding]
-        assert torch.equal(image, expected)
-    else:
-        assert got is None and torch.equal(image, old)
+    _check_outcome(got, limit_spare is None, new, image, old, padding, want)
 
 
 @pytest.mark.parametrize("spare", [0, -1])
@@ -124,10 +139,4 @@ def test_a_pull_that_changed_nearly_everywhere_is_compared_word_by_word(
     want, old = _reference(new, image, padding), image.clone()
     got = compare(new, image, padding, want.numel() + spare)
     assert gathered == []
-    if spare == 0:
-        assert got is not None and torch.equal(got.positions, want) and torch.equal(got.values, new[want])
-        expected = new.view(torch.uint8).clone()
-        expected.view(torch.int16)[padding] = old.view(torch.int16)[padding]
-        assert torch.equal(image, expected)
-    else:
-        assert got is None and torch.equal(image, old)
+    _check_outcome(got, spare == 0, new, image, old, padding, want)
