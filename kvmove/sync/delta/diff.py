@@ -62,6 +62,8 @@ class Finder(NamedTuple):
     packed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], Changes | None] | None = None
     """The whole comparison of a packed slot in one call (new words, image, padding, limit), where the device
     has one that beats the passes above (None: the passes)."""
+    packed_suits: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
+    """Whether ``packed`` beats the passes on this payload and image (None: always); where not, the passes run."""
 
 
 def _numpy_ne(a: torch.Tensor, b: torch.Tensor) -> Mask:
@@ -93,7 +95,15 @@ def _torch_nonzero(mask: Mask) -> torch.Tensor:
 
 
 FINDERS: dict[str, Finder] = {
-    "cpu": Finder(_numpy_ne, _numpy_clear, _numpy_count, _numpy_nonzero, packs_first=True, packed=wide.compare),
+    "cpu": Finder(
+        _numpy_ne,
+        _numpy_clear,
+        _numpy_count,
+        _numpy_nonzero,
+        packs_first=True,
+        packed=wide.compare,
+        packed_suits=wide.suits,
+    ),
     "cuda": Finder(torch.ne, _torch_clear, _torch_count, _torch_nonzero, packs_first=False),
 }
 """The finder of each device type (any other uses CUDA's). On a CPU every call costs tens of microseconds of
@@ -262,7 +272,9 @@ def diff(steps: Steps, image: torch.Tensor, words: Words, limit: int, backend: s
         return _diff_table(steps, t, words, limit)
     find = finder(image.device)
     if steps.packed and find.packed is not None:
-        return find.packed(steps.steps[0].src, image, steps.padding, limit)
+        src = steps.steps[0].src
+        if find.packed_suits is None or find.packed_suits(src, image):
+            return find.packed(src, image, steps.padding, limit)
     masks = [find.ne(step.src, step.on(image)) for step in steps.steps]
     if steps.padding is not None:
         find.clear(masks[0], steps.padding)

@@ -16,7 +16,8 @@ unchanged (at 2.3%, 1 - 0.977**4: about 9% of them differ), so :func:`compare`:
 
 A payload whose bytes are not a multiple of 8 has a tail of fewer than 8 bytes, compared word by word. Where more
 than :data:`BUSY` of the first chunk's wide words differ (much changed: the pull may well go dense by size), the
-gathers would cost more than they save, and the payload is compared word by word instead.
+gathers would cost more than they save: :func:`suits` says so, and the finder's own passes compare the payload word
+by word instead (``kvmove.sync.delta.diff.FINDERS``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ class Piece(NamedTuple):
     values: np.ndarray
 
 
+def suits(new: torch.Tensor, image: torch.Tensor) -> bool:
+    """Whether :func:`compare` beats comparing ``new`` word by word: no more than :data:`BUSY` of its first chunk's
+    wide words differ from ``image``'s."""
+    a_bytes = new.numpy().view(np.uint8)
+    body = min(a_bytes.size // WIDE.itemsize, CHUNK) * WIDE.itemsize
+    a, b = a_bytes[:body].view(WIDE), image.numpy()[:body].view(WIDE)
+    return bool(np.count_nonzero(a != b) <= BUSY * a.size)
+
+
 def compare(new: torch.Tensor, image: torch.Tensor, padding: torch.Tensor | None, limit: int) -> Changes | None:
     """The words of ``new`` (the packed payload as its int16 or uint8 words, on the CPU) that differ from
     ``image`` (uint8, laid out as the payload, at least as long), positions ``padding`` (ascending; None: none)
@@ -64,8 +74,6 @@ def compare(new: torch.Tensor, image: torch.Tensor, padding: torch.Tensor | None
     body = a_bytes.size // WIDE.itemsize * WIDE.itemsize
     a, b = a_bytes[:body].view(WIDE), b_bytes[:body].view(WIDE)
     pad = np.empty(0, dtype=np.int64) if padding is None else padding.numpy()
-    if np.count_nonzero(a[:CHUNK] != b[:CHUNK]) > BUSY * min(CHUNK, a.size):
-        return _word_by_word(a_bytes.view(word), b_bytes.view(word), pad, limit)
     first = body // word.itemsize  # the tail's first position
     split = int(np.searchsorted(pad, first))
     tail = _tail(a_bytes[body:].view(word), b_bytes[body:].view(word), pad[split:] - first)
@@ -115,19 +123,6 @@ def _chunk(a: np.ndarray, b: np.ndarray, word: np.dtype, at: int, padding: np.nd
     la[rows, cols] = lb[rows, cols]  # the image keeps its own padding
     cb[wide] = ga
     return Piece(at, wide, gb, positions, values)
-
-
-def _word_by_word(new: np.ndarray, old: np.ndarray, padding: np.ndarray, limit: int) -> Changes | None:
-    """:func:`compare` over the payload's words (where many wide words differ): flags, counted, their indices,
-    one gather and one scatter."""
-    changed = new != old
-    changed[padding] = False
-    if np.count_nonzero(changed) > limit:
-        return None
-    index = np.flatnonzero(changed)
-    values = new[index]
-    old[index] = values
-    return Changes(torch.from_numpy(index), torch.from_numpy(values))
 
 
 def _undo(b: np.ndarray, pieces: list[Piece]) -> None:

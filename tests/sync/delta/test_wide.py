@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvmove.sync.delta import wide
-from kvmove.sync.delta.encoding import Changes
+from kvmove.sync.delta.diff import Flat, Step, Steps, diff
+from kvmove.sync.delta.encoding import Changes, Words
 from kvmove.sync.delta.wide import compare
 
 
@@ -124,11 +125,12 @@ def test_chunks_join_and_a_refusal_in_a_later_chunk_puts_the_earlier_ones_back(
 
 
 @pytest.mark.parametrize("spare", [0, -1])
-def test_a_pull_that_changed_nearly_everywhere_is_compared_word_by_word(
+def test_a_pull_that_changed_nearly_everywhere_is_compared_by_the_finders_passes(
     spare: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where most of the first chunk's wide words differ, nothing is gathered by wide word: the same changes word
-    by word (differing padding not counted), and one past the limit, refused with the image as it was."""
+    """Where most of the first chunk's wide words differ, the wide comparison declines (``suits``) and nothing is
+    gathered by wide word: the CPU finder's own passes find the same changes word by word (differing padding not
+    counted), and one past the limit, refuse with the image as it was."""
     monkeypatch.setattr(wide, "CHUNK", 8)
     gathered: list[int] = []
     chunk = wide._chunk
@@ -137,6 +139,11 @@ def test_a_pull_that_changed_nearly_everywhere_is_compared_word_by_word(
     padding = torch.tensor([40, 41, 300], dtype=torch.int64)
     new[padding] ^= 5
     want, old = _reference(new, image, padding), image.clone()
-    got = compare(new, image, padding, want.numel() + spare)
+    assert not wide.suits(new, image) and wide.suits(new, new.view(torch.uint8).clone())
+    line = ((new.numel(),), (1,))
+    step = Step(new, Flat.of(new), line, Flat(new.view(torch.uint8), 0, line), (0,))
+    steps = Steps((step,), None, packed=True, padding=padding, tables={})
+    words = Words(torch.int16, (), new.numel() * 2)
+    got = diff(steps, image, words, want.numel() + spare, backend="torch")
     assert gathered == []
     _check_outcome(got, spare == 0, new, image, old, padding, want)
