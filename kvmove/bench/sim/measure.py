@@ -7,8 +7,8 @@ cost (pulls, packed calls, yields, tensors) come from this simulator's traffic o
 layouts, so rows of any layout are used as soon as they exist.
 
 Rows used: the GPU suite's ceilings and syncs (``kvmove.bench.gpu``, hardware ``gpu:...``; efficiencies are
-taken over the vendor figures of the GPU named there), its FP8 syncs (the quantize programs), the delta suite on a
-GPU (detection and apply over the run's own copy rate), the all-gather micro-benchmark (``kvmove.bench.micro``),
+taken over the vendor figures of the GPU named there), its FP8 syncs and the delta suite on a GPU (device-local
+passes: ``kvmove.bench.sim.passes``), the all-gather micro-benchmark (``kvmove.bench.micro``),
 the CPU vLLM suite (per-layer reload of vLLM's post-processing, a host-side cost) and the CPU sync suite (rates over
 the host's own loopback read, ``kvmove.bench.sim.hardware.host_of_run``).
 """
@@ -21,10 +21,11 @@ from typing import Any
 
 import pandas as pd
 
-from kvmove.bench.sim.costs import QUANTIZE_TRAFFIC, SPECS, Cost, CostBook, default_book
-from kvmove.bench.sim.counts import Counts, mapped_bf16, row_counts
+from kvmove.bench.sim.costs import SPECS, Cost, CostBook, default_book
+from kvmove.bench.sim.counts import Counts, row_counts
 from kvmove.bench.sim.hardware import Gpu
 from kvmove.bench.sim.matching import TARGETS
+from kvmove.bench.sim.passes import delta_pass, mapped_quantize, trainer_quantize
 from kvmove.bench.sim.samples import Extractor, RowFilter, Sample, decorate, row_ref, syncs, where
 from kvmove.bench.sim.sender import Rates, broadcast_op, funnel_yield, raw_broadcast
 from kvmove.errors import KvmoveError
@@ -275,52 +276,6 @@ def _collectives(df: pd.DataFrame) -> list[Sample]:
     return out
 
 
-def _quantize(df: pd.DataFrame) -> list[Sample]:
-    """Warm FP8 v2/v3 syncs whose trainer quantizes: its pack phase is the batched quantize programs writing FP8
-    and scales into the slots (plus one call per pull served)."""
-    out = []
-    for _, r in syncs(df, None, ("v2", "v3")).iterrows():
-        counts = row_counts(r)
-        seconds = float(r["phases_d"].get("pack", 0.0))
-        if counts is None or counts.quant <= 0 or seconds <= 0:
-            continue
-        seconds -= counts.calls * _median(df, "pack_call_s")
-        if seconds > 0:
-            out.append(Sample(QUANTIZE_TRAFFIC * counts.quant / seconds / (r["gpu"].hbm_gbps * 1e9), row_ref(r)))
-    return out
-
-
-def _mapped_quantize(df: pd.DataFrame) -> list[Sample]:
-    """Warm FP8 v3 syncs on one GPU whose engine quantized covers itself from the trainer's mapped arena (their copy
-    executors name ``mapped-quantize`` bytes): those programs run on a stream of their own from the sync's start and
-    bound it, so BF16 bytes quantized x 1.5 / (seconds - the sync's fixed cost) / HBM bandwidth."""
-    out = []
-    rows = where(syncs(df, None, ("v3",)), lambda e: (e.get("copy_executor_bytes") or {}).get("mapped-quantize", 0))
-    for _, r in rows.iterrows():
-        seconds = float(r["seconds"]) - _median(df, "sync_s")
-        bf16 = mapped_bf16(r)
-        if seconds > 0 and bf16 > 0:
-            out.append(Sample(QUANTIZE_TRAFFIC * bf16 / seconds / (r["gpu"].hbm_gbps * 1e9), row_ref(r)))
-    return out
-
-
-def _delta_pass(phase: str, minus: str) -> Extractor:
-    """Delta suite rows on a GPU: model bytes over (phase - ``minus`` phase) over the run's device copy rate
-    (``device_copy_gbps`` counts reads and writes: a copy moves half of it)."""
-
-    def extract(df: pd.DataFrame) -> list[Sample]:
-        out = []
-        for _, r in df[df["suite"] == "delta"].iterrows() if len(df) else ():
-            e, p = r["extra_d"], r["phases_d"]
-            seconds = float(p.get(phase, 0.0)) - float(p.get(minus, 0.0) if minus else 0.0)
-            copy = float(e.get("device_copy_gbps") or 0.0) * 1e9 / 2
-            if seconds > 0 and copy > 0 and e.get("model_bytes"):
-                out.append(Sample(float(e["model_bytes"]) / seconds / copy, row_ref(r)))
-        return out
-
-    return extract
-
-
 def _reload(df: pd.DataFrame) -> list[Sample]:
     """vLLM suite (CPU): a vLLM engine's load phase minus the reference engine's, same commit and setup, per
     decoder layer an engine rank reloads (vLLM's post-processing of each layer; host-side work)."""
@@ -404,19 +359,19 @@ EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
     "reload_layer_s": ("derived", _reload, "vLLM (CPU) load phase minus the reference engine's, per layer"),
     "quantize_efficiency": (
         "derived",
-        lambda df: _quantize(df) + _mapped_quantize(df),
+        lambda df: trainer_quantize(df, _RATES) + mapped_quantize(df, _RATES),
         "FP8 syncs: BF16 bytes the trainer quantized x 1.5 (read 2 B, write 1 B) / (pack phase - its per-pull "
         "calls) / HBM bandwidth; one GPU, mapped pulls: BF16 bytes the engine quantized x 1.5 / (seconds - the "
         "sync's fixed cost) / HBM bandwidth",
     ),
     "delta_detect_efficiency": (
         "measured",
-        _delta_pass("detect_encode", ""),
+        delta_pass("detect_encode", ""),
         "delta suite: model bytes / detection + encoding phase / the same run's device copy rate",
     ),
     "delta_apply_efficiency": (
         "measured",
-        _delta_pass("apply", "dense_land"),
+        delta_pass("apply", "dense_land"),
         "delta suite: model bytes / (apply phase - the dense landing) / the same run's device copy rate",
     ),
     "collective_s": (
