@@ -233,10 +233,7 @@ def _validation(report: Report, path: Path) -> str | None:
     hi = float(max(df["published"].max(), df["predicted"].max())) * 1.5
     ax.plot([lo, hi], [lo, hi], color="black", lw=1, label="predicted = published")
     ax.fill_between([lo, hi], [lo / 2, hi / 2], [lo * 2, hi * 2], color="gray", alpha=0.15, label="within 2x")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("published (s; ours: measured)")
-    ax.set_ylabel("simulated (s)")
+    ax.set(xscale="log", yscale="log", xlabel="published (s; ours: measured)", ylabel="simulated (s)")
     ax.legend(fontsize=8)
     _save(fig, path, "Simulator validation: published figures and our held-out runs vs predictions")
     return None
