@@ -21,6 +21,7 @@ from typing import Any
 
 import pandas as pd
 
+from kvmove.bench.runs import engine_ranks
 from kvmove.bench.sim.costs import SPECS, Cost, CostBook, default_book
 from kvmove.bench.sim.counts import Counts, row_counts
 from kvmove.bench.sim.hardware import Gpu
@@ -30,7 +31,7 @@ from kvmove.bench.sim.samples import Extractor, RowFilter, Sample, decorate, row
 from kvmove.bench.sim.sender import Rates, broadcast_op, funnel_yield, raw_broadcast
 from kvmove.errors import KvmoveError
 from kvmove.models import resolve_model
-from kvmove.models.layout import EngineLayout, TrainerLayout
+from kvmove.models.layout import TrainerLayout
 
 _MEMO: dict[tuple[int, str, str], float] = {}
 _FULL: dict[str, pd.DataFrame] = {}
@@ -111,14 +112,7 @@ def _transfer_efficiency(transport: str) -> Extractor:
 def _sharing(r: Any) -> float:
     """How many engine ranks shared each of a CPU host's cores while pulling (1 on a GPU, or with cores to spare)."""
     cores = r["gpu"].cores
-    if not cores:
-        return 1.0
-    layout, _, reps = str(r["engine"]).partition(" x")
-    try:
-        ranks = EngineLayout.parse(layout, int(reps or 1)).world
-    except (KvmoveError, ValueError):
-        return 1.0
-    return max(1.0, ranks / cores)
+    return max(1.0, engine_ranks(str(r["engine"])) / cores) if cores else 1.0
 
 
 def _line_gbps(r: Any) -> float:
