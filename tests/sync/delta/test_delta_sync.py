@@ -38,8 +38,10 @@ def test_engines_equal_the_checkpoint_after_delta_syncs_with_dropped_and_rejoine
     first, killed, back, delta, mid, after = results
     assert first.delta["pulls"]["index"] == first.delta["pulls"]["bitmap"] == 0  # a first sync is dense
     assert killed.dead_replicas == (1,) and killed.delta["ratio"] < 0.5  # replica 0 takes a delta
-    assert back.rejoined_replicas == (1,) and back.delta["pulls"]["dense"] > 0  # the rejoined replica: dense
-    assert 0 < back.delta["ratio"] < 1
+    assert back.rejoined_replicas == (1,) and back.delta["pulls"]["dense"] > back.delta["dense_by_cost"]
+    # the rejoined replica goes dense; replica 0 takes deltas but where its last delta measured costlier than dense
+    # (kvmove.sync.delta.detect.Costs: timed, so on a busy host every one of its pulls may go dense by cost)
+    assert 0 < back.delta["ratio"] < 1 or back.delta["dense_by_cost"] > 0
     # every pull a delta, but those whose last delta cost more than dense (kvmove.sync.delta.detect.Costs): the
     # rejoined replica's pulls, dense in sync 3, have no verdict yet and come as deltas
     assert delta.delta["pulls"]["dense"] == delta.delta["dense_by_cost"] and delta.delta["ratio"] < 0.75
