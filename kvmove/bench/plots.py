@@ -23,6 +23,7 @@ import pandas as pd
 from kvmove.bench.report import Report
 from kvmove.bench.runs import STRATEGY_ORDER, latest_complete
 from kvmove.errors import MissingDependencyError
+from kvmove.models.layout import compact_label
 
 try:
     import matplotlib
@@ -86,20 +87,14 @@ def wrap(text: str, width: int) -> str:
     return textwrap.fill(str(text), width=width, break_long_words=False, break_on_hyphens=False)
 
 
-def _compact(label: Any) -> str:
-    body, _, replicas = str(label or "").partition(" x")
-    parts = [p for p in body.split(",") if p and not p.endswith("=1")] or [p for p in body.split(",")[:1] if p]
-    return ",".join(parts) + (f" x{replicas}" if replicas and replicas != "1" else "")
-
-
 def _setup_label(r: pd.Series, width: int = 26) -> str:
     """Layout, transport (+ pulls or simulator constraints) and commit of one setup row."""
     kind = str(r.get("engine_kind") or "")
-    engine = f"{kind} {_compact(r['engine'])}" if kind not in ("", "reference") else _compact(r["engine"])
+    engine = f"{kind} {compact_label(r['engine'])}" if kind not in ("", "reference") else compact_label(r["engine"])
     if str(r.get("engine_dtype") or "bf16") != "bf16":
         engine = f"{engine} {r['engine_dtype']}"
     how = " ".join(filter(None, [str(r["transport"]), str(r.get("pulls") or ""), _constraints(r)]))
-    return "\n".join(wrap(t, width) for t in (f"{_compact(r['trainer'])} → {engine}", how, f"@{r['commit']}"))
+    return "\n".join(wrap(t, width) for t in (f"{compact_label(r['trainer'])} → {engine}", how, f"@{r['commit']}"))
 
 
 def _row_label(r: pd.Series, strategy: str, width: int = 56) -> str:

@@ -14,6 +14,8 @@ from typing import Any
 
 import pandas as pd
 
+from kvmove.models.layout import split_label
+
 STRATEGY_ORDER = ("v1", "v2", "v3", "broadcast")
 RUN_KEYS = ["kind", "commit", "hardware", "model", "trainer", "engine", "engine_kind", "engine_dtype", "constraints"]
 SETUP_KEYS = [k for k in RUN_KEYS if k != "commit"] + ["transport", "pulls"]
@@ -30,11 +32,11 @@ def short_commit(commit: Any) -> str:
 
 def engine_ranks(label: str) -> int:
     """Engine ranks of a layout label such as ``tp=2,dp=1,ep=2,pp=1 x2`` (tp·dp·pp per replica, times replicas)."""
-    body, _, replicas = str(label).partition(" x")
+    body, replicas = split_label(label)
     dims = dict(part.split("=", 1) for part in body.split(",") if "=" in part)
     try:
         per = int(dims.get("tp", 1)) * int(dims.get("dp", 1)) * int(dims.get("pp", 1))
-        return per * int(replicas or 1)
+        return per * replicas
     except ValueError:
         return 0
 

@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvmove.cli import render, streams
+from kvmove.models.layout import compact_label
 
 TITLES = {
     "sync": "Weight sync: median seconds per strategy, one row per (commit, setup), fault-free syncs",
@@ -30,19 +31,12 @@ TITLES = {
 }
 
 
-def compact_layout(label: Any) -> str:
-    """``tp=2,pp=2,ep=2,etp=1,dp=1`` -> ``tp=2,pp=2,ep=2``; ``tp=2,dp=1,ep=2,pp=1 x2`` -> ``tp=2,ep=2 x2``."""
-    body, _, replicas = str(label or "").partition(" x")
-    parts = [p for p in body.split(",") if p and not p.endswith("=1")] or [p for p in body.split(",")[:1] if p]
-    return ",".join(parts) + (f" x{replicas}" if replicas and replicas != "1" else "")
-
-
 def _layout(r: pd.Series) -> str:
     kind = str(r.get("engine_kind") or "")
-    engine = f"{kind} {compact_layout(r['engine'])}" if kind and kind != "reference" else compact_layout(r["engine"])
+    engine = f"{kind} {compact_label(r['engine'])}" if kind and kind != "reference" else compact_label(r["engine"])
     if str(r.get("engine_dtype") or "bf16") != "bf16":
         engine = f"{engine} {r['engine_dtype']}"
-    return f"{compact_layout(r['trainer'])} → {engine}"
+    return f"{compact_label(r['trainer'])} → {engine}"
 
 
 def _transport(r: pd.Series) -> str:

@@ -185,6 +185,7 @@ class EngineLayout:
         return split_layers(cfg.num_hidden_layers, self.pp, extra_first=False)
 
     def label(self) -> str:
+        """``tp=2,dp=1,ep=2,pp=1 x2``: the text rows and reports carry (read back by :func:`split_label`)."""
         return f"tp={self.tp},dp={self.dp},ep={self.ep},pp={self.pp} x{self.replicas}"
 
     def validate(self, cfg: ModelConfig) -> None:
@@ -216,6 +217,23 @@ class EngineLayout:
             _require(cfg.num_experts % self.ep == 0, self, f"num_experts ({cfg.num_experts}) % ep")
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         _require(shared % self.tp == 0, self, f"shared-expert intermediate size ({shared}) % tp")
+
+
+def split_label(label: object) -> tuple[str, int]:
+    """A layout label as rows carry it -> (its layout, its replicas): ``tp=2,dp=1,ep=2,pp=1 x2`` ->
+    (``tp=2,dp=1,ep=2,pp=1``, 2), the text :meth:`EngineLayout.label` writes; a label without `` xN`` (a
+    trainer's, or none) is one replica."""
+    body, _, replicas = str(label or "").partition(" x")
+    return body, int(replicas) if replicas.isdigit() else 1
+
+
+def compact_label(label: object) -> str:
+    """A layout label without its dimensions of 1, for tables and plots: ``tp=2,pp=2,ep=2,etp=1,dp=1`` ->
+    ``tp=2,pp=2,ep=2``; ``tp=2,dp=1,ep=2,pp=1 x2`` -> ``tp=2,ep=2 x2``; all of 1 keeps the first."""
+    body, replicas = split_label(label)
+    dims = [p for p in body.split(",") if p]
+    kept = [p for p in dims if not p.endswith("=1")] or dims[:1]
+    return ",".join(kept) + (f" x{replicas}" if replicas != 1 else "")
 
 
 def _require(ok: bool, layout: TrainerLayout | EngineLayout, constraint: str, suffix: str = " == 0") -> None:

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from kvmove.errors import LayoutError
 from kvmove.models import resolve_model
-from kvmove.models.layout import EngineLayout, TrainerLayout, split_layers
+from kvmove.models.layout import EngineLayout, TrainerLayout, compact_label, split_label, split_layers
 
 
 def test_parse_and_world() -> None:
@@ -104,3 +107,22 @@ def test_published_layouts_are_valid() -> None:
     EngineLayout.parse("dp=16,ep=16").validate(resolve_model("qwen3-235b-a22b"))
     TrainerLayout.parse("tp=8,pp=8,ep=32,dp=4").validate(resolve_model("kimi-k2"))
     EngineLayout.parse("tp=32,ep=32").validate(resolve_model("kimi-k2"))
+
+
+def test_a_label_reads_back_as_the_layout_that_wrote_it() -> None:
+    for text, replicas in (("tp=2,ep=2", 2), ("tp=1", 1), ("tp=4,dp=2,ep=8,pp=2", 16)):
+        engine = EngineLayout.parse(text, replicas)
+        layout, n = split_label(engine.label())
+        assert EngineLayout.parse(layout, n) == engine
+    trainer = TrainerLayout.parse("tp=2,pp=2,ep=2")
+    assert split_label(trainer.label()) == (trainer.label(), 1)
+    assert split_label(None) == ("", 1)
+    assert compact_label("tp=2,dp=1,ep=2,pp=1 x2") == "tp=2,ep=2 x2"
+    assert compact_label("tp=1,dp=1,ep=1,pp=1 x1") == "tp=1"
+    assert compact_label(trainer.label()) == "tp=2,pp=2,ep=2"
+
+
+def test_reading_a_layout_label_loads_no_torch() -> None:
+    """Reports and plots read layout labels; the model package loads its tensor table (torch) only when used."""
+    code = "import sys, kvmove.models.layout, kvmove.bench.runs; print('torch' in sys.modules)"
+    assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"

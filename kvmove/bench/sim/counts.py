@@ -15,7 +15,7 @@ from kvmove.bench.sim.strategies import SIM_STRATEGIES
 from kvmove.bench.sim.traffic import Traffic
 from kvmove.errors import KvmoveError
 from kvmove.models import model_totals, resolve_model
-from kvmove.models.layout import EngineLayout, TrainerLayout
+from kvmove.models.layout import EngineLayout, TrainerLayout, split_label
 
 
 class Counts(NamedTuple):
@@ -57,14 +57,14 @@ def row_counts(r: Any) -> Counts | None:
 def _counts(
     model: str, trainer: str, engine: str, strategy: str, nbytes: int, direct: bool, overrides: str, dtype: str
 ) -> Counts:
-    layout, _, reps = engine.partition(" x")
+    layout, reps = split_label(engine)
     changes = json.loads(overrides)
     base = resolve_model(model, changes or None)
     cfg = base if changes else _layers_matching(base, nbytes)
     s = SimSetup(
         cfg,
         TrainerSpec("megatron", TrainerLayout.parse(trainer)),
-        EngineLayout.parse(layout, int(reps or 1)),
+        EngineLayout.parse(layout, reps),
         Cluster(GPUS["h200"]),
         trainer_nodes=64,
         engine_nodes=64,
@@ -114,9 +114,9 @@ def mapped_bf16(r: Any) -> float:
     cuda-ipc. 0 when the row's setup cannot be rebuilt or maps nothing."""
     e, gpu = r["extra_d"], r["gpu"]
     overrides = tuple(f"{k}={v}" for k, v in sorted((e.get("model_overrides") or {}).items()))
-    layout, _, reps = str(r["engine"]).partition(" x")
+    layout, reps = split_label(r["engine"])
     try:
-        return _mapped(str(r["model"]), str(r["trainer"]), layout, int(reps or 1), gpu.name, str(r["strategy"]),
+        return _mapped(str(r["model"]), str(r["trainer"]), layout, reps, gpu.name, str(r["strategy"]),
                        bool(e.get("direct", False)), overrides)  # fmt: skip
     except (KvmoveError, ValueError, KeyError, AttributeError):
         return 0.0

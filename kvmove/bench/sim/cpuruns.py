@@ -25,7 +25,7 @@ from kvmove.bench.sim.predict import simulate
 from kvmove.bench.sim.samples import decorated, row_ref
 from kvmove.bench.sim.setup import Spec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
-from kvmove.models.layout import TrainerLayout
+from kvmove.models.layout import TrainerLayout, split_label
 
 TARGET = "cpu"
 
@@ -124,11 +124,11 @@ def cpu_runs(rows: pd.DataFrame | None, split: CpuSplit | None = None) -> list[O
         held = Setup(str(model), str(trainer), str(engine))
         if held not in split.held:
             continue
-        layout, _, reps = held.engine.partition(" x")
+        layout, reps = split_label(held.engine)
         direct = bool(g.iloc[0]["extra_d"].get("direct", False)) and strategy in ("v2", "v3")
         host = cpu_cluster(held.trainer, split.raw_gbps, split.cores)
         spec = Spec(
-            held.model, held.trainer, layout, int(reps or 1), 1, 1, host, "colocated",
+            held.model, held.trainer, layout, reps, 1, 1, host, "colocated",
             "nccl" if strategy == "broadcast" else "pull", direct=direct,
         )  # fmt: skip
         layouts = (held.trainer, held.engine)

@@ -21,6 +21,7 @@ from kvmove.bench.sim.predict import simulate
 from kvmove.bench.sim.samples import decorated, row_ref
 from kvmove.bench.sim.setup import Spec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
+from kvmove.models.layout import split_label
 
 TRAIN_LAYERS = 2
 """Rows of this slice set the one-GPU costs; rows of any other slice are held out."""
@@ -86,9 +87,9 @@ def held_out_runs(rows: pd.DataFrame | None) -> list[OwnRun]:
     for (strategy, dt, trainer, engine), g in df.groupby([df["strategy"], dtype, df["trainer"], df["engine"]]):
         r = g.iloc[0]
         layers = model_layers(r)
-        layout, _, reps = str(engine).partition(" x")
+        layout, reps = split_label(engine)
         spec = Spec(
-            str(r["model"]), str(trainer), layout, int(reps or 1), 1, 1, ONE_GPU_CLUSTER, "colocated", "cuda-ipc",
+            str(r["model"]), str(trainer), layout, reps, 1, 1, ONE_GPU_CLUSTER, "colocated", "cuda-ipc",
             dtype=str(dt), quantize_on="trainer" if dt == "fp8" else "engine",
             direct=bool(r["extra_d"].get("direct", False)), overrides=(f"num_hidden_layers={layers}",),
         )  # fmt: skip

@@ -16,7 +16,7 @@ from kvmove.bench.sim.counts import row_counts
 from kvmove.bench.sim.hardware import NICS, Cluster, rounds
 from kvmove.bench.sim.samples import Sample, row_ref, syncs
 from kvmove.errors import KvmoveError
-from kvmove.models.layout import TrainerLayout
+from kvmove.models.layout import TrainerLayout, split_label
 
 
 class Rates(NamedTuple):
@@ -88,9 +88,9 @@ def funnel_yield(df: pd.DataFrame, m: Rates) -> list[Sample]:
         p = r["phases_d"]
         if counts is None:
             continue
-        layout, _, reps = str(r["engine"]).partition(" x")
+        layout, reps = split_label(r["engine"])
         cluster = _row_cluster(r).spec()
-        spec = Spec(str(r["model"]), str(r["trainer"]), layout, int(reps or 1), 1, 1, cluster, "colocated", "nccl")
+        spec = Spec(str(r["model"]), str(r["trainer"]), layout, reps, 1, 1, cluster, "colocated", "nccl")
         names = ("broadcast_op_s", "nccl_efficiency")
         known = {name: Cost(name, m.clip(name, m.median(df, name)), "derived") for name in names}
         book = default_book({**known, "materialize_s": Cost("materialize_s", 0.0, "derived")})
