@@ -37,6 +37,12 @@ _MILES = (
     "https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/managers/tokenizer_communicator_mixin.py), "
     "so the stages reach an engine one after another"
 )
+PPLX_ENGINES = (
+    "; the post does not give the inference layout: 4 replicas of TP32/EP32 over the 128 GPUs, the layout the vLLM "
+    "post syncs Kimi K2 into from the same 256 training GPUs (its 48-node run). 8 replicas of 16 GPUs (assumed "
+    "before) cannot reach 1.3 s: each engine node then keeps 8 x 65.5 GB that only its 8 x 400 Gb/s NICs can bring "
+    "in, 1.31 s at line rate with nothing else"
+)
 _VERL_BUCKET = (
     "; buckets of update_weights_bucket_megabytes = 2048 "
     "(https://github.com/volcengine/verl/blob/main/verl/workers/config/rollout.py), one broadcast per bucket "
@@ -162,7 +168,7 @@ def _lmsys() -> list[Figure]:
 
 
 def _others() -> list[Figure]:
-    pplx = Spec("kimi-k2", "fsdp:world=256,shard=8", "tp=16,ep=16", 8, 32, 16, H200, transport="push", dtype="fp8",
+    pplx = Spec("kimi-k2", "fsdp:world=256,shard=8", "tp=32,ep=32", 4, 32, 16, H200, transport="push", dtype="fp8",
                 quantize_on="trainer")  # fmt: skip
     verl = Spec("qwen3-30b-a3b", "fsdp:world=2,shard=2", "tp=1", 30, 1, 4, H100, transport="nccl",
                 bucket_bytes=2048 << 20)  # fmt: skip
@@ -170,7 +176,7 @@ def _others() -> list[Figure]:
     slime = Spec("qwen3-30b-a3b", "tp=4,ep=8", "tp=8", 1, 1, 1, H100, placement="colocated", transport="cuda-ipc")
     return [
         _fig("pplx-kimi", "Perplexity research blog", PPLX, "Kimi-K2 BF16 (256 GPUs) -> FP8 (128 GPUs)", 1.3, "v3",
-             pplx, "H200 nodes with 8x400 Gb/s; FSDP shards of 8 GPUs, 32 mesh groups; 8 replicas of 16 GPUs"),
+             pplx, "H200 nodes with 8x400 Gb/s; FSDP shards of 8 GPUs, 32 mesh groups" + PPLX_ENGINES),
         _fig("verl-qwen3-30b-nccl", "verl checkpoint-engine README", VERL,
              "Qwen3-30B-A3B, NCCL all-gather + broadcast", 7.0, "broadcast", verl, verl_note + _VERL_BUCKET),
         _fig("verl-qwen3-30b-nixl", "verl checkpoint-engine README", VERL, "Qwen3-30B-A3B, NIXL all-gather + ring",

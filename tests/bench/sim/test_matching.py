@@ -91,6 +91,14 @@ def test_no_prediction_beats_its_speed_of_light(repo_validation) -> None:
         assert v.figures and repo_validation.fit.book.costs[name].kind == "fitted"
 
 
+def test_every_published_time_is_possible_in_the_setup_it_is_simulated_as(repo_validation) -> None:
+    """A figure faster than its declared setup's speed of light (that strategy's transfers at line rate, all at
+    once) says the setup is wrong, not that the system beat physics: the declared layouts must allow each figure."""
+    for c in repo_validation.checks:
+        if c.figure.metric == "seconds":
+            assert c.figure.value >= c.prediction.speed_of_light_seconds, (c.figure.key, c.prediction.binding_link)
+
+
 def test_validate_json_is_json_lines(monkeypatch, tmp_path) -> None:
     few = tuple(f for f in FIGURES if f.key in ("vllm-qwen3-v2", "vllm-qwen3-v3"))
     monkeypatch.setattr(sim_validation, "validate_all", lambda book, rows: validate_all(book, rows, few))
