@@ -38,10 +38,11 @@ _MILES = (
     "so the stages reach an engine one after another"
 )
 PPLX_ENGINES = (
-    "; the post does not give the inference layout: 4 replicas of TP32/EP32 over the 128 GPUs, the layout the vLLM "
-    "post syncs Kimi K2 into from the same 256 training GPUs (its 48-node run). 8 replicas of 16 GPUs (assumed "
-    "before) cannot reach 1.3 s: each engine node then keeps 8 x 65.5 GB that only its 8 x 400 Gb/s NICs can bring "
-    "in, 1.31 s at line rate with nothing else"
+    "; the post does not give the inference layout: 4 replicas of 32 GPUs (TP16 attention in 2 DP groups, EP32), the "
+    "replica width of the vLLM post's Kimi K2 run from the same 256 training GPUs onto 128 (its 48-node figure; its "
+    "TP32 would cut FP8 blocks: shared experts 2048/32 = 64 rows, which vLLM refuses). 8 replicas of TP16/EP16 "
+    "(assumed before) cannot reach 1.3 s: each engine node then keeps 8 x 65.5 GB that only its 8 x 400 Gb/s NICs "
+    "can bring in, 1.31 s at line rate with nothing else"
 )
 _VERL_BUCKET = (
     "; buckets of update_weights_bucket_megabytes = 2048 "
@@ -168,7 +169,7 @@ def _lmsys() -> list[Figure]:
 
 
 def _others() -> list[Figure]:
-    pplx = Spec("kimi-k2", "fsdp:world=256,shard=8", "tp=32,ep=32", 4, 32, 16, H200, transport="push", dtype="fp8",
+    pplx = Spec("kimi-k2", "fsdp:world=256,shard=8", "tp=16,dp=2,ep=32", 4, 32, 16, H200, transport="push", dtype="fp8",
                 quantize_on="trainer")  # fmt: skip
     verl = Spec("qwen3-30b-a3b", "fsdp:world=2,shard=2", "tp=1", 30, 1, 4, H100, transport="nccl",
                 bucket_bytes=2048 << 20)  # fmt: skip
