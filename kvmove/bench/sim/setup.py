@@ -4,6 +4,7 @@ fan-out, cluster and the published engine's constraints. Frozen, validated once,
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -176,6 +177,8 @@ class SimSetup:
         if self.trainer.kind == "megatron":
             self.trainer.layout.validate(self.model)
         self.engine.validate(self.model)
+        if self.dtype == "fp8":
+            check_fp8_engine(self.model, self.engine, self.block)
         gpn = self.cluster.gpus_per_node
         for who, world, nodes in (
             ("trainer", self.trainer.world, self.trainer_nodes),
@@ -266,6 +269,31 @@ def _ints(text: str, rest: str, keys: tuple[str, ...]) -> dict[str, int]:
         if out[key.strip()] < 1:
             raise KvmoveError(f"trainer {text!r}: {key.strip()} must be >= 1")
     return out
+
+
+def check_fp8_engine(model: ModelConfig, engine: EngineLayout, block: int) -> None:
+    """Refuse (LayoutError, naming the layer) an FP8 engine layout whose TP split cuts a quantization block, as
+    vLLM does: the rule is kvmove's reference engine's (``kvmove.reference.layers``), checked by building the
+    first and last layers of a replica's first and last rank on the meta device. Only the engine's own block size
+    (128) is checked; a figure's other block (LMSYS's 64x64) is taken as its source states."""
+    from kvmove.models.checkpoint import engine_format, with_engine_dtype
+
+    fp8 = with_engine_dtype(model, "fp8")
+    if block != engine_format(fp8).weight_block:
+        return
+    key = (json.dumps(dataclasses.asdict(fp8), sort_keys=True, default=str), engine.tp, engine.dp, engine.ep, engine.pp)
+    if key in _FP8_SERVED:
+        return
+    from kvmove.engines import get_engine
+
+    reference, layout = get_engine("reference"), dataclasses.replace(engine, replicas=1)
+    for rank in sorted({0, layout.ranks_per_replica - 1}):
+        reference.build(fp8, layout, layout.coord(rank), layers=[0, fp8.num_hidden_layers - 1], device="meta")
+    _FP8_SERVED.add(key)
+
+
+_FP8_SERVED: set[tuple[str, int, int, int, int]] = set()
+"""FP8 engine layouts already found servable, per model (a check builds two ranks' layers)."""
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,8 @@ def test_quantization_is_priced_from_the_syncs_own_fp8_rows_not_the_micro_benchm
     append_rows(tmp_path, "micro", [micro], Labels("gpu:H200 x2", {}, "m"))
     assert costs_from_rows(load_results(tmp_path)).costs["quantize_efficiency"].kind == "default"
     fp8 = _v1(0.0, "tp=1,pp=1,ep=1,etp=1,dp=1", (["cuda:0"], ["cuda:0"]), "colocated")
-    fp8 = Row(**{**fp8.__dict__, "name": "fp8 sync v3", "strategy": "v3",
+    fp8 = Row(**{**fp8.__dict__, "name": "fp8 sync v3", "strategy": "v3", "model": "qwen3-moe-fp8-tiny",
+                 "bytes": model_totals(sim_model("qwen3-moe-fp8-tiny")).total_bytes,
                  "phases": {"pack": 0.01, "gather": 0.0, "load": 0.01, "transfer": 0.01, "request": 0.0},
                  "extra": {**fp8.extra, "engine_dtype": "fp8"}})  # fmt: skip
     append_rows(tmp_path, "gpu", [fp8], Labels("gpu:H200 x1", {}, "q"))

@@ -47,7 +47,7 @@ def _grid() -> list[SimSetup]:
     out.append(_qwen(trainer=TrainerSpec.parse("tp=4,pp=2,ep=8,dp=2"), engine=EngineLayout.parse("tp=8", 2),
                      placement="colocated", transport="cuda-ipc"))  # fmt: skip
     # mapped pulls where an engine rank shares a GPU with a trainer rank holding its slice
-    out.append(_qwen(trainer=TrainerSpec.parse("tp=4,pp=2,ep=8,dp=2"), engine=EngineLayout.parse("tp=8", 2),
+    out.append(_qwen(trainer=TrainerSpec.parse("tp=4,pp=2,ep=8,dp=2"), engine=EngineLayout.parse("tp=8,ep=8", 2),
                      placement="colocated", transport="cuda-ipc", dtype="fp8", quantize_on="trainer",
                      direct=True))  # fmt: skip
     out.append(_qwen(cluster=Cluster.parse("gpu=b200,nic=cx8-800"), cold=True))

@@ -17,6 +17,7 @@ from kvmove.bench.sim.setup import SimSetup, TrainerSpec
 from kvmove.bench.sim.shards import wire_bytes
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
 from kvmove.cli.main import app
+from kvmove.errors import LayoutError
 from kvmove.models import model_totals, resolve_model
 from kvmove.models.layout import EngineLayout
 from kvmove.models.table import hf_tensors
@@ -85,12 +86,22 @@ def test_fp8_wire_bytes_have_one_fp32_scale_per_block() -> None:
     )
     for unquantized in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.3.mlp.gate.weight"):
         assert wire_bytes(unquantized, (384, 7168), "fp8") == 2 * 384 * 7168
-    s = _setup("kimi-k2", "tp=8,pp=8,ep=32", "tp=32,ep=32", dtype="fp8", quantize_on="trainer")
+    s = _setup("kimi-k2", "tp=8,pp=8,ep=32", "tp=16,ep=16", dtype="fp8", quantize_on="trainer")
     fp8 = build_traffic(s, SIM_STRATEGIES["v3"]).kept_per_replica
-    bf16 = 8_481_498_595_328 / 4  # one replica's BF16 bytes (replicated tensors counted on every rank)
+    # one replica's BF16 bytes (replicated tensors counted on every rank)
+    bf16 = build_traffic(_setup("kimi-k2", "tp=8,pp=8,ep=32", "tp=16,ep=16"), SIM_STRATEGIES["v3"]).kept_per_replica
     assert 0.5 * bf16 < fp8 < 0.51 * bf16  # one byte per weight plus 4 bytes per 128x128 block
-    s_engine = _setup("kimi-k2", "tp=8,pp=8,ep=32", "tp=32,ep=32", dtype="fp8", quantize_on="engine")
+    s_engine = _setup("kimi-k2", "tp=8,pp=8,ep=32", "tp=16,ep=16", dtype="fp8", quantize_on="engine")
     assert build_traffic(s_engine, SIM_STRATEGIES["v3"]).kept_per_replica == bf16  # BF16 on the wire
+
+
+def test_an_fp8_engine_layout_that_cuts_a_block_is_refused_as_vllm_refuses_it() -> None:
+    with pytest.raises(LayoutError, match=r"engine tp=32 with FP8 weights: mlp\.gate_up_proj .* 576 per rank"):
+        _setup("kimi-k2", "tp=8,pp=8,ep=32", "tp=32,ep=32", dtype="fp8", quantize_on="trainer")
+    with pytest.raises(LayoutError, match=r"mlp\.experts intermediate size is 192 per rank"):
+        _setup("qwen3-235b-a22b", "tp=4,pp=2,ep=8", "tp=8", dtype="fp8")
+    _setup("kimi-k2", "tp=8,pp=8,ep=32", "tp=32,ep=32")  # BF16 weights: any split the layout allows
+    _setup("kimi-k2", "tp=8,pp=8,ep=32", "tp=32,ep=32", dtype="fp8", block=64)  # 64 x 64 blocks, as LMSYS states
 
 
 def test_direct_pulls_skip_gather_and_pack_where_slices_nest() -> None:
