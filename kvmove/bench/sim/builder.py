@@ -9,12 +9,15 @@ from typing import NamedTuple
 import numpy as np
 
 from kvmove.bench.sim.groups import Demand, Item, by_owner, host_owner, units
-from kvmove.bench.sim.mapped import Mapper, entry
+from kvmove.bench.sim.mapped import Mapper, entry, strided_reads
 from kvmove.bench.sim.setup import SimSetup
 from kvmove.bench.sim.shards import (
+    Piece,
     Split,
+    cheap,
     engine_split,
     nested,
+    pieces,
     quantizable,
     slice_index,
     trainer_shard_of,
@@ -144,28 +147,57 @@ class _Builder:
         for keepers, tensors, _, _ in demands:
             self._keep(g, keepers, tensors, es.keep * w, es.keep * bf, region_class(item.name))
         planned = entry(item.name, item.shape, bf > 0 and s.quantize_on == "trainer", self._reads_shard(es, ts))
+        plain = planned.transform == PLAIN
+        parts = self._direct_parts(item, es, ts, demands, w) if plain else None
         if self.strategy.broadcast:
             self._broadcast(g, item, es, ts, w, bf)
-        elif planned.shard and planned.transform == PLAIN:  # a direct read
+        elif parts is not None:  # a direct read, whole or in pieces
             assert ts is not None
             for demand in demands:
-                self._serve_direct(g, demand, es, ts, w)
-        else:
+                self._serve_direct(g, demand, es, ts, w, parts)
+        else:  # packed: from the raw shard holding a plain slice (no gather), else once gathered
+            in_shard = plain and planned.shard
             packed = [d for d in (self._serve_mapped(g, planned, d, es, ts, w, bf) for d in demands) if len(d[0])]
             for demand in packed:
-                self._serve_packed(g, item, demand, es, ts, w, bf)
+                self._serve_packed(g, item, demand, es, ts, w, bf, in_shard)
             if packed or not demands:
-                self._materialize(g, item, ts, packed)
+                self._materialize(g, item, ts, packed, gather=not in_shard)
+
+    @property
+    def _strided(self) -> bool:
+        """The transport reads 2-D copies (the registry's own flag; the generic ``pull`` is NIXL's 1-D reads)."""
+        return strided_reads(self.s.transport)
 
     @property
     def _megatron(self) -> bool:
         return self.s.trainer.kind == "megatron"
 
-    def _reads_shard(self, es: Split, ts: Split | None) -> bool:
-        """Whether the strategy serves the item from the raw shard holding each engine slice: read directly, or,
-        for a cover the trainer quantizes, mapped or packed from that shard."""
+    def _shard_reads(self, ts: Split | None) -> bool:
+        """Whether the strategy serves items from the trainer's raw shards where it can (direct pulls)."""
         s = self.s  # a delta sync plans direct reads packed (kvmove.sync.driver.checks.delta_checked)
-        return s.direct and s.delta is None and self.strategy.scope == "stage" and ts is not None and nested(es, ts)
+        return s.direct and s.delta is None and self.strategy.scope == "stage" and ts is not None
+
+    def _reads_shard(self, es: Split, ts: Split | None) -> bool:
+        """Whether the strategy serves the item from the raw shard holding each engine slice: read directly, or
+        mapped, or packed from that shard."""
+        return self._shard_reads(ts) and ts is not None and nested(es, ts)
+
+    def _direct_parts(
+        self, item: Item, es: Split, ts: Split | None, demands: list[Demand], w: float
+    ) -> dict[int, list[Piece]] | None:
+        """Each engine slice's pieces when the planner reads the item directly (from the raw shard holding it, or
+        cut along the shards), None when it packs it: some piece's runs are too many or too short."""
+        if not self._shard_reads(ts) or not demands:
+            return None
+        assert ts is not None
+        itemsize = round(w / math.prod(item.shape))
+        out = {}
+        for i in {int(i) for d in demands for i in d[2]}:
+            parts = pieces(item.shape, itemsize, es, ts, i)
+            if not cheap(parts, self._strided):
+                return None
+            out[i] = parts
+        return out
 
     # --- the engine side --------------------------------------------------------------------------------------
     def _demands(self, item: Item, es: Split) -> list[Demand]:
@@ -218,14 +250,16 @@ class _Builder:
             self.e["layer_bytes"][g] += self._reloads[key]
 
     # --- the trainer side -------------------------------------------------------------------------------------
-    def _serve_direct(self, g: int, demand: Demand, es: Split, ts: Split, w: float) -> None:
+    def _serve_direct(
+        self, g: int, demand: Demand, es: Split, ts: Split, w: float, parts: dict[int, list[Piece]]
+    ) -> None:
         keepers, tensors, index, owner = demand
         for k, n, idx in zip(keepers, tensors, index, strict=True):
-            shard = trainer_shard_of(es, ts, int(idx))
-            holders = self._holders(ts, owner, shard, None)
-            self.t["send"][g, holders] += n * es.keep * w / len(holders)
+            for piece in parts[int(idx)]:
+                holders = self._holders(ts, owner, piece.shard, None)
+                self.t["send"][g, holders] += n * es.keep * w * piece.fraction / len(holders)
+                self.sources[g].add((int(k), ("shard", tuple(holders))))
             self.e["direct"][g, k] += n
-            self.sources[g].add((int(k), ("shard", ts.stage, owner, shard, tuple(holders))))
 
     def _serve_mapped(
         self, g: int, planned: Entry, demand: Demand, es: Split, ts: Split | None, w: float, bf: float
@@ -248,10 +282,18 @@ class _Builder:
         return keepers[~mask], tensors[~mask], index[~mask], owner
 
     def _serve_packed(
-        self, g: int, item: Item, demand: Demand, es: Split, ts: Split | None, w: float, bf: float
+        self, g: int, item: Item, demand: Demand, es: Split, ts: Split | None, w: float, bf: float, in_shard: bool
     ) -> None:
-        keepers, tensors, _, owner = demand
-        holders = self._holders(ts, owner, None, item)
+        """Pack the demand's slices on the ranks holding the gathered tensor, or (``in_shard``) on those whose raw
+        shard holds each slice."""
+        keepers, tensors, index, owner = demand
+        if in_shard and ts is not None and len(keepers) > 1:
+            for i in range(len(keepers)):
+                one = (keepers[i : i + 1], tensors[i : i + 1], index[i : i + 1], owner)
+                self._serve_packed(g, item, one, es, ts, w, bf, in_shard)
+            return
+        shard = trainer_shard_of(es, ts, int(index[0])) if in_shard and ts is not None else None
+        holders = self._holders(ts, owner, shard, None if in_shard else item)
         total, share = float(tensors.sum()), 1.0 / len(holders)
         t = self.t
         t["send"][g, holders] += total * es.keep * w * share
@@ -338,8 +380,9 @@ class _Builder:
             mask &= (self.t_etp if owner is not None else self.t_tp) == shard
         return np.flatnonzero(mask)
 
-    def _materialize(self, g: int, item: Item, ts: Split | None, demands: list[Demand]) -> None:
-        """Ranks yield the item from the weight source and all-gather it where it is split."""
+    def _materialize(self, g: int, item: Item, ts: Split | None, demands: list[Demand], gather: bool = True) -> None:
+        """Ranks yield the item from the weight source and all-gather it where it is split (unless ``gather`` is
+        off: slices packed from the raw shards holding them)."""
         s, n = self.s, float(item.tensors)
         if s.trainer.kind == "host":
             return
@@ -366,7 +409,7 @@ class _Builder:
             ranks = np.flatnonzero(stage & (self.t_ep == owner)) if owner is not None else np.flatnonzero(stage)
             per = n if owner is None else float(sum(d[1][0] for d in demands if d[3] == owner))
             self.t["yield"][g, ranks] += per
-            if ts.dim is not None and not (ep_gather and item.experts):
+            if gather and ts.dim is not None and not (ep_gather and item.experts):
                 self._collective(g, ts.parts, ranks, bf, per)
 
     def _collective(self, g: int, n: int, ranks: np.ndarray, bf: float, tensors: float) -> None:
@@ -384,11 +427,25 @@ class _Builder:
         """Pulls per engine rank: one per (source, group); trainer calls: the pulls each holder serves."""
         pulls, direct, calls = self.e["pulls"], self.e["direct_pulls"], self.t["calls"]
         for g, pairs in enumerate(self.sources):
-            for k, key in pairs:
+            for k, kind, ranks in _by_rank(pairs):
                 pulls[g, k] += 1
-                if key[0] == "shard":
+                if kind == "shard":
                     direct[g, k] += 1
                 else:
-                    holders = np.asarray(key[2])
-                    calls[g, holders] += 1.0 / len(holders)
+                    calls[g, list(ranks)] += 1.0 / len(ranks)
         return Traffic(self.strategy, count, self.stage, self.layers, self.t, self.e, self.gather, self.max_request)
+
+
+def _by_rank(pairs: set[tuple[int, tuple[object, ...]]]) -> list[tuple[int, str, tuple[int, ...]]]:
+    """A group's pulls, as (engine rank, kind, serving trainer ranks). The planner buckets an engine rank's direct
+    reads by the trainer rank serving them (``kvmove.sync.planning.schedule``) and its router spreads a slice
+    several ranks hold (replicated over DP or TP) over them by bytes, so each engine rank reads once from every
+    trainer rank holding any of its direct slices. A packed source is one pull from the ranks able to serve it."""
+    served: dict[int, set[int]] = {}
+    out: list[tuple[int, str, tuple[int, ...]]] = []
+    for k, key in pairs:
+        if key[0] == "shard":
+            served.setdefault(k, set()).update(key[1])  # type: ignore[arg-type]
+        else:
+            out.append((k, "from", tuple(key[2])))  # type: ignore[arg-type]
+    return out + [(k, "shard", (t,)) for k, ranks in served.items() for t in sorted(ranks)]

@@ -37,6 +37,15 @@ def maps_peers(transport: str) -> bool:
     return cls is not None and cls.maps_peers
 
 
+def strided_reads(transport: str) -> bool:
+    """Whether the sync transport of this name reads 2-D copies (the registry's own flag; the simulator's generic
+    ``pull`` and ``push`` are NIXL-like 1-D reads)."""
+    from kvmove.transport import TRANSPORTS
+
+    cls = TRANSPORTS.get(transport)
+    return cls is not None and cls.strided
+
+
 def mapping_key(s: SimSetup) -> tuple[object, ...]:
     """What of ``s`` beyond its model, layouts and sync options decides its mapped pulls (for caching traffic)."""
     return maps_peers(s.transport), s.placement, _trainer_gpus(s)

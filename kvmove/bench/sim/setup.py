@@ -108,8 +108,9 @@ weight-transfer consumer taking one buffer (SkyRL)."""
 
 @dataclass(frozen=True)
 class SimSetup:
-    """One setup to predict. ``direct``: kvmove's direct pulls (regions inside one trainer shard are read
-    straight from it: no gather, pack or scatter); ``via_host``: gathered tensors are staged in pinned host
+    """One setup to predict. ``direct``: kvmove's direct pulls (regions inside one trainer shard, or cut along
+    several, are read straight from them where the planner's rule finds the reads cheap: no gather, pack or
+    scatter; the others are packed, from the one shard holding them without a gather); ``via_host``: gathered tensors are staged in pinned host
     memory and sent from there (a device-to-host copy each); ``cold``: the first sync (registration)."""
 
     model: ModelConfig

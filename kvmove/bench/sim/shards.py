@@ -16,7 +16,9 @@ from kvmove.models.checkpoint import is_block_quantized
 from kvmove.models.config import ModelConfig
 from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.quant.fp8 import scale_shape
+from kvmove.sync.planning.direct import MAX_SPANS, MIN_SPAN_BYTES
 from kvmove.sync.planning.ownership import shard_rule
+from kvmove.transport.copies import MAX_HEIGHT
 
 _ROW = ("o_proj", "down_proj")
 """Row-parallel projections in vLLM's engine split (split on dim 1); the others split on dim 0."""
@@ -114,3 +116,57 @@ def _engine_stage(cfg: ModelConfig, engine: EngineLayout, name: str, layer: int 
 
 def _stage_of(ranges: list[range], layer: int) -> int:
     return next(i for i, r in enumerate(ranges) if layer in r)
+
+
+class Piece(NamedTuple):
+    """The part of one engine slice that lies in one trainer shard, and the byte runs reading it directly takes."""
+
+    shard: int
+    """The trainer shard (along the trainer's dim; 0 when the trainer keeps the tensor whole)."""
+    fraction: float
+    """Of the engine slice's bytes."""
+    runs: int
+    """Byte runs: one when the part is contiguous on both sides, else one per row."""
+    run_bytes: int
+
+
+def pieces(shape: tuple[int, ...], itemsize: int, engine: Split, trainer: Split, index: int) -> list[Piece]:
+    """Engine slice ``index`` of a tensor cut along the trainer's shards, as the planner cuts a region
+    (``kvmove.sync.planning.direct``: ``DirectPlanner.pieces``; one piece when the slice lies in one shard), each
+    with the runs of its bytes between the raw shard (row-major in the arena) and the engine's slice (row-major in
+    its parameter)."""
+    rows, cols = (1, shape[0]) if len(shape) == 1 else (shape[0], math.prod(shape[1:]))
+    one_d = len(shape) == 1
+
+    def box(split: Split, i: int) -> tuple[int, int, int, int]:
+        if split.dim is None:
+            return 0, rows, 0, cols
+        if split.dim == 0 and not one_d:
+            return i * rows // split.parts, (i + 1) * rows // split.parts, 0, cols
+        return 0, rows, i * cols // split.parts, (i + 1) * cols // split.parts
+
+    r0, r1, c0, c1 = box(engine, index)
+    out = []
+    for j in range(1 if trainer.dim is None else trainer.parts):
+        t0, t1, s0, s1 = box(trainer, j)
+        h, w = min(r1, t1) - max(r0, t0), min(c1, s1) - max(c0, s0)
+        if h <= 0 or w <= 0:
+            continue
+        one = h == 1 or (w == s1 - s0 and w == c1 - c0)
+        runs, run = (1, h * w) if one else (h, w)
+        out.append(Piece(j, h * w / ((r1 - r0) * (c1 - c0)), runs, run * itemsize))
+    return out
+
+
+def cheap(parts: list[Piece], strided: bool) -> bool:
+    """Whether every piece reads directly rather than packed: the planner's rule (``DirectPlanner._cheap``: few
+    enough, long enough copies), a piece's runs being its copies, or, with a strided transport, folded into 2-D
+    copies of up to ``MAX_HEIGHT`` equal rows (``kvmove.transport.copies.plan_copies``)."""
+    for p in parts:
+        copies, smallest = p.runs, p.run_bytes
+        if strided and p.runs > 1:
+            copies = -(-p.runs // MAX_HEIGHT)
+            smallest = p.run_bytes * (p.runs - (copies - 1) * MAX_HEIGHT)
+        if copies > MAX_SPANS or (copies > 1 and smallest < MIN_SPAN_BYTES):
+            return False
+    return True

@@ -19,7 +19,7 @@ from kvmove.bench.sim.strategies import SIM_STRATEGIES
 from kvmove.cli.main import app
 from kvmove.errors import LayoutError
 from kvmove.models import model_totals, resolve_model
-from kvmove.models.layout import EngineLayout
+from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.models.table import hf_tensors
 
 
@@ -111,6 +111,46 @@ def test_direct_pulls_skip_gather_and_pack_where_slices_nest() -> None:
     assert direct.total("trainer", "pack").sum() == 0 and direct.total("engine", "scatter").sum() == 0
     assert packed.total("trainer", "pack").sum() > 0 and packed.gather and not direct.gather
     assert direct.kept_per_replica == packed.kept_per_replica
+
+
+COARSER = [
+    ("qwen3-moe-small", "tp=2,pp=2,ep=2", "tp=1"),
+    ("qwen3-moe-small", "tp=4,pp=1,ep=2", "tp=2"),
+    ("qwen3-moe-tiny", "tp=2,pp=2,ep=2", "tp=2,ep=2"),
+    ("kimi-k2-tiny", "tp=2,pp=1,ep=2", "tp=1"),
+]
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["nixl", "cuda-ipc"])
+@pytest.mark.parametrize(("model", "trainer", "engine"), COARSER)
+def test_direct_and_packed_bytes_per_engine_rank_are_the_planners(model, trainer, engine, strided) -> None:
+    """The planner's direct rule, as the simulator prices it: a slice lying in several trainer shards is read in
+    pieces, one too costly to read directly (a row-parallel slice of short rows, without a strided transport) is
+    packed, and each engine rank reads once from every trainer rank serving its direct slices."""
+    from kvmove.sync.config import Placement, SyncConfig
+    from kvmove.sync.driver.dryrun import build_plans
+    from kvmove.sync.planning.blueprint import Blueprint
+    from kvmove.sync.strategies import parse_strategies
+
+    config = SyncConfig(
+        resolve_model(model), TrainerLayout.parse(trainer), EngineLayout.parse(engine),
+        tuple(parse_strategies("v2")), placement=Placement("processes", colocated=False),
+    )  # fmt: skip
+    plans, _ = build_plans(config)
+    bp = Blueprint(config.model, config.trainer, config.engine, plans, config.strategies, config.options,
+                   strided=strided)  # fmt: skip
+    pulls = bp.pulls["v2"]
+    s = SimSetup(resolve_model(model), TrainerSpec.parse(trainer), EngineLayout.parse(engine), Cluster(), 1, 1,
+                 direct=True, transport="cuda-ipc" if strided else "pull", placement="colocated")  # fmt: skip
+    t = build_traffic(s, SIM_STRATEGIES["v2"])
+    packed = [sum(p.nbytes for p in pp.pulls if p.packed) for pp in pulls]
+    assert list(t.total("engine", "scatter")) == packed
+    assert list(t.total("engine", "recv") - t.total("engine", "scatter")) == [
+        sum(p.nbytes for p in pp.pulls if p.direct) for pp in pulls
+    ]
+    assert list(t.total("engine", "direct_pulls")) == [sum(1 for p in pp.pulls if p.direct) for pp in pulls]
+    if model == "qwen3-moe-small" and engine == "tp=2":  # 512-byte rows of row-parallel slices: packed on NIXL
+        assert (packed[0] > 0) != strided
 
 
 def test_groups_follow_the_strategy() -> None:
