@@ -110,8 +110,9 @@ weight-transfer consumer taking one buffer (SkyRL)."""
 class SimSetup:
     """One setup to predict. ``direct``: kvmove's direct pulls (regions inside one trainer shard, or cut along
     several, are read straight from them where the planner's rule finds the reads cheap: no gather, pack or
-    scatter; the others are packed, from the one shard holding them without a gather); ``via_host``: gathered tensors are staged in pinned host
-    memory and sent from there (a device-to-host copy each); ``cold``: the first sync (registration)."""
+    scatter; the others are packed, from the one shard holding them without a gather); ``via_host``: gathered
+    tensors are staged in pinned host memory and sent from there (a device-to-host copy each); ``cold``: the
+    first sync (registration)."""
 
     model: ModelConfig
     trainer: TrainerSpec

@@ -75,6 +75,13 @@ def test_regenerate_rewrites_every_simulated_row_and_keeps_recorded_adhoc_setups
     assert list(rep.validation["role"]) == ["training", "held-out"]
 
 
+def test_every_built_in_user_setup_is_one_the_simulator_accepts() -> None:
+    """``--regenerate`` builds each of them (an FP8 engine layout cutting a block is refused, for one)."""
+    built = dict(sim_rows.user_setups())
+    assert {"kimi-k2 fp8 quantized on trainer", "kimi-k2 fp8 quantized on engine"} <= set(built)
+    assert all(s.engine.tp == 16 for name, s in built.items() if "fp8" in name)
+
+
 def test_repository_simulated_rows_agree_with_a_live_validation(repo_validation) -> None:
     """results/simulated.parquet is what `kvmove bench simulate --regenerate` writes from the committed measured
     rows: every figure, with role and error, and the same prediction a live validation makes."""
