@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvmove.bench.sim.costs import CostBook
+from kvmove.bench.sim.costs import CostBook, expert_scan
 from kvmove.bench.sim.flow import flow_shop, one_update
 from kvmove.bench.sim.hardware import rounds
 from kvmove.bench.sim.mapped import ahead_seconds, floor_seconds
@@ -189,7 +189,7 @@ def _phase_table(st: Steps, traffic: Traffic, s: SimSetup, book: CostBook) -> np
     own_loader = s.constraints.engine_loader  # the engine's loader runs once per tensor
     calls = e["regions"] if traffic.strategy.broadcast or own_loader else np.maximum(e["pulls"] - e["direct_pulls"], 0)
     load = _rank_max(
-        calls * book["loader_tensor_s" if own_loader else "load_call_s"]
+        calls * (_loader_s(s, book) if own_loader else book["load_call_s"])
         + e["scatter"] / (copy * book["load_efficiency"])
         + book.quantize_seconds(e["quant"] + (0.0 if traffic.strategy.ahead else e["mapped"]), c.hbm_rate)
         + e.get("apply", 0.0) / (copy * book["delta_apply_efficiency"])
@@ -197,6 +197,11 @@ def _phase_table(st: Steps, traffic: Traffic, s: SimSetup, book: CostBook) -> np
     if s.constraints.layerwise_reload:
         load += st.layers * book["reload_layer_s"] + _rank_max(e["layer_bytes"] / copy)
     return np.vstack([gather, pack, transfer, load, *([relay] * hops)])
+
+
+def _loader_s(s: SimSetup, book: CostBook) -> float:
+    """Seconds an engine's own loader takes per tensor: its call, and its scan of the expert mapping."""
+    return book["loader_tensor_s"] + book["loader_scan_s"] * expert_scan(s.model.num_experts)
 
 
 def _host_rounds(traffic: Traffic, s: SimSetup, book: CostBook) -> float:

@@ -76,8 +76,8 @@ class Constraints:
     """The engine takes one weight-update request at a time: the trainer's pipeline stages prepare their groups
     concurrently, each waiting for its previous group to land, and reach the engines one after another."""
     engine_loader: bool = False
-    """The engine lands weights through its own loader, called per tensor (``loader_tensor_s``), not kvmove's
-    landing programs."""
+    """The engine lands weights through its own loader, called per tensor (``loader_tensor_s``, and for a MoE
+    model ``loader_scan_s`` per expert-mapping entry it scans), not kvmove's landing programs."""
 
     @property
     def label(self) -> str:

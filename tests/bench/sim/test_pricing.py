@@ -170,3 +170,18 @@ def test_a_hosts_broadcasts_take_gloos_rounds_and_nccl_calls_one() -> None:
     extra -= simulate(s, bcast, free)[0].seconds
     # 113 tensors x 3 steps to the engines; 21 all-gathers over 2 and 80 tensors brought to rank 0, 1 step each
     assert extra == pytest.approx(1e-3 * (113 * 3 + 21 + 80))
+
+
+def test_an_engines_own_loader_scans_its_expert_mapping_per_tensor() -> None:
+    """Where the engine lands weights through its own loader, each tensor costs the loader's call and a scan of
+    the expert mapping, 1.5 entries per routed expert (``kvmove.bench.sim.costs.expert_scan``)."""
+    from kvmove.bench.sim.builder import build_traffic
+
+    setup = _qwen(engine=EngineLayout.parse("tp=8"), constraints=CONSTRAINTS["vllm-ipc"])
+    v2 = SIM_STRATEGIES["v2"]
+    tensors = build_traffic(setup, v2).total("engine", "regions").max()  # every rank loads every tensor (TP)
+    (scanning,) = simulate(setup, [v2], BOOK)
+    (blind,) = simulate(setup, [v2], BOOK.with_values({"loader_scan_s": 0.0}, "test"))
+    scan = scanning.phases["load"] - blind.phases["load"]
+    assert scan == pytest.approx(tensors * 1.5 * 128 * BOOK["loader_scan_s"])
+    assert scan > 0.05 * scanning.phases["load"]
