@@ -27,7 +27,7 @@ KINDS = ("measured", "derived", "fitted", "default", "user")
 _VIME_ISSUE = "https://github.com/vllm-project/vime/issues/175"
 _VIME_PR = "https://github.com/vllm-project/vime/pull/176"
 _SCAN_PR = "https://github.com/sgl-project/sglang/pull/19299"
-_VLLM_LOADER = "https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/models/qwen3_moe.py"
+_VLLM_LOADER = "https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/models/deepseek_v2.py"
 LOADER_SCAN_S = 6.67 / 179e6
 """One expert-mapping entry compared against a tensor's name: 6.67 s over ~179M comparisons (``_SCAN_PR``)."""
 _VIME_EXPERTS = 128
@@ -37,8 +37,10 @@ _VIME_EXPERTS = 128
 def expert_scan(num_experts: int) -> float:
     """Expert-mapping entries a MoE engine's own loader compares per tensor it loads: the mapping holds three
     entries per routed expert (gate, up, down) and the loop stops at the match, half way on average
-    (``_VLLM_LOADER``, ``load_weights``; SGLang's loaders scan the same way). Tensors outside the experts, a few
-    percent of a MoE checkpoint's, are counted alike."""
+    (``_VLLM_LOADER``, ``load_weights``; SGLang's loaders scan the same way, and so did vLLM's Qwen3-MoE until
+    vllm-project/vllm#42577 (2026) handed it to ``FusedMoE.load_weights``, which indexes the mapping by expert: the
+    engines of the published figures predate it). Tensors outside the experts, a few percent of a MoE
+    checkpoint's, are counted alike."""
     return 1.5 * num_experts
 
 
