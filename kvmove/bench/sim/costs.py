@@ -37,10 +37,9 @@ _VIME_EXPERTS = 128
 def expert_scan(num_experts: int) -> float:
     """Expert-mapping entries a MoE engine's own loader compares per tensor it loads: the mapping holds three
     entries per routed expert (gate, up, down) and the loop stops at the match, half way on average
-    (``_VLLM_LOADER``, ``load_weights``; SGLang's loaders scan the same way, and so did vLLM's Qwen3-MoE until
-    vllm-project/vllm#42577 (2026) handed it to ``FusedMoE.load_weights``, which indexes the mapping by expert: the
-    engines of the published figures predate it). Tensors outside the experts, a few percent of a MoE
-    checkpoint's, are counted alike."""
+    (``_VLLM_LOADER``, ``load_weights``; SGLang's loaders scan the same way, and so did vLLM's Qwen3-MoE in the
+    engines of the published figures: by vLLM 0.32 it hands experts to ``FusedMoE.load_weights``, which indexes
+    the mapping by expert). Tensors outside the experts, a few percent of a MoE checkpoint's, are counted alike."""
     return 1.5 * num_experts
 
 
