@@ -10,6 +10,7 @@ import numpy as np
 
 from kvmove.bench.sim.groups import Demand, Item, by_owner, host_owner, units
 from kvmove.bench.sim.mapped import Mapper, entry, strided_reads
+from kvmove.bench.sim.pulls import count_pulls
 from kvmove.bench.sim.setup import SimSetup
 from kvmove.bench.sim.shards import (
     Piece,
@@ -424,28 +425,6 @@ class _Builder:
         nbytes[g, ranks] += tensors * bf * ((n - 1) / n if n > 0 else 1.0)
 
     def finish(self, count: np.ndarray) -> Traffic:
-        """Pulls per engine rank: one per (source, group); trainer calls: the pulls each holder serves."""
-        pulls, direct, calls = self.e["pulls"], self.e["direct_pulls"], self.t["calls"]
-        for g, pairs in enumerate(self.sources):
-            for k, kind, ranks in _by_rank(pairs):
-                pulls[g, k] += 1
-                if kind == "shard":
-                    direct[g, k] += 1
-                else:
-                    calls[g, list(ranks)] += 1.0 / len(ranks)
+        """Pulls per engine rank and trainer calls from each group's sources (``kvmove.bench.sim.pulls``)."""
+        count_pulls(self.sources, self.e["pulls"], self.e["direct_pulls"], self.t["calls"])
         return Traffic(self.strategy, count, self.stage, self.layers, self.t, self.e, self.gather, self.max_request)
-
-
-def _by_rank(pairs: set[tuple[int, tuple[object, ...]]]) -> list[tuple[int, str, tuple[int, ...]]]:
-    """A group's pulls, as (engine rank, kind, serving trainer ranks). The planner buckets an engine rank's direct
-    reads by the trainer rank serving them (``kvmove.sync.planning.schedule``) and its router spreads a slice
-    several ranks hold (replicated over DP or TP) over them by bytes, so each engine rank reads once from every
-    trainer rank holding any of its direct slices. A packed source is one pull from the ranks able to serve it."""
-    served: dict[int, set[int]] = {}
-    out: list[tuple[int, str, tuple[int, ...]]] = []
-    for k, key in pairs:
-        if key[0] == "shard":
-            served.setdefault(k, set()).update(key[1])  # type: ignore[arg-type]
-        else:
-            out.append((k, "from", tuple(key[2])))  # type: ignore[arg-type]
-    return out + [(k, "shard", (t,)) for k, ranks in served.items() for t in sorted(ranks)]
