@@ -147,12 +147,13 @@ class _Builder:
         demands = self._demands(item, es)
         for keepers, tensors, _, _ in demands:
             self._keep(g, keepers, tensors, es.keep * w, es.keep * bf, region_class(item.name))
+        if self.strategy.broadcast:
+            self._broadcast(g, item, es, ts, w, bf)
+            return
         planned = entry(item.name, item.shape, bf > 0 and s.quantize_on == "trainer", self._reads_shard(es, ts))
         plain = planned.transform == PLAIN
         parts = self._direct_parts(item, es, ts, demands, w) if plain else None
-        if self.strategy.broadcast:
-            self._broadcast(g, item, es, ts, w, bf)
-        elif parts is not None:  # a direct read, whole or in pieces
+        if parts is not None:  # a direct read, whole or in pieces
             assert ts is not None
             for demand in demands:
                 self._serve_direct(g, demand, es, ts, w, parts)

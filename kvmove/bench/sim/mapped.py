@@ -28,22 +28,23 @@ from kvmove.sync.planning.placement import DeviceMap
 from kvmove.sync.planning.plan import Box
 
 
-def maps_peers(transport: str) -> bool:
-    """Whether the sync transport of this name maps a peer's registered buffers (the registry's own flag; the
-    simulator's generic ``pull`` and ``push`` name no transport of the registry, and map nothing)."""
+def _flag(transport: str, name: str) -> bool:
+    """The registry's class flag ``name`` of the sync transport of this name (False for the simulator's generic
+    ``pull`` and ``push``, which name no transport of the registry: NIXL-like 1-D reads that map nothing)."""
     from kvmove.transport import TRANSPORTS
 
     cls = TRANSPORTS.get(transport)
-    return cls is not None and cls.maps_peers
+    return cls is not None and bool(getattr(cls, name))
+
+
+def maps_peers(transport: str) -> bool:
+    """Whether the sync transport of this name maps a peer's registered buffers."""
+    return _flag(transport, "maps_peers")
 
 
 def strided_reads(transport: str) -> bool:
-    """Whether the sync transport of this name reads 2-D copies (the registry's own flag; the simulator's generic
-    ``pull`` and ``push`` are NIXL-like 1-D reads)."""
-    from kvmove.transport import TRANSPORTS
-
-    cls = TRANSPORTS.get(transport)
-    return cls is not None and cls.strided
+    """Whether the sync transport of this name reads 2-D copies."""
+    return _flag(transport, "strided")
 
 
 def mapping_key(s: SimSetup) -> tuple[object, ...]:

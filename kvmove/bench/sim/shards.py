@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
+
 from kvmove.models.checkpoint import is_block_quantized
 from kvmove.models.config import ModelConfig
 from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.quant.fp8 import scale_shape
-from kvmove.sync.planning.direct import MAX_SPANS, MIN_SPAN_BYTES
+from kvmove.sync.planning.direct import cheap_spans
 from kvmove.sync.planning.ownership import shard_rule
-from kvmove.transport.copies import MAX_HEIGHT
 
 _ROW = ("o_proj", "down_proj")
 """Row-parallel projections in vLLM's engine split (split on dim 1); the others split on dim 0."""
@@ -128,6 +129,15 @@ class Piece(NamedTuple):
     runs: int
     """Byte runs: one when the part is contiguous on both sides, else one per row."""
     run_bytes: int
+    src_pitch: int
+    """Bytes between the starts of two rows in the raw shard (a row of the shard)."""
+    dst_pitch: int
+    """Bytes between the starts of two rows in the engine's slice (a row of the slice)."""
+
+    def spans(self) -> np.ndarray:
+        """The piece's byte spans (shard offset, slice offset, nbytes), as ``DirectPlanner.spans`` lists them."""
+        rows = np.arange(self.runs, dtype=np.int64)
+        return np.stack([rows * self.src_pitch, rows * self.dst_pitch, np.full(self.runs, self.run_bytes)], axis=1)
 
 
 def pieces(shape: tuple[int, ...], itemsize: int, engine: Split, trainer: Split, index: int) -> list[Piece]:
@@ -154,19 +164,12 @@ def pieces(shape: tuple[int, ...], itemsize: int, engine: Split, trainer: Split,
             continue
         one = h == 1 or (w == s1 - s0 and w == c1 - c0)
         runs, run = (1, h * w) if one else (h, w)
-        out.append(Piece(j, h * w / ((r1 - r0) * (c1 - c0)), runs, run * itemsize))
+        fraction = h * w / ((r1 - r0) * (c1 - c0))
+        out.append(Piece(j, fraction, runs, run * itemsize, (s1 - s0) * itemsize, (c1 - c0) * itemsize))
     return out
 
 
 def cheap(parts: list[Piece], strided: bool) -> bool:
-    """Whether every piece reads directly rather than packed: the planner's rule (``DirectPlanner._cheap``: few
-    enough, long enough copies), a piece's runs being its copies, or, with a strided transport, folded into 2-D
-    copies of up to ``MAX_HEIGHT`` equal rows (``kvmove.transport.copies.plan_copies``)."""
-    for p in parts:
-        copies, smallest = p.runs, p.run_bytes
-        if strided and p.runs > 1:
-            copies = -(-p.runs // MAX_HEIGHT)
-            smallest = p.run_bytes * (p.runs - (copies - 1) * MAX_HEIGHT)
-        if copies > MAX_SPANS or (copies > 1 and smallest < MIN_SPAN_BYTES):
-            return False
-    return True
+    """Whether every piece reads directly rather than packed: the planner's own rule on the piece's spans
+    (``kvmove.sync.planning.direct.cheap_spans``)."""
+    return all(cheap_spans(p.spans(), strided) for p in parts)

@@ -193,6 +193,15 @@ def _contiguous(view: StridedView) -> bool:
     return True
 
 
+def cheap_spans(runs: np.ndarray, strided: bool) -> bool:
+    """Whether reading these byte spans directly costs less than packing them (few enough, large enough copies;
+    with a ``strided`` transport, the 2-D copies they fold into)."""
+    if not strided:
+        return len(runs) <= MAX_SPANS and (len(runs) == 1 or int(runs[0, 2]) >= MIN_SPAN_BYTES)
+    plan = plan_copies(runs)
+    return plan.ncopies <= MAX_SPANS and (plan.ncopies == 1 or plan.smallest() >= MIN_SPAN_BYTES)
+
+
 class Piece(NamedTuple):
     """Part of a region lying in one raw shard: the part (a region of its own) and the ranks holding that shard."""
 
@@ -233,17 +242,10 @@ class DirectPlanner:
         except PlanError:
             return None
         runs = byte_spans(src, region.dst, region.dtype.itemsize)
-        if not self._cheap(runs):
+        if not cheap_spans(runs, self.strided):
             return None
         runs[:, 0] += arena.offsets[region.hf_name]
         return runs
-
-    def _cheap(self, runs: np.ndarray) -> bool:
-        """Whether reading these runs directly costs less than packing them (few enough, large enough copies)."""
-        if not self.strided:
-            return len(runs) <= MAX_SPANS and (len(runs) == 1 or int(runs[0, 2]) >= MIN_SPAN_BYTES)
-        plan = plan_copies(runs)
-        return plan.ncopies <= MAX_SPANS and (plan.ncopies == 1 or plan.smallest() >= MIN_SPAN_BYTES)
 
     def pieces(self, region: Region, param_dtype: torch.dtype) -> list[Piece] | None:
         """``region`` cut along the raw shards of its tensor, each piece readable from its shard's holders; None if
