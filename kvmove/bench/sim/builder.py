@@ -15,10 +15,9 @@ from kvmove.bench.sim.setup import SimSetup
 from kvmove.bench.sim.shards import (
     Piece,
     Split,
-    cheap,
+    direct_parts,
     engine_split,
     nested,
-    pieces,
     quantizable,
     slice_index,
     trainer_shard_of,
@@ -187,19 +186,12 @@ class _Builder:
     def _direct_parts(
         self, item: Item, es: Split, ts: Split | None, demands: list[Demand], w: float
     ) -> dict[int, list[Piece]] | None:
-        """Each engine slice's pieces when the planner reads the item directly (from the raw shard holding it, or
-        cut along the shards), None when it packs it: some piece's runs are too many or too short."""
+        """Each engine slice's pieces when the planner reads the item directly, None when it packs it."""
         if not self._shard_reads(ts) or not demands:
             return None
         assert ts is not None
-        itemsize = round(w / math.prod(item.shape))
-        out = {}
-        for i in {int(i) for d in demands for i in d[2]}:
-            parts = pieces(item.shape, itemsize, es, ts, i)
-            if not cheap(parts, self._strided):
-                return None
-            out[i] = parts
-        return out
+        slices = {int(i) for d in demands for i in d[2]}
+        return direct_parts(item.shape, round(w / math.prod(item.shape)), es, ts, slices, self._strided)
 
     # --- the engine side --------------------------------------------------------------------------------------
     def _demands(self, item: Item, es: Split) -> list[Demand]:

@@ -173,3 +173,17 @@ def cheap(parts: list[Piece], strided: bool) -> bool:
     """Whether every piece reads directly rather than packed: the planner's own rule on the piece's spans
     (``kvmove.sync.planning.direct.cheap_spans``)."""
     return all(cheap_spans(p.spans(), strided) for p in parts)
+
+
+def direct_parts(
+    shape: tuple[int, ...], itemsize: int, engine: Split, trainer: Split, slices: set[int], strided: bool
+) -> dict[int, list[Piece]] | None:
+    """Each engine slice's pieces when the planner reads them all directly, None when some piece's runs are too
+    many or too short for the transport (the tensor is packed)."""
+    out = {}
+    for i in slices:
+        parts = pieces(shape, itemsize, engine, trainer, i)
+        if not cheap(parts, strided):
+            return None
+        out[i] = parts
+    return out
