@@ -4,10 +4,10 @@ serves, what is gathered and how, per group (pure; milliseconds for a hundred gr
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import numpy as np
 
+from kvmove.bench.sim.grouprows import Contribution, GroupRows
 from kvmove.bench.sim.groups import Demand, Item, by_owner, host_owner, units
 from kvmove.bench.sim.mapped import Mapper, entry, strided_reads
 from kvmove.bench.sim.pulls import count_pulls
@@ -25,7 +25,7 @@ from kvmove.bench.sim.shards import (
     wire_bytes,
 )
 from kvmove.bench.sim.strategies import SimStrategy
-from kvmove.bench.sim.traffic import ENGINE_KEYS, TRAINER_KEYS, Traffic
+from kvmove.bench.sim.traffic import Traffic
 from kvmove.sync.delta.detect import region_class
 from kvmove.sync.planning.entries import PLAIN, Entry
 
@@ -41,32 +41,15 @@ def build_traffic(setup: SimSetup, strategy: SimStrategy) -> Traffic:
     return b.finish(np.array([u.times for u in groups]))
 
 
-class Contribution(NamedTuple):
-    """One item's rows (trainer, engine, collectives), sources, largest request and trainer stage."""
-
-    t: dict[str, np.ndarray]
-    e: dict[str, np.ndarray]
-    gather: dict[int, tuple[np.ndarray, np.ndarray]]
-    sources: frozenset[tuple[int, tuple[object, ...]]]
-    max_request: float
-    stage: int
-
-
-class _Builder:
+class _Builder(GroupRows):
     """Accumulates one strategy's per-group arrays, item by item (one occurrence of each group)."""
 
     def __init__(self, s: SimSetup, strategy: SimStrategy, groups: int, scratch: bool = False) -> None:
-        self.s, self.strategy, self.groups = s, strategy, groups
-        world, local = s.trainer.world, s.engine.ranks_per_replica
-        self.t = {k: np.zeros((groups, world)) for k in TRAINER_KEYS}
-        self.e = {k: np.zeros((groups, local)) for k in ENGINE_KEYS}
-        self.gather: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self.layers, self.max_request = np.zeros(groups), np.zeros(groups)
-        self.stage = np.zeros(groups, dtype=np.int64)
-        self.sources: list[set[tuple[int, tuple[object, ...]]]] = [set() for _ in range(groups)]
-        ec = [s.engine.coord(r) for r in range(local)]
+        super().__init__(groups, s.trainer.world, s.engine.ranks_per_replica)
+        self.s, self.strategy = s, strategy
+        ec = [s.engine.coord(r) for r in range(s.engine.ranks_per_replica)]
         self.e_pp, self.e_tp, self.e_ep = (np.array([getattr(c, k) for c in ec]) for k in ("pp", "tp", "ep"))
-        tc = [s.trainer.layout.coord(r) for r in range(world)]
+        tc = [s.trainer.layout.coord(r) for r in range(s.trainer.world)]
         self.t_pp, self.t_tp, self.t_ep, self.t_etp = (
             np.array([getattr(c, k) for c in tc]) for k in ("pp", "tp", "ep", "etp")
         )
@@ -87,7 +70,7 @@ class _Builder:
             scratch.clear()
             scratch._add(0, item)
             self._cache[key] = scratch.snapshot()
-        self._apply(g, self._cache[key])
+        self.apply(g, self._cache[key])
 
     def _key(self, item: Item) -> tuple[object, ...]:
         s = self.s
@@ -96,43 +79,10 @@ class _Builder:
         groups = s.trainer.world // s.trainer.shard
         where = item.layer % groups if s.trainer.kind == "fsdp" and item.layer is not None else None
         owner = host_owner(item, s.trainer.world) if s.trainer.kind == "host" else None
-        generic = item.name if item.layer is None else item.name.replace(f".{item.layer}.", ".L.", 1)
+        # a host trainer's packed pulls are one per tensor (the source key carries its name): no reuse across layers
+        named = item.layer is None or (s.trainer.kind == "host" and not self.strategy.broadcast)
+        generic = item.name if named else item.name.replace(f".{item.layer}.", ".L.", 1)
         return (generic, item.shape, item.expert0, item.experts, es.stage, ts.stage if ts else 0, where, owner)
-
-    def clear(self) -> None:
-        for arrays in (self.t, self.e):
-            for a in arrays.values():
-                a.fill(0.0)
-        for ops, nbytes in self.gather.values():
-            ops.fill(0.0)
-            nbytes.fill(0.0)
-        self.sources[0].clear()
-        self.max_request[0] = 0.0
-
-    def snapshot(self) -> Contribution:
-        return Contribution(
-            {k: a[0].copy() for k, a in self.t.items() if a[0].any()},
-            {k: a[0].copy() for k, a in self.e.items() if a[0].any()},
-            {n: (ops[0].copy(), nbytes[0].copy()) for n, (ops, nbytes) in self.gather.items() if ops[0].any()},
-            frozenset(self.sources[0]),
-            float(self.max_request[0]),
-            int(self.stage[0]),
-        )
-
-    def _apply(self, g: int, c: Contribution) -> None:
-        for k, row in c.t.items():
-            self.t[k][g] += row
-        for k, row in c.e.items():
-            self.e[k][g] += row
-        for n, (ops, nbytes) in c.gather.items():
-            if n not in self.gather:
-                shape = (self.groups, self.s.trainer.world)
-                self.gather[n] = (np.zeros(shape), np.zeros(shape))
-            self.gather[n][0][g] += ops
-            self.gather[n][1][g] += nbytes
-        self.sources[g] |= c.sources
-        self.max_request[g] = max(self.max_request[g], c.max_request)
-        self.stage[g] = c.stage
 
     def _add(self, g: int, item: Item) -> None:
         s = self.s
@@ -410,10 +360,7 @@ class _Builder:
         """An all-gather over ``n`` ranks (a broadcast to ``-n`` ranks: each receives the whole tensor)."""
         if abs(n) <= 1 or not len(ranks):
             return
-        if n not in self.gather:
-            shape = (self.groups, self.s.trainer.world)
-            self.gather[n] = (np.zeros(shape), np.zeros(shape))
-        ops, nbytes = self.gather[n]
+        ops, nbytes = self.collectives(n)
         ops[g, ranks] += tensors
         nbytes[g, ranks] += tensors * bf * ((n - 1) / n if n > 0 else 1.0)
 
