@@ -79,9 +79,7 @@ class _Builder(GroupRows):
         groups = s.trainer.world // s.trainer.shard
         where = item.layer % groups if s.trainer.kind == "fsdp" and item.layer is not None else None
         owner = host_owner(item, s.trainer.world) if s.trainer.kind == "host" else None
-        # a host trainer's packed pulls are one per tensor (the source key carries its name): no reuse across layers
-        named = item.layer is None or (s.trainer.kind == "host" and not self.strategy.broadcast)
-        generic = item.name if named else item.name.replace(f".{item.layer}.", ".L.", 1)
+        generic = item.name if item.layer is None else item.name.replace(f".{item.layer}.", ".L.", 1)
         return (generic, item.shape, item.expert0, item.experts, es.stage, ts.stage if ts else 0, where, owner)
 
     def _add(self, g: int, item: Item) -> None:
@@ -202,7 +200,7 @@ class _Builder(GroupRows):
             for piece in parts[int(idx)]:
                 holders = self._holders(ts, owner, piece.shard, None)
                 self.t["send"][g, holders] += n * es.keep * w * piece.fraction / len(holders)
-                self.sources[g].add((int(k), ("shard", tuple(holders))))
+                self.sources[g][(int(k), ("shard", tuple(holders)))] += int(n)
             self.e["direct"][g, k] += n
 
     def _serve_mapped(
@@ -249,9 +247,9 @@ class _Builder(GroupRows):
         if self.s.via_host:
             t["h2d"][g, holders] += total * es.keep * w * share
         self.e["scatter"][g, keepers] += tensors * es.keep * w
-        key = ("from", owner, tuple(holders), self.s.trainer.kind == "host" and item.name)
-        for k in keepers:
-            self.sources[g].add((int(k), key))
+        key = ("from", owner, tuple(holders))
+        for k, n in zip(keepers, tensors, strict=True):
+            self.sources[g][(int(k), key)] += int(n)
 
     def _broadcast(self, g: int, item: Item, es: Split, ts: Split | None, w: float, bf: float) -> None:
         """Every engine rank of the stage receives the full tensors; a root rank sends each once."""

@@ -4,10 +4,12 @@ item recurs."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import NamedTuple
 
 import numpy as np
 
+from kvmove.bench.sim.pulls import Source
 from kvmove.bench.sim.traffic import ENGINE_KEYS, TRAINER_KEYS
 
 
@@ -17,7 +19,8 @@ class Contribution(NamedTuple):
     t: dict[str, np.ndarray]
     e: dict[str, np.ndarray]
     gather: dict[int, tuple[np.ndarray, np.ndarray]]
-    sources: frozenset[tuple[int, tuple[object, ...]]]
+    sources: tuple[tuple[Source, int], ...]
+    """Each source with the jobs it serves."""
     max_request: float
     stage: int
 
@@ -34,7 +37,7 @@ class GroupRows:
         self.gather: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.layers, self.max_request = np.zeros(groups), np.zeros(groups)
         self.stage = np.zeros(groups, dtype=np.int64)
-        self.sources: list[set[tuple[int, tuple[object, ...]]]] = [set() for _ in range(groups)]
+        self.sources: list[Counter[Source]] = [Counter() for _ in range(groups)]
 
     def collectives(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Ops and bytes of each trainer rank's collectives over ``n`` ranks, per group (created on first use)."""
@@ -59,7 +62,7 @@ class GroupRows:
             {k: a[0].copy() for k, a in self.t.items() if a[0].any()},
             {k: a[0].copy() for k, a in self.e.items() if a[0].any()},
             {n: (ops[0].copy(), nbytes[0].copy()) for n, (ops, nbytes) in self.gather.items() if ops[0].any()},
-            frozenset(self.sources[0]),
+            tuple(self.sources[0].items()),
             float(self.max_request[0]),
             int(self.stage[0]),
         )
@@ -74,6 +77,7 @@ class GroupRows:
             all_ops, all_bytes = self.collectives(n)
             all_ops[g] += ops
             all_bytes[g] += nbytes
-        self.sources[g] |= c.sources
+        for source, jobs in c.sources:
+            self.sources[g][source] += jobs
         self.max_request[g] = max(self.max_request[g], c.max_request)
         self.stage[g] = c.stage

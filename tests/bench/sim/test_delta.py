@@ -70,7 +70,9 @@ def test_at_fraction_zero_only_the_trainers_detection_remains() -> None:
     (dense,) = simulate(_link_bound(), V3, BOOK)
     zero = _at(0.0)
     assert zero.bytes_moved == 0 and zero.speed_of_light_seconds == 0
-    assert zero.phases["load"] < dense.phases["load"] / 20  # nothing changed: nothing is landed
+    assert zero.phases["load"] < dense.phases["load"] / 10  # nothing changed: nothing is landed, only pulls' calls
+    (no_calls,) = simulate(_link_bound("0"), V3, BOOK.with_values({"load_call_s": 0.0}, "t"))
+    assert no_calls.phases["load"] == 0.0
     assert zero.phases["pack"] > dense.phases["pack"]  # the compare pass over every packed byte
     assert zero.phases["transfer"] < dense.phases["transfer"] / 20  # per-pull operations only, no bytes
     no_detect = BOOK.with_values({"delta_detect_efficiency": 1.0}, "t")

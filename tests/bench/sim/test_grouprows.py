@@ -21,7 +21,7 @@ def test_a_snapshot_applied_to_another_group_adds_exactly_its_rows() -> None:
     rows.e["pulls"][0, 0] = 2.0
     ops, nbytes = rows.collectives(2)
     ops[0, 3], nbytes[0, 3] = 1.0, 64.0
-    rows.sources[0].add((1, ("k",)))
+    rows.sources[0][(1, ("shard", (3,)))] += 2
     rows.max_request[0], rows.stage[0] = 7.0, 1
     c = rows.snapshot()
     rows.apply(2, c)
@@ -29,7 +29,7 @@ def test_a_snapshot_applied_to_another_group_adds_exactly_its_rows() -> None:
     assert rows.t["send"][2].tolist() == [0.0, 10.0, 0.0, 0.0]
     assert rows.e["pulls"][2].tolist() == [4.0, 0.0]
     assert rows.gather[2][1][2, 3] == 128.0 and rows.gather[2][0][1].sum() == 0.0
-    assert rows.sources[2] == {(1, ("k",))} and rows.max_request[2] == 7.0 and rows.stage[2] == 1
+    assert rows.sources[2] == {(1, ("shard", (3,))): 4} and rows.max_request[2] == 7.0 and rows.stage[2] == 1
     rows.clear()
     assert not any(a[0].any() for a in rows.t.values()) and not rows.sources[0] and rows.max_request[0] == 0.0
 

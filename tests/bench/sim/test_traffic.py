@@ -126,7 +126,7 @@ COARSER = [
 def test_direct_and_packed_bytes_per_engine_rank_are_the_planners(model, trainer, engine, strided) -> None:
     """The planner's direct rule, as the simulator prices it: a slice lying in several trainer shards is read in
     pieces, one too costly to read directly (a row-parallel slice of short rows, without a strided transport) is
-    packed, and each engine rank reads once from every trainer rank serving its direct slices."""
+    packed, and each engine rank pulls once from every trainer rank serving its direct slices, and its packed ones."""
     from kvmove.sync.config import Placement, SyncConfig
     from kvmove.sync.driver.dryrun import build_plans
     from kvmove.sync.planning.blueprint import Blueprint
@@ -149,6 +149,9 @@ def test_direct_and_packed_bytes_per_engine_rank_are_the_planners(model, trainer
         sum(p.nbytes for p in pp.pulls if p.direct) for pp in pulls
     ]
     assert list(t.total("engine", "direct_pulls")) == [sum(1 for p in pp.pulls if p.direct) for pp in pulls]
+    assert list(t.total("engine", "pulls") - t.total("engine", "direct_pulls")) == [
+        sum(1 for p in pp.pulls if p.packed) for pp in pulls
+    ]
     if model == "qwen3-moe-small" and engine == "tp=2":  # 512-byte rows of row-parallel slices: packed on NIXL
         assert (packed[0] > 0) != strided
 
