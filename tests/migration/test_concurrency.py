@@ -38,6 +38,8 @@ from kvmove.server.messages import AbortRequestReq, GenerateReq, GenerateResp, S
 
 EXPIRE_S = 0.05  # the watchdog's timeout while a pull is blocked: it would expire anything else at once
 WINDOW_S = 0.5
+DECODE_TOKENS = 4800
+"""The request decoding through every window: ~1 ms steps here would finish 1200 tokens before the last one."""
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -77,7 +79,7 @@ def slow_pair(start_server, pair_over):
     from kvmove.migration.endpoint import choose_transport
 
     transport = choose_transport("auto").name
-    target = start_server(transport=transport, kv_migration_watchdog_timeout=60, watchdog_interval=0.02, num_pages=320)
+    target = start_server(transport=transport, kv_migration_watchdog_timeout=60, watchdog_interval=0.02, num_pages=1280)
     return pair_over(transport)[0], target
 
 
@@ -151,7 +153,7 @@ def _steps(server, seconds: float) -> list[float]:
 def test_decoding_continues_at_full_speed_while_a_pull_into_the_worker_is_blocked(monkeypatch, slow_pair) -> None:
     a, b = slow_pair
     src, dst = WorkerClient(a.url), WorkerClient(b.url)
-    dec, out, ids = _start_decoding(b, "decoding", 1200)
+    dec, out, ids = _start_decoding(b, "decoding", DECODE_TOKENS)
     free, blocked, worst = [], [], 0.0
     for i in range(2):  # alternate windows: free, blocked, free, blocked, free (drift on a shared machine cancels)
         free += _steps(b, WINDOW_S)
@@ -160,9 +162,11 @@ def test_decoding_continues_at_full_speed_while_a_pull_into_the_worker_is_blocke
             _wait_entered(hook, mig, result)
             _assert_locks_free(b)
             ticked = b.runtime.watchdog._last
+            assert "decoding" in b.runtime.worker.scheduler.running, "the decoding request ended before the window"
             with quick_watchdog(b):
                 window = _steps(b, WINDOW_S)
             assert b.runtime.watchdog._last > ticked, "the watchdog stopped ticking"
+            assert window, "no decode step finished in the window while the pull was blocked"
             blocked += window
             worst = max(worst, max(window))
             assert alloc.migration_id in b.runtime.target.pending, "the watchdog expired a migration mid-pull"
@@ -212,6 +216,7 @@ def test_abort_during_a_blocked_pull_releases_its_pages_only_after_the_pull(monk
 
 def _reference_tokens(ids: list[int], n: int) -> list[int]:
     cfg = resolve_model("qwen3-tiny")
-    w = RolloutWorker(cfg, seeded_checkpoint(cfg, 1).items(), WorkerConfig(num_pages=320, page_size=4))
+    pages = -(-(len(ids) + n) // 4) + 1
+    w = RolloutWorker(cfg, seeded_checkpoint(cfg, 1).items(), WorkerConfig(num_pages=pages, page_size=4))
     w.submit(Request("ref", ids, SamplingParams(max_new_tokens=n)))
     return w.run_until_idle()[0].output_ids
