@@ -4,7 +4,8 @@ The one-GPU matrix (``kvmove bench run --suite gpu --gpus 1``) syncs a 2-layer s
 several layouts, colocated on one H200; the same machine also synced the 2-layer and an 8-layer slice in BF16 and in
 FP8 (``--suite gpu-fp8 --layers 2`` and ``--layers 8``, one commit). Costs for the ``one-gpu`` target come from the
 2-layer rows only (:data:`TRAIN_LAYERS`); every 8-layer row of the newest commit that has them is held out and
-predicted.
+predicted. The target is the GPU those runs used (an H200, :data:`ONE_GPU`): rows of another GPU (an H100's
+matrix) set none of its costs and are not held out.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import NamedTuple
 import pandas as pd
 
 from kvmove.bench.sim.costs import CostBook, RowRef
+from kvmove.bench.sim.hardware import gpu_of_hardware
 from kvmove.bench.sim.matching import model_layers
 from kvmove.bench.sim.measure import costs_from_rows
 from kvmove.bench.sim.predict import simulate
@@ -25,7 +27,9 @@ from kvmove.models.layout import split_label
 
 TRAIN_LAYERS = 2
 """Rows of this slice set the one-GPU costs; rows of any other slice are held out."""
-ONE_GPU_CLUSTER = "gpu=h200,nic=cx7-400,gpus_per_node=1,nics_per_node=1"
+ONE_GPU = "h200"
+"""The GPU of the one-GPU target: its rows set the costs, its rows are held out."""
+ONE_GPU_CLUSTER = f"gpu={ONE_GPU},nic=cx7-400,gpus_per_node=1,nics_per_node=1"
 
 
 class OwnRun(NamedTuple):
@@ -60,7 +64,13 @@ def one_gpu_book(rows: pd.DataFrame | None) -> CostBook:
     """Costs for kvmove's colocated one-GPU syncs: rows of the :data:`TRAIN_LAYERS`-layer slice (the matrix, and
     the gpu-fp8 suite's BF16 and FP8 syncs of that slice: the quantization rate) and rows of no slice (ceilings,
     micro-benchmarks); no row of a held-out slice, of any commit."""
-    return costs_from_rows(rows, "one-gpu", keep=lambda r: model_layers(r) in (None, TRAIN_LAYERS))
+    return costs_from_rows(rows, "one-gpu", keep=lambda r: _on_one_gpu(r) and model_layers(r) in (None, TRAIN_LAYERS))
+
+
+def _on_one_gpu(r: pd.Series) -> bool:
+    """Whether a row ran on the target's GPU model (rows naming no GPU, a CPU host's, are left to the matching)."""
+    gpu = gpu_of_hardware(str(r["hardware"]))
+    return str(r["hardware"]).lower().startswith("cpu") or (gpu is not None and gpu.name == ONE_GPU)
 
 
 def _candidates(rows: pd.DataFrame | None) -> pd.DataFrame | None:
@@ -70,7 +80,7 @@ def _candidates(rows: pd.DataFrame | None) -> pd.DataFrame | None:
     df = decorated(rows)
     df = df[df["gpu"].notna() & (df["strategy"].fillna("") != "")]
     df = df[df["setup"].map(lambda s: s.placement == "colocated" and s.gpus == 1 and s.gather == "none")]
-    df = df[[model_layers(r) not in (None, TRAIN_LAYERS) for _, r in df.iterrows()]]
+    df = df[[_on_one_gpu(r) and model_layers(r) not in (None, TRAIN_LAYERS) for _, r in df.iterrows()]]
     df = df[df["extra_d"].map(lambda e: e.get("verified") is not False and int(e.get("sync", 2)) >= 2)]
     return None if df.empty else df
 
