@@ -16,7 +16,6 @@ from typing import NamedTuple
 import pandas as pd
 
 from kvmove.bench.sim.costs import CostBook, RowRef
-from kvmove.bench.sim.hardware import gpu_of_hardware
 from kvmove.bench.sim.matching import model_layers
 from kvmove.bench.sim.measure import costs_from_rows
 from kvmove.bench.sim.predict import simulate
@@ -68,9 +67,9 @@ def one_gpu_book(rows: pd.DataFrame | None) -> CostBook:
 
 
 def _on_one_gpu(r: pd.Series) -> bool:
-    """Whether a row ran on the target's GPU model (rows naming no GPU, a CPU host's, are left to the matching)."""
-    gpu = gpu_of_hardware(str(r["hardware"]))
-    return str(r["hardware"]).lower().startswith("cpu") or (gpu is not None and gpu.name == ONE_GPU)
+    """Whether a decorated row ran on the target's GPU model, its ``gpu`` preset (a CPU host's rows are left to the
+    matching)."""
+    return r["hardware"].startswith("cpu") or (r["gpu"] is not None and r["gpu"].name == ONE_GPU)
 
 
 def _candidates(rows: pd.DataFrame | None) -> pd.DataFrame | None:
