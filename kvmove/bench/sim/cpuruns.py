@@ -18,7 +18,6 @@ from typing import NamedTuple
 import pandas as pd
 
 from kvmove.bench.sim.costs import CostBook
-from kvmove.bench.sim.hardware import cores_of_hardware
 from kvmove.bench.sim.measure import costs_from_rows
 from kvmove.bench.sim.ownruns import OwnCheck, OwnRun
 from kvmove.bench.sim.predict import simulate
@@ -49,8 +48,9 @@ class CpuSplit(NamedTuple):
     held: tuple[Setup, ...]
     raw_gbps: float
     """The training run's raw loopback read (GB/s): the line rate of every prediction."""
-    cores: int = 0
-    """The host's cores (the training run's hardware label): how many ranks' pulls progress at once."""
+    cores: float = 0
+    """How many ranks' pulls progress at once on the host: the training run's device's (its hardware label's cores,
+    fewer where its concurrent raw read says so: ``kvmove.bench.sim.hardware.parallel_of_run``)."""
 
 
 def _cpu_syncs(rows: pd.DataFrame | None) -> pd.DataFrame | None:
@@ -83,7 +83,7 @@ def cpu_split(rows: pd.DataFrame | None) -> CpuSplit | None:
         if len(runs) < 2 or not measured:
             continue
         train = max(measured, key=lambda k: float(runs[k]["bytes"].max()))
-        cores = cores_of_hardware(str(runs[train]["hardware"].iloc[0]))
+        cores = float(runs[train]["gpu"].iloc[0].cores)
         return CpuSplit(str(commit), train, tuple(k for k in runs if k != train), raw[train], cores)
     return None
 
@@ -98,13 +98,13 @@ def cpu_book(rows: pd.DataFrame | None, split: CpuSplit | None = None) -> CostBo
     return costs_from_rows(rows, TARGET, keep=keep)
 
 
-def cpu_cluster(trainer: str, raw_gbps: float, cores: int = 0) -> str:
+def cpu_cluster(trainer: str, raw_gbps: float, cores: float = 0) -> str:
     """One host: every rank a process on it, its link and copies at the training run's raw loopback read, its
     ``cores`` (when known) bounding how many ranks' pulls progress at once."""
     world = TrainerLayout.parse(trainer).world
     return (
         f"gpu=cpu,nic=cx7-400,gpus_per_node={world},nics_per_node=1,nvlink_gbps={raw_gbps!r},"
-        f"pcie_gbps={raw_gbps!r},hbm_gbps={2 * raw_gbps!r}" + (f",cores={cores}" if cores else "")
+        f"pcie_gbps={raw_gbps!r},hbm_gbps={2 * raw_gbps!r}" + (f",cores={cores:.17g}" if cores else "")
     )
 
 
@@ -117,7 +117,7 @@ def cpu_runs(rows: pd.DataFrame | None, split: CpuSplit | None = None) -> list[O
     df = df[(df["git_commit"] == split.commit) & df["extra_d"].map(lambda e: int(e.get("sync", 2)) >= 2)]
     basis = (
         f"costs from the {split.train.label()} rows of {split.commit[:12]} only (target cpu), rates at that run's "
-        f"raw loopback read ({split.raw_gbps:.2f} GB/s), {split.cores or 'unbounded'} cores"
+        f"raw loopback read ({split.raw_gbps:.2f} GB/s), {f'{split.cores:.3g}' if split.cores else 'unbounded'} cores"
     )
     out = []
     for (model, trainer, engine, strategy), g in df.groupby(["model", "trainer", "engine", "strategy"], sort=False):

@@ -45,8 +45,9 @@ class Gpu:
     pcie_gbps: float
     memory_gb: float
     source: str
-    cores: int = 0
-    """A CPU host's cores: how many of its processes' copies progress at once (0: a GPU, no such bound)."""
+    cores: float = 0
+    """A CPU host's cores: how many of its processes' copies progress at once at its line rate (0: a GPU, no such
+    bound). Its hardware's cores, or fewer (a fraction) where its run measured fewer (:func:`parallel_of_run`)."""
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ class Cluster:
 
     def label(self) -> str:
         if self.host:
-            cores = f" on {self.gpu.cores} cores" if self.gpu.cores else ""
+            cores = f" on {self.gpu.cores:.3g} cores" if self.gpu.cores else ""
             return (
                 f"{self.gpus_per_node} CPU processes/node{cores} over loopback at {self.gpu.nvlink_gbps:.3g} GB/s, "
                 f"memory {self.gpu.hbm_gbps:.3g} GB/s"
@@ -160,7 +161,7 @@ class Cluster:
             f"gpu={self.gpu.name.rstrip('*')},nic={self.nic.name.rstrip('*')},gpus_per_node={self.gpus_per_node},"
             f"nics_per_node={self.nics_per_node},nic_gbps={self.nic.nic_gbps:g},nvlink_gbps={self.gpu.nvlink_gbps:g},"
             f"pcie_gbps={self.gpu.pcie_gbps:g},hbm_gbps={self.gpu.hbm_gbps:g}"
-            + (f",cores={self.gpu.cores}" if self.gpu.cores else "")
+            + (f",cores={self.gpu.cores:.17g}" if self.gpu.cores else "")
         )
 
 
@@ -176,15 +177,24 @@ def gpu_of_hardware(label: str) -> Gpu | None:
     return None
 
 
-def host_of_run(raw_gbps: float, cores: int = 0) -> Gpu:
+def host_of_run(raw_gbps: float, cores: float = 0) -> Gpu:
     """A CPU host as the sync suite measured it: its raw loopback read (``extra.raw_gbps``, GB/s) is the line rate
     of its link and of a copy between its processes (a loopback read is that copy), so memory moves at twice it
-    (read plus write) and host<->"device" copies at it; ``cores`` (its hardware label's ``xN``) bound how many of
-    its processes' transfers progress at once."""
+    (read plus write) and host<->"device" copies at it; ``cores`` (:func:`parallel_of_run`) bound how many of its
+    processes' transfers progress at once."""
     host = GPUS["cpu"]
-    note = f"{host.source}; the run's raw loopback read: {raw_gbps:g} GB/s" + (f", {cores} cores" if cores else "")
+    note = f"{host.source}; the run's raw loopback read: {raw_gbps:g} GB/s" + (f", {cores:.3g} cores" if cores else "")
     return dataclasses.replace(host, name="cpu*", hbm_gbps=2 * raw_gbps, nvlink_gbps=raw_gbps, pcie_gbps=raw_gbps,
                                cores=cores, source=note)  # fmt: skip
+
+
+def parallel_of_run(cores: int, speedup: float | None) -> float:
+    """How many line-rate copies a CPU host ran at once: its ``cores``, or fewer where its run's raw read by several
+    processes at once moved only ``speedup`` times what one process read alone (the same message size, the same
+    run: ``kvmove.bench.sim.samples.concurrent_speedups``), at least 1. 0 when the cores are not known."""
+    if not cores:
+        return 0.0
+    return float(cores) if not speedup or speedup <= 0 else min(float(cores), max(1.0, speedup))
 
 
 def cores_of_hardware(label: str) -> int:
@@ -218,14 +228,15 @@ def _number(text: str, key: str, raw: str) -> float:
         raise KvmoveError(f"cluster spec {text!r}: {key} must be a number, got {raw!r}") from None
     if value <= 0 or not math.isfinite(value):
         raise KvmoveError(f"cluster spec {text!r}: {key} must be positive")
-    if key in ("gpus_per_node", "nics_per_node", "cores") and value != int(value):
+    if key in ("gpus_per_node", "nics_per_node") and value != int(value):
         raise KvmoveError(f"cluster spec {text!r}: {key} must be a whole number")
+    if key == "cores" and value < 1:
+        raise KvmoveError(f"cluster spec {text!r}: cores must be at least 1 (a fraction: cores' worth of copies)")
     return value
 
 
 def _override(preset: Any, numbers: dict[str, float], keys: tuple[str, ...]) -> Any:
-    whole = ("cores",)
-    changed = {k: int(numbers[k]) if k in whole else numbers[k] for k in keys if k in numbers}
+    changed = {k: numbers[k] for k in keys if k in numbers}
     changed = {k: v for k, v in changed.items() if v != getattr(preset, k)}
     if not changed:
         return preset

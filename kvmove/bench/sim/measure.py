@@ -93,9 +93,10 @@ def _ceiling(prefix: str, line: Callable[[Gpu], float]) -> Extractor:
 # --- syncs ------------------------------------------------------------------------------------------------------
 def _transfer_efficiency(transport: str) -> Extractor:
     """Warm v2/v3 syncs: the transfer phase's rate over the line rate of the link used (NVLink between the
-    two GPUs of one host, unless the row names another link in ``extra.link``). On a CPU host of ``cores`` cores
-    whose ``k`` engine ranks pulled at once, each progressed at ``cores / k`` of its own rate (when ``k`` > cores):
-    its own rate is the one measured times ``k / cores`` (the pricing's host bound, ``kvmove.bench.sim.pricing``)."""
+    two GPUs of one host, unless the row names another link in ``extra.link``). On a CPU host running ``cores``
+    line-rate copies at once (its cores, or fewer as its run measured: ``hardware.parallel_of_run``) whose ``k``
+    engine ranks pulled at once, each progressed at ``cores / k`` of its own rate (when ``k`` > cores): its own rate
+    is the one measured times ``k / cores`` (the pricing's host bound, ``kvmove.bench.sim.pricing``)."""
 
     def extract(df: pd.DataFrame) -> list[Sample]:
         out = []
@@ -110,7 +111,8 @@ def _transfer_efficiency(transport: str) -> Extractor:
 
 
 def _sharing(r: Any) -> float:
-    """How many engine ranks shared each of a CPU host's cores while pulling (1 on a GPU, or with cores to spare)."""
+    """How many engine ranks shared each of a CPU host's line-rate copies while pulling (1 on a GPU, or with cores
+    to spare)."""
     cores = r["gpu"].cores
     return max(1.0, engine_ranks(str(r["engine"])) / cores) if cores else 1.0
 

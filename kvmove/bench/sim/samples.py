@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import pandas as pd
 
 from kvmove.bench.sim.costs import RowRef
-from kvmove.bench.sim.hardware import Gpu, cores_of_hardware, gpu_of_hardware, host_of_run
+from kvmove.bench.sim.hardware import Gpu, cores_of_hardware, gpu_of_hardware, host_of_run, parallel_of_run
 from kvmove.bench.sim.matching import TARGETS, Match, row_setup
 
 RowFilter = Callable[[Any], bool]
@@ -34,7 +34,9 @@ def decorate(rows: pd.DataFrame, matches: dict[str, Match], keep: RowFilter | No
     df["phases_d"] = df["phases"].map(_json)
     df["extra_d"] = df["extra"].map(_json)
     df["hardware"] = df["hardware"].fillna("").astype(str)
-    df["gpu"] = [_device(h, e) for h, e in zip(df["hardware"], df["extra_d"], strict=True)]
+    speedups = concurrent_speedups(df)
+    hosts = zip(df["hardware"], df["extra_d"], df["git_commit"], strict=True)
+    df["gpu"] = [_device(h, e, speedups.get(str(c))) for h, e, c in hosts]
     for c in ("bytes", "seconds", "gbps"):
         df[c] = pd.to_numeric(df[c], errors="coerce").fillna(0.0)
     df["setup"] = [row_setup(r) for _, r in df.iterrows()] if len(df) else []
@@ -44,13 +46,33 @@ def decorate(rows: pd.DataFrame, matches: dict[str, Match], keep: RowFilter | No
     return df
 
 
-def _device(hardware: str, extra: dict[str, Any]) -> Gpu | None:
+def _device(hardware: str, extra: dict[str, Any], speedup: float | None = None) -> Gpu | None:
     """A row's device preset: the GPU its hardware label names, or a CPU host at the raw loopback read its run
-    measured (the sync suite's ``extra.raw_gbps``) with the cores its label names; None when neither is known."""
+    measured (the sync suite's ``extra.raw_gbps``) with the cores its label names, fewer where its run's concurrent
+    read gained only ``speedup`` (``hardware.parallel_of_run``); None when neither is known."""
     raw = extra.get("raw_gbps")
     if gpu_of_hardware(hardware) is None and hardware.startswith("cpu:") and isinstance(raw, int | float) and raw > 0:
-        return host_of_run(float(raw), cores_of_hardware(hardware))
+        return host_of_run(float(raw), parallel_of_run(cores_of_hardware(hardware), speedup))
     return gpu_of_hardware(hardware)
+
+
+def concurrent_speedups(df: pd.DataFrame) -> dict[str, float]:
+    """Per commit, what several processes reading at once moved in all over what one moved alone, at the same
+    message size: the sync suite's ``raw T xN concurrent`` row (``extra.aggregate_gbps``) over its ``raw T`` row of
+    those bytes (``kvmove.bench.syncs``). Commits without both rows are absent."""
+    raw = df[(df["suite"] == "transport") & df["name"].astype(str).str.startswith("raw ")]
+    out: dict[str, float] = {}
+    for _, r in raw.iterrows():
+        name, e = str(r["name"]), _json(r["extra"])
+        total, pairs = e.get("aggregate_gbps"), e.get("pairs")
+        if not name.endswith(" concurrent") or not isinstance(total, int | float) or not pairs:
+            continue
+        single_name = name.removesuffix(f" x{pairs} concurrent")
+        same = (raw["git_commit"] == r["git_commit"]) & (raw["bytes"] == r["bytes"])
+        alone = float(raw[same & (raw["name"] == single_name)]["gbps"].median())
+        if alone > 0:
+            out[str(r["git_commit"])] = float(total) / alone
+    return out
 
 
 def _json(value: Any) -> dict[str, Any]:

@@ -185,5 +185,43 @@ def test_a_hosts_cores_bound_how_many_ranks_pull_at_once(tmp_path) -> None:
     assert shared.phases["transfer"] > free.phases["transfer"] and alone.seconds > free.seconds
     with pytest.raises(KvmoveError, match="cores bounds a CPU host"):
         Cluster.parse("gpu=h200,cores=8")
-    with pytest.raises(KvmoveError, match="whole number"):
-        Cluster.parse("gpu=cpu,nvlink_gbps=3.5,hbm_gbps=7,pcie_gbps=3.5,cores=1.5")
+    with pytest.raises(KvmoveError, match="at least 1"):
+        Cluster.parse("gpu=cpu,nvlink_gbps=3.5,hbm_gbps=7,pcie_gbps=3.5,cores=0.5")
+    assert Cluster.parse("gpu=cpu,nvlink_gbps=3.5,hbm_gbps=7,pcie_gbps=3.5,cores=1.5").gpu.cores == 1.5
+
+
+def _raw_reads(single: float, aggregate: float, nbytes: int = 16 << 20) -> list[Row]:
+    """The sync suite's raw rows of one run: one reader alone at two sizes, four readers at once at ``nbytes``."""
+    return [
+        Row(kind="measured", suite="transport", name="raw nixl", transport="nixl", bytes=1 << 20, seconds=1e-4,
+            gbps=3.5),
+        Row(kind="measured", suite="transport", name="raw nixl", transport="nixl", bytes=nbytes, seconds=1e-3,
+            gbps=single),
+        Row(kind="measured", suite="transport", name="raw nixl x4 concurrent", transport="nixl", bytes=nbytes,
+            seconds=1e-3, gbps=aggregate / 4, extra={"pairs": 4, "aggregate_gbps": aggregate}),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("single", "aggregate", "cores"), [(2.0, 2.8, 1.4), (2.0, 8.0, 2.0), (2.0, 1.0, 1.0)])
+def test_a_hosts_parallel_copies_are_its_measured_concurrent_read(tmp_path, single, aggregate, cores) -> None:
+    """Four readers at once moved ``aggregate`` GB/s against ``single`` for one alone (same size, same run): the host
+    ran that many line-rate copies at once, between 1 and its cores; a rank alone pulls at the measured per-rank
+    rate x 4 ranks / that, and one held-out engine rank is priced on the same host."""
+    labels = Labels(CPU, {}, "c1")
+    append_rows(tmp_path, "transport", _raw_reads(single, aggregate), labels)
+    append_rows(tmp_path, "sync", _run("qwen3-moe-small", 3.5, 1.0), labels)
+    one = [r.__class__(**{**r.__dict__, "engine": "tp=1,dp=1,ep=1,pp=1 x1"}) for r in _run("qwen3-moe-small", None, 1)]
+    append_rows(tmp_path, "sync", one, labels)
+    rows = load_results(tmp_path)
+    split = cpu_split(rows)
+    assert split is not None and split.cores == pytest.approx(cores)
+    nbytes = model_totals(sim_model("qwen3-moe-small")).total_bytes
+    expected = statistics.median([nbytes / t / 1e9 * 4 / cores / 3.5 for t in (0.05, 0.04)])
+    assert cpu_book(rows, split)["pull_efficiency"] == pytest.approx(min(expected, 1.0))
+    (run,) = [r for r in cpu_runs(rows, split) if r.strategy == "v2"]
+    assert Cluster.parse(run.spec.cluster).gpu.cores == pytest.approx(cores)
+    # another commit's raw reads never set this run's host
+    append_rows(tmp_path / "other", "transport", _raw_reads(single, aggregate), Labels(CPU, {}, "c0"))
+    append_rows(tmp_path / "other", "sync", _run("qwen3-moe-small", 3.5, 1.0), labels)
+    append_rows(tmp_path / "other", "sync", one, labels)
+    assert cpu_split(load_results(tmp_path / "other")).cores == 2
