@@ -210,13 +210,21 @@ def _book(results: Path, overrides: dict[str, float]) -> CostBook:
 
 def _render_validation(judged: Validation, as_json: bool) -> None:
     """The validation table, the fitted values and the summary: a table and lines, or JSON lines."""
-    from kvmove.bench.sim.tables import fitted_records, summary_line, validation_frame, validation_records
+    from kvmove.bench.sim.tables import (
+        fitted_records,
+        split_records,
+        splits_line,
+        summary_line,
+        validation_frame,
+        validation_records,
+    )
     from kvmove.bench.sim.validation import orders, summary
 
     if as_json:
         render.json_lines([{"kind": "figure", **r} for r in validation_records(judged)])
         render.json_lines([{"kind": "fitted", **r} for r in fitted_records(judged)])
         render.json_lines([{"kind": "order", "slower": a, "faster": b, "kept": k} for a, b, k in orders(judged.checks)])
+        render.json_lines([{"kind": "cpu-split", **r} for r in split_records(judged)])
         render.json_lines([{"kind": "summary", **summary(judged.checks, judged.own)}])
         return
     import pandas as pd
@@ -224,6 +232,7 @@ def _render_validation(judged: Validation, as_json: bool) -> None:
     render.frame(validation_frame(judged), "published figures and our held-out runs vs predictions (validation)")
     render.frame(pd.DataFrame(fitted_records(judged)), "fitted parameters (no measurement of ours can set them)")
     render.line(summary_line(judged))
+    render.line(splits_line(judged))
 
 
 def _defaults(book: CostBook) -> str:

@@ -68,14 +68,15 @@ def _setup(r: pd.Series) -> Setup:
     return Setup(str(r["model"]), str(r["trainer"]), str(r["engine"]))
 
 
-def cpu_split(rows: pd.DataFrame | None) -> CpuSplit | None:
-    """The newest commit whose CPU sync rows hold two setups (models or layouts), one of whose runs measured its
-    raw loopback read: that run (the one moving the most bytes, when several did) sets the costs, the other
-    setups are predicted. None when no commit has such rows."""
+def cpu_splits(rows: pd.DataFrame | None) -> list[CpuSplit]:
+    """Every commit whose CPU sync rows hold two setups (models or layouts), one of whose runs measured its raw
+    loopback read, oldest first: that run (the one moving the most bytes, when several did) sets the costs, the
+    other setups are predicted."""
     df = _cpu_syncs(rows)
     if df is None:
-        return None
-    for commit in reversed(list(dict.fromkeys(df["git_commit"]))):
+        return []
+    out = []
+    for commit in dict.fromkeys(df["git_commit"]):
         at = df[df["git_commit"] == commit]
         runs = {_setup(g.iloc[0]): g for _, g in at.groupby(["model", "trainer", "engine"], sort=False)}
         raw = {k: max(float(e.get("raw_gbps") or 0.0) for e in g["extra_d"]) for k, g in runs.items()}
@@ -84,8 +85,14 @@ def cpu_split(rows: pd.DataFrame | None) -> CpuSplit | None:
             continue
         train = max(measured, key=lambda k: float(runs[k]["bytes"].max()))
         cores = float(runs[train]["gpu"].iloc[0].cores)
-        return CpuSplit(str(commit), train, tuple(k for k in runs if k != train), raw[train], cores)
-    return None
+        out.append(CpuSplit(str(commit), train, tuple(k for k in runs if k != train), raw[train], cores))
+    return out
+
+
+def cpu_split(rows: pd.DataFrame | None) -> CpuSplit | None:
+    """The newest of :func:`cpu_splits` (the one the validation table judges), None when no commit has such rows."""
+    splits = cpu_splits(rows)
+    return splits[-1] if splits else None
 
 
 def cpu_book(rows: pd.DataFrame | None, split: CpuSplit | None = None) -> CostBook:
@@ -140,10 +147,12 @@ def cpu_runs(rows: pd.DataFrame | None, split: CpuSplit | None = None) -> list[O
     return out
 
 
-def cpu_checks(rows: pd.DataFrame | None, book: CostBook | None = None) -> list[OwnCheck]:
-    """Every held-out CPU run next to its prediction from the training model's costs (``book``, else
-    :func:`cpu_book`)."""
-    split = cpu_split(rows)
+def cpu_checks(
+    rows: pd.DataFrame | None, book: CostBook | None = None, split: CpuSplit | None = None
+) -> list[OwnCheck]:
+    """Every held-out CPU run of ``split`` (default: the newest) next to its prediction from its training run's
+    costs (``book``, else :func:`cpu_book`)."""
+    split = split or cpu_split(rows)
     if split is None:
         return []
     book = book or cpu_book(rows, split)
@@ -151,4 +160,28 @@ def cpu_checks(rows: pd.DataFrame | None, book: CostBook | None = None) -> list[
     for run in cpu_runs(rows, split):
         (p,) = simulate(run.spec.build(), [SIM_STRATEGIES[run.strategy]], book)
         out.append(OwnCheck(run, p.seconds))
+    return out
+
+
+class SplitScore(NamedTuple):
+    """How one recorded split's held-out CPU runs were predicted (from its own training run's costs)."""
+
+    commit: str
+    parallel_copies: float
+    runs: int
+    median_abs_error_pct: float
+    worst_error_pct: float
+    within_25: int
+
+
+def split_scores(rows: pd.DataFrame | None) -> list[SplitScore]:
+    """Every recorded split judged with today's model, oldest first, so no change is judged on the newest alone."""
+    out = []
+    for split in cpu_splits(rows):
+        errors = [c.error_pct for c in cpu_checks(rows, split=split)]
+        if errors:
+            worst = max(errors, key=abs)
+            median = statistics.median(abs(e) for e in errors)
+            within = sum(abs(e) <= 25 for e in errors)
+            out.append(SplitScore(split.commit, split.cores, len(errors), median, worst, within))
     return out

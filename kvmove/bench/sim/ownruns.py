@@ -79,7 +79,8 @@ def _candidates(rows: pd.DataFrame | None) -> pd.DataFrame | None:
     df = decorated(rows)
     df = df[df["gpu"].notna() & (df["strategy"].fillna("") != "")]
     df = df[df["setup"].map(lambda s: s.placement == "colocated" and s.gpus == 1 and s.gather == "none")]
-    df = df[[_on_one_gpu(r) and model_layers(r) not in (None, TRAIN_LAYERS) for _, r in df.iterrows()]]
+    slices = [_on_one_gpu(r) and model_layers(r) not in (None, TRAIN_LAYERS) for _, r in df.iterrows()]
+    df = df[pd.Series(slices, index=df.index, dtype=bool)]  # a mask, so an empty frame keeps its columns
     df = df[df["extra_d"].map(lambda e: e.get("verified") is not False and int(e.get("sync", 2)) >= 2)]
     return None if df.empty else df
 

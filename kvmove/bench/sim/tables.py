@@ -101,6 +101,23 @@ def fitted_records(v: Validation) -> list[dict[str, Any]]:
     ]
 
 
+def split_records(v: Validation) -> list[dict[str, Any]]:
+    """Every recorded CPU split's held-out runs, scored with today's model (oldest first)."""
+    return [s._asdict() for s in v.cpu_splits]
+
+
+def splits_line(v: Validation) -> str:
+    """One line: each recorded CPU split's median and worst error and how many runs were within 25%."""
+    if not v.cpu_splits:
+        return "no recorded CPU split"
+    parts = [
+        f"{s.commit[:7]} ({s.parallel_copies:.2g} parallel copies) median {s.median_abs_error_pct:.0f}%, worst "
+        f"{s.worst_error_pct:+.0f}%, {s.within_25} of {s.runs} within 25%"
+        for s in v.cpu_splits
+    ]
+    return "our held-out CPU runs on every recorded split (oldest first): " + "; ".join(parts)
+
+
 def summary_line(v: Validation) -> str:
     s = summary(v.checks, v.own)
     if not s:

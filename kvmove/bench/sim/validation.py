@@ -14,7 +14,7 @@ from typing import NamedTuple
 import pandas as pd
 
 from kvmove.bench.sim.costs import CostBook
-from kvmove.bench.sim.cpuruns import TARGET, cpu_book, cpu_checks
+from kvmove.bench.sim.cpuruns import TARGET, SplitScore, cpu_book, cpu_checks, split_scores
 from kvmove.bench.sim.figures import FIGURES, ORDERS, Figure
 from kvmove.bench.sim.fitting import Fit, fit, leave_one_source_out
 from kvmove.bench.sim.ownruns import OwnCheck, one_gpu_book, own_checks
@@ -55,12 +55,14 @@ class Check(NamedTuple):
 
 class Validation(NamedTuple):
     """The whole judgement: published figures (with the fit) and our own held-out runs (one-GPU and CPU), with the
-    cost book of each target that predicted them."""
+    cost book of each target that predicted them, and every recorded CPU split scored (``own`` holds the newest's
+    runs)."""
 
     checks: list[Check]
     fit: Fit | None
     own: list[OwnCheck]
     own_books: dict[str, CostBook]
+    cpu_splits: list[SplitScore] = []  # noqa: RUF012 - never mutated
 
 
 def figure_setup(f: Figure) -> SimSetup:
@@ -89,7 +91,7 @@ def validate_all(measured: CostBook, rows: pd.DataFrame | None, figures: tuple[F
     fitted, books = fit(measured, figures), {"one-gpu": one_gpu_book(rows), TARGET: cpu_book(rows)}
     checks = validate(fitted.book, figures, leave_one_source_out(measured, figures, fitted))
     own = own_checks(rows, books["one-gpu"]) + cpu_checks(rows, books[TARGET])
-    return Validation(checks, fitted, own, books)
+    return Validation(checks, fitted, own, books, split_scores(rows))
 
 
 def _median(values: list[float]) -> float:

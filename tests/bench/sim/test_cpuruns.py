@@ -5,12 +5,13 @@ other's costs."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 
 import pytest
 
 from kvmove.bench.results import Labels, Row, append_rows, load_results
-from kvmove.bench.sim.cpuruns import cpu_book, cpu_checks, cpu_runs, cpu_split
+from kvmove.bench.sim.cpuruns import cpu_book, cpu_checks, cpu_runs, cpu_split, cpu_splits, split_scores
 from kvmove.bench.sim.hardware import Cluster
 from kvmove.bench.sim.measure import costs_from_rows
 from kvmove.bench.sim.models import sim_model
@@ -225,3 +226,47 @@ def test_a_hosts_parallel_copies_are_its_measured_concurrent_read(tmp_path, sing
     append_rows(tmp_path / "other", "sync", _run("qwen3-moe-small", 3.5, 1.0), labels)
     append_rows(tmp_path / "other", "sync", one, labels)
     assert cpu_split(load_results(tmp_path / "other")).cores == 2
+
+
+def test_every_recorded_split_is_scored_oldest_first(tmp_path) -> None:
+    """Two commits each recorded a split: both are judged with today's model, each from its own training run's
+    costs, and the newest's score is the one the validation table shows."""
+    append_rows(tmp_path, "sync", _run("qwen3-moe-small", 3.5, 1.0), Labels(CPU, {}, "c1"))
+    append_rows(tmp_path, "sync", _run("qwen3-moe-tiny", None, 0.3), Labels(CPU, {}, "c1"))
+    append_rows(tmp_path, "sync", _run("qwen3-moe-small", 2.0, 2.0), Labels(CPU, {}, "c2"))
+    append_rows(tmp_path, "sync", _run("qwen3-moe-tiny", None, 0.9), Labels(CPU, {}, "c2"))
+    rows = load_results(tmp_path)
+    splits = cpu_splits(rows)
+    assert [s.commit for s in splits] == ["c1", "c2"] and [s.raw_gbps for s in splits] == [3.5, 2.0]
+    assert cpu_split(rows) == splits[-1]
+    scores = split_scores(rows)
+    assert [s.commit for s in scores] == ["c1", "c2"] and all(s.runs == 4 for s in scores)
+    for split, score in zip(splits, scores, strict=True):
+        errors = [c.error_pct for c in cpu_checks(rows, split=split)]
+        assert score.median_abs_error_pct == pytest.approx(statistics.median(abs(e) for e in errors))
+        assert score.worst_error_pct == max(errors, key=abs) and score.within_25 == sum(abs(e) <= 25 for e in errors)
+    newest = [c.error_pct for c in cpu_checks(rows)]
+    assert scores[-1].worst_error_pct == max(newest, key=abs)
+    assert scores[0] != scores[1]  # each split priced from its own run, not the newest's
+    assert split_scores(None) == []
+
+
+def test_validate_json_has_a_line_per_recorded_split(monkeypatch, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    import kvmove.bench.sim.validation as sim_validation
+    from kvmove.bench.sim.figures import FIGURES
+    from kvmove.cli.main import app
+
+    append_rows(tmp_path, "sync", _run("qwen3-moe-small", 3.5, 1.0), Labels(CPU, {}, "c1"))
+    append_rows(tmp_path, "sync", _run("qwen3-moe-tiny", None, 0.3), Labels(CPU, {}, "c1"))
+    few = tuple(f for f in FIGURES if f.key in ("vllm-qwen3-v2", "vllm-qwen3-v3"))
+    validate_all = sim_validation.validate_all
+    monkeypatch.setattr(sim_validation, "validate_all", lambda book, rows: validate_all(book, rows, few))
+    out = CliRunner().invoke(app, ["bench", "simulate", "--validate", "--json", "--results", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    lines = [json.loads(line) for line in out.stdout.strip().splitlines()]
+    (split,) = [x for x in lines if x["kind"] == "cpu-split"]
+    assert split["commit"] == "c1" and split["runs"] == 4 and 0 <= split["within_25"] <= 4
+    table = CliRunner().invoke(app, ["bench", "simulate", "--validate", "--results", str(tmp_path)])
+    assert "our held-out CPU runs on every recorded split" in table.stdout and "c1 (" in table.stdout
