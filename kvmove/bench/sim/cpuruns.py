@@ -174,14 +174,14 @@ class SplitScore(NamedTuple):
     within_25: int
 
 
+def split_score(split: CpuSplit, checks: list[OwnCheck]) -> SplitScore:
+    """``split`` scored by its held-out runs' ``checks`` (non-empty: :func:`cpu_checks` of that split)."""
+    errors = [c.error_pct for c in checks]
+    median = statistics.median(abs(e) for e in errors)
+    within = sum(abs(e) <= 25 for e in errors)
+    return SplitScore(split.commit, split.cores, len(errors), median, max(errors, key=abs), within)
+
+
 def split_scores(rows: pd.DataFrame | None) -> list[SplitScore]:
     """Every recorded split judged with today's model, oldest first, so no change is judged on the newest alone."""
-    out = []
-    for split in cpu_splits(rows):
-        errors = [c.error_pct for c in cpu_checks(rows, split=split)]
-        if errors:
-            worst = max(errors, key=abs)
-            median = statistics.median(abs(e) for e in errors)
-            within = sum(abs(e) <= 25 for e in errors)
-            out.append(SplitScore(split.commit, split.cores, len(errors), median, worst, within))
-    return out
+    return [split_score(split, checks) for split in cpu_splits(rows) if (checks := cpu_checks(rows, split=split))]

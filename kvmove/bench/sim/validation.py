@@ -14,7 +14,7 @@ from typing import NamedTuple
 import pandas as pd
 
 from kvmove.bench.sim.costs import CostBook
-from kvmove.bench.sim.cpuruns import TARGET, SplitScore, cpu_book, cpu_checks, split_scores
+from kvmove.bench.sim.cpuruns import TARGET, SplitScore, cpu_book, cpu_checks, cpu_splits, split_score
 from kvmove.bench.sim.figures import FIGURES, ORDERS, Figure
 from kvmove.bench.sim.fitting import Fit, fit, leave_one_source_out
 from kvmove.bench.sim.ownruns import OwnCheck, one_gpu_book, own_checks
@@ -62,7 +62,7 @@ class Validation(NamedTuple):
     fit: Fit | None
     own: list[OwnCheck]
     own_books: dict[str, CostBook]
-    cpu_splits: list[SplitScore] = []  # noqa: RUF012 - never mutated
+    cpu_splits: list[SplitScore]
 
 
 def figure_setup(f: Figure) -> SimSetup:
@@ -88,10 +88,14 @@ def validate(
 
 def validate_all(measured: CostBook, rows: pd.DataFrame | None, figures: tuple[Figure, ...] = FIGURES) -> Validation:
     """Fit on the training figures, predict every figure (and leave each source out), judge our own runs."""
-    fitted, books = fit(measured, figures), {"one-gpu": one_gpu_book(rows), TARGET: cpu_book(rows)}
+    splits = cpu_splits(rows)
+    newest = splits[-1] if splits else None
+    fitted, books = fit(measured, figures), {"one-gpu": one_gpu_book(rows), TARGET: cpu_book(rows, newest)}
     checks = validate(fitted.book, figures, leave_one_source_out(measured, figures, fitted))
-    own = own_checks(rows, books["one-gpu"]) + cpu_checks(rows, books[TARGET])
-    return Validation(checks, fitted, own, books, split_scores(rows))
+    cpu = [cpu_checks(rows, books[TARGET] if split is newest else None, split) for split in splits]
+    own = own_checks(rows, books["one-gpu"]) + (cpu[-1] if cpu else [])
+    scores = [split_score(split, runs) for split, runs in zip(splits, cpu, strict=True) if runs]
+    return Validation(checks, fitted, own, books, scores)
 
 
 def _median(values: list[float]) -> float:
