@@ -304,8 +304,8 @@ EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
     "nccl_efficiency": (
         "measured",
         lambda df: _ceiling("ceiling nccl send/recv", lambda g: g.nvlink_gbps)(df) + raw_broadcast(df),
-        "NCCL send/recv ceiling over NVLink; CPU: the run's raw gloo broadcast to its engine group, per round its "
-        "root sends, over the run's raw loopback read",
+        "NCCL send/recv ceiling over NVLink; CPU: the bytes per second per round of the broadcast's root sends (the "
+        "line through its own sends, or the run's raw gloo broadcast to its engine group), over the raw loopback read",
     ),
     "h2d_efficiency": ("measured", _ceiling("ceiling pinned", lambda g: g.pcie_gbps), "pinned H2D and D2H"),
     "pull_efficiency": (
@@ -348,7 +348,8 @@ EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
     "broadcast_op_s": (
         "derived",
         lambda df: broadcast_op(df, _RATES),
-        "broadcast: (rank 0's time in its broadcast calls - the bytes it sends at the broadcast rate) / steps",
+        "broadcast: the fixed term of the line through rank 0's sends, or (its time in its sends - the bytes it "
+        "sends at the broadcast rate), per step",
     ),
     "cold_s_per_byte": ("derived", _cold, "first sync minus later ones, per byte an engine rank keeps"),
     "sync_s": ("derived", _sync_fixed, "direct v2/v3 syncs: seconds - transfer phase"),

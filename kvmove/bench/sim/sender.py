@@ -17,6 +17,7 @@ from kvmove.bench.sim.hardware import NICS, Cluster, rounds
 from kvmove.bench.sim.samples import Sample, row_ref, syncs
 from kvmove.errors import KvmoveError
 from kvmove.models.layout import TrainerLayout, split_label
+from kvmove.sync.ranks.calltimes import CallTimes, Line
 
 
 class Rates(NamedTuple):
@@ -29,10 +30,12 @@ class Rates(NamedTuple):
 
 
 def broadcast_op(df: pd.DataFrame, m: Rates) -> list[Sample]:
-    """Broadcast syncs: (the sending rank's own time in its broadcast calls - its bytes at the broadcast rate) /
-    steps. Trainer rank 0 alone broadcasts and times its calls (``kvmove.sync.ranks.broadcast.send_all``: the
-    ``trainer_wait`` phase of a broadcast row); a step is one NCCL call, or one round of gloo's binomial tree
-    between CPU processes, whose root sends its bytes once per round (``hardware.ROUNDS``)."""
+    """Broadcast syncs, per step of a send: the fixed term of the line through the root's own sends (one per
+    tensor, ``send_line``), or, for rows that carry none, (the root's time in its sends - its bytes at the
+    broadcast rate) / steps. Trainer rank 0 alone broadcasts and times its sends
+    (``kvmove.sync.ranks.broadcast.send_all``: the ``trainer_wait`` phase of a broadcast row); a step is one NCCL
+    call, or one round of gloo's binomial tree between CPU processes, whose root sends its bytes once per round
+    (``hardware.ROUNDS``)."""
     out = []
     for _, r in syncs(df, None, ("broadcast",)).iterrows():
         counts = row_counts(r)
@@ -41,20 +44,37 @@ def broadcast_op(df: pd.DataFrame, m: Rates) -> list[Sample]:
         if counts is None or send <= 0 or engines < 1:
             continue
         steps = rounds(_row_cluster(r), -(1 + engines))
+        line = send_line(r)
+        if line is not None:
+            out.append(Sample(line.fixed / steps, row_ref(r)))
+            continue
         rate = m.line_gbps(r) * 1e9 * m.median(df, "nccl_efficiency")
         out.append(Sample((send - steps * r["bytes"] / engines / rate) / (counts.tensors * steps), row_ref(r)))
     return out
 
 
+def send_line(r: Any) -> Line | None:
+    """The least-squares line through a broadcast row's root sends (``extra.broadcast_calls``), None for rows
+    recorded before sends were timed one by one, or whose sends give no line (``CallTimes.fit``)."""
+    sums = r["extra_d"].get("broadcast_calls") or {}
+    return CallTimes(**sums).fit() if sums else None
+
+
 def raw_broadcast(df: pd.DataFrame) -> list[Sample]:
-    """CPU sync rows whose run timed a raw gloo broadcast to its engine group (``kvmove.bench.rawcast``): the bytes
-    its root sent per second (one copy per round of gloo's tree, ``hardware.ROUNDS``) over the run's raw read."""
+    """CPU sync rows, the bytes the broadcast's root sent per second per round of gloo's tree (``hardware.ROUNDS``)
+    over the run's raw read: from the per-byte term of the line through the sync's own sends (``send_line``), or,
+    for rows that carry none, from the raw gloo broadcast their run timed to its engine group
+    (``kvmove.bench.rawcast``, 64 MiB)."""
     out = []
     for _, r in syncs(df, None, ("broadcast",)).iterrows():
-        e = r["extra_d"]
+        e, line_gbps = r["extra_d"], r["gpu"].nvlink_gbps
+        line, engines = send_line(r), int(e.get("live_engines") or 0)
         gbps, members = float(e.get("raw_broadcast_gbps") or 0.0), int(e.get("raw_broadcast_members") or 0)
-        if gbps > 0 and members > 1 and r["gpu"].nvlink_gbps > 0:
-            out.append(Sample(rounds(_row_cluster(r), -members) * gbps / r["gpu"].nvlink_gbps, row_ref(r)))
+        if line is not None and engines > 0 and line_gbps > 0:
+            steps = rounds(_row_cluster(r), -(1 + engines))
+            out.append(Sample(steps / line.per_byte / 1e9 / line_gbps, row_ref(r)))
+        elif gbps > 0 and members > 1 and line_gbps > 0:
+            out.append(Sample(rounds(_row_cluster(r), -members) * gbps / line_gbps, row_ref(r)))
     return out
 
 

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 from kvmove.models.layout import EngineLayout
 from kvmove.sync.delta.detect import summary
+from kvmove.sync.ranks.calltimes import CallTimes
 from kvmove.sync.ranks.control import EngineStats, TrainerStats
 from kvmove.sync.strategies import Delivery, Strategy
 
@@ -49,12 +50,29 @@ class SyncResult(NamedTuple):
     """Bytes the engine ranks' transports moved per copy executor (``kvmove.transport.executors``: "driver",
     "triton"; "views": torch copies), summed over ranks; empty where the transport runs no copy plans."""
     link_bytes: dict[str, int] = {}  # noqa: RUF012
-    delta: dict[str, Any] = {}  # noqa: RUF012
-    """Delta syncs (``kvmove.sync.delta.summary``): dense and sent bytes of the packed pulls, pulls per encoding,
-    and the changed fraction of each region class's compared words; empty when the sync ran dense."""
     """The planned payload split by where it travels (``kvmove.sync.planning.ceiling.LinkBytes.as_json``: bytes that
     stay on a device and bytes that cross a link, and those of the busiest device and link direction); empty for the
     broadcast baseline."""
+    delta: dict[str, Any] = {}  # noqa: RUF012
+    """Delta syncs (``kvmove.sync.delta.summary``): dense and sent bytes of the packed pulls, pulls per encoding,
+    and the changed fraction of each region class's compared words; empty when the sync ran dense."""
+    cpu_seconds: dict[str, float] = {}  # noqa: RUF012
+    """CPU seconds the sync's processes spent while it ran (every thread of each): ``trainer`` and ``engine`` summed
+    over their ranks, ``trainer_busiest`` and ``engine_busiest`` the most one rank spent, ``driver`` this process.
+    Over ``seconds`` and a host's cores they say how busy the host was (``cpu_busy_cores``); a vLLM engine rank
+    counts its actor's process (``kvmove.vllm.actor``)."""
+    broadcast_calls: dict[str, float] = {}  # noqa: RUF012
+    """The broadcast baseline: its root's sends, one per tensor, as the sums of
+    ``kvmove.sync.ranks.calltimes.CallTimes`` (a line through them splits a send's fixed cost from its bytes);
+    empty for the pull strategies."""
+
+    @property
+    def cpu_busy_cores(self) -> float:
+        """Cores the sync's processes kept busy on average: their CPU seconds over the sync's seconds (meaningful
+        where every rank shares one host, as kvmove's CPU syncs do)."""
+        c = self.cpu_seconds
+        spent = c.get("trainer", 0.0) + c.get("engine", 0.0) + c.get("driver", 0.0)
+        return spent / self.seconds if self.seconds > 0 else 0.0
 
     def as_json(self) -> dict[str, Any]:
         out = self._asdict()
@@ -111,8 +129,10 @@ def build_result(
     engines: dict[int, EngineStats],
     trainers: list[TrainerStats],
     done_at: dict[int, float],
+    driver_cpu_seconds: float = 0.0,
 ) -> SyncResult:
-    """One sync's result from the stats its trainer and engine ranks returned."""
+    """One sync's result from the stats its trainer and engine ranks returned (``driver_cpu_seconds``: what the
+    driver's process spent on the sync)."""
     total = sum(s.bytes_received for s in engines.values())
     return SyncResult(
         strategy=strategy.name,
@@ -151,7 +171,22 @@ def build_result(
         link_bytes=dict(ctx.link_bytes),
         copy_executors=_executors(engines.values()),
         delta=summary([t.delta for t in trainers]),
+        cpu_seconds=_cpu_seconds(engines.values(), trainers, driver_cpu_seconds),
+        broadcast_calls=_send_calls(trainers),
     )
+
+
+def _send_calls(trainers: list[TrainerStats]) -> dict[str, float]:
+    sums = [t.send_calls for t in trainers if t.send_calls.calls]
+    return CallTimes(*map(sum, zip(*sums, strict=True))).as_json() if sums else {}
+
+
+def _cpu_seconds(engines: Iterable[EngineStats], trainers: list[TrainerStats], driver: float) -> dict[str, float]:
+    spent = {"trainer": [t.cpu_seconds for t in trainers], "engine": [s.cpu_seconds for s in engines]}
+    out = {side: sum(v) for side, v in spent.items()} | {
+        f"{side}_busiest": max(v, default=0.0) for side, v in spent.items()
+    }
+    return out | {"driver": driver}
 
 
 def _executors(engines: Iterable[EngineStats]) -> dict[str, int]:

@@ -62,6 +62,8 @@ class Outcome:
         self.trainers: dict[int, TrainerStats] = {}
         self.done_at: dict[int, float] = {}
         self.seconds = 0.0
+        self.cpu_seconds = 0.0
+        """What this (the driver's) process spent while the ranks ran the sync."""
 
 
 def run_sync(ranks: RunningRanks, hooks: FaultHooks, strategy: Strategy, index: int, sync_id: int) -> SyncResult:
@@ -115,10 +117,11 @@ def _plan_work(ranks: RunningRanks, hooks: FaultHooks, step: Step) -> None:
 def transfer(ranks: RunningRanks, step: Step) -> Outcome:
     """Start every rank's part of the sync, then collect it (see ``_collect``)."""
     outcome = Outcome()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     trainer_calls, engine_calls = LAUNCH[step.strategy.delivery](ranks, step)
     _collect(ranks, step, outcome, start, trainer_calls, engine_calls)
     outcome.seconds = time.perf_counter() - start
+    outcome.cpu_seconds = time.process_time() - cpu
     return outcome
 
 
@@ -269,8 +272,9 @@ def commit(ranks: RunningRanks, step: Step, outcome: Outcome) -> SyncResult:
     _record_synced(ranks, step, outcome, verified)
     step.ctx.dead_replicas = tuple(sorted(ranks.dead_replicas()))
     trainers = [outcome.trainers[r] for r in sorted(outcome.trainers)]
+    o = outcome
     return build_result(
-        step.ctx, step.strategy, step.index, outcome.seconds, verified, outcome.engines, trainers, outcome.done_at
+        step.ctx, step.strategy, step.index, o.seconds, verified, o.engines, trainers, o.done_at, o.cpu_seconds
     )
 
 

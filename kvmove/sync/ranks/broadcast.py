@@ -14,6 +14,7 @@ from torch import nn
 
 from kvmove.engines import EngineAdapter
 from kvmove.models.tensors import TensorMeta
+from kvmove.sync.ranks.calltimes import CallTimes
 from kvmove.sync.ranks.control import BroadcastGroup, EngineStats, TrainerStats
 from kvmove.sync.ranks.source import WeightSource
 from kvmove.sync.strategies import Gather
@@ -65,6 +66,7 @@ def send_all(
     calls0 = source.collective_calls
     gather = send = 0.0
     sent = peak = 0
+    calls = CallTimes()
     if published is not None:
         published(0)
     for n, meta in enumerate(source.metadata(), start=1):
@@ -73,17 +75,28 @@ def send_all(
         gather += time.perf_counter() - t0
         if pg is not None and gathered.tensor is not None:
             t1 = time.perf_counter()
+            nbytes = 0
             for tensor in convert({meta.name: gathered.tensor}).values():
                 pg.broadcast(_flat(tensor), 0).wait()
-                sent += tensor.numel() * tensor.element_size()
+                nbytes += tensor.numel() * tensor.element_size()
             if gathered.tensor.is_cuda:
                 torch.cuda.current_stream(gathered.tensor.device).synchronize()
-            send += time.perf_counter() - t1
+            seconds = time.perf_counter() - t1
+            send, sent, calls = send + seconds, sent + nbytes, calls.add(nbytes, seconds)
             peak = max(peak, meta.nbytes)
         if published is not None:
             published(n)
     return TrainerStats(
-        rank, time.perf_counter() - start, gather, 0.0, send, sent, 0, peak, source.collective_calls - calls0
+        rank,
+        time.perf_counter() - start,
+        gather,
+        0.0,
+        send,
+        sent,
+        0,
+        peak,
+        source.collective_calls - calls0,
+        send_calls=calls,
     )
 
 

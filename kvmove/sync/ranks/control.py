@@ -16,6 +16,7 @@ from kvmove.sync.planning.blueprint import PullSpecs, TrainerSync
 from kvmove.sync.planning.direct import ArenaLayout
 from kvmove.sync.planning.plan import Box, ShardingPlan
 from kvmove.sync.planning.schedule import PullPlan
+from kvmove.sync.ranks.calltimes import CallTimes
 from kvmove.sync.strategies import Strategy
 from kvmove.sync.verify import VerifyResult as VerifyResult  # the engine ranks' verification reply
 from kvmove.transport import BufferDesc, EndpointInfo, Membership
@@ -89,6 +90,10 @@ class TrainerStats(NamedTuple):
     peak_extra_bytes: int
     collectives: int
     rss_bytes: int = 0
+    cpu_seconds: float = 0.0
+    """CPU seconds this rank's process spent (every thread) while it ran its part of the sync."""
+    send_calls: CallTimes = CallTimes()
+    """A broadcast's root: its sends, one per tensor (bytes and seconds, summed for a least-squares line)."""
     delta: dict[str, int] = {}  # noqa: RUF012 - NamedTuple defaults are never mutated
     """Delta syncs: the counters of ``kvmove.sync.delta.detect.Images`` (dense and sent bytes, pulls per
     encoding, changed and compared words per region class); empty otherwise."""
@@ -106,6 +111,8 @@ class EngineStats(NamedTuple):
     rss_bytes: int = 0
     copy_executors: dict[str, int] = {}  # noqa: RUF012 - NamedTuple defaults are never mutated
     """Bytes this rank's transport moved per copy executor during the sync (``Transport.take_executed``)."""
+    cpu_seconds: float = 0.0
+    """CPU seconds this rank's process spent (every thread) while it ran its part of the sync."""
 
 
 class RankMemory(NamedTuple):

@@ -33,7 +33,7 @@ from kvmove.sync.ranks.control import (
     VerifyResult,
     VerifyWeights,
 )
-from kvmove.sync.ranks.host import Host, RankSpec, die_after, handles, release_freed_memory, rss_bytes
+from kvmove.sync.ranks.host import Host, RankSpec, die_after, finished, handles, release_freed_memory
 from kvmove.sync.ranks.puller import Puller, open_puller
 from kvmove.sync.verify import bits_equal, verify_streaming
 from kvmove.transport import EndpointInfo
@@ -135,13 +135,15 @@ class EngineHost(Host):
 
     @handles(RunPulls)
     def run_pulls(self, command: RunPulls) -> EngineStats:
+        cpu = time.process_time()
         with torch.no_grad():
             stats = self.pull(command)
         self._synchronize()
-        return stats._replace(rss_bytes=rss_bytes())
+        return finished(stats, cpu)
 
     @handles(ReceiveBroadcast)
     def receive_broadcast(self, command: ReceiveBroadcast) -> EngineStats:
+        cpu = time.process_time()
         c, device = self.config, self.spec.device
         _, pg = open_group(command.group, command.member, device, c.deadline_s)
         if c.tensor_format == "hf":  # the trainer sent the engine's checkpoint (an FP8 engine's quantized)
@@ -155,7 +157,7 @@ class EngineHost(Host):
 
             metas = fmt.tensors(c.model, c.trainer)
             stats = receive_all(metas, pg, self.adapter, self.model, self.spec.rank, device, convert)
-        return stats._replace(rss_bytes=rss_bytes())
+        return finished(stats, cpu)
 
     @handles(VerifyWeights)
     def verify_weights(self, command: VerifyWeights) -> VerifyResult:

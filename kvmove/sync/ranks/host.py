@@ -14,6 +14,7 @@ import gc
 import os
 import resource
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -22,7 +23,7 @@ import torch
 
 from kvmove.errors import KvmoveError
 from kvmove.sync.config import Side, SyncConfig
-from kvmove.sync.ranks.control import Address, RankMemory, ReportMemory
+from kvmove.sync.ranks.control import Address, EngineStats, RankMemory, ReportMemory, TrainerStats
 from kvmove.sync.ranks.wire import ControlServer, node_address
 from kvmove.transport import Membership, Transport, get_transport
 
@@ -48,6 +49,7 @@ class RankSpec:
 
 
 C = TypeVar("C", bound=Callable[..., Any])
+S = TypeVar("S", TrainerStats, EngineStats)
 
 
 def handles(command: type) -> Callable[[C], C]:
@@ -109,6 +111,13 @@ class Host:
 
     def close(self) -> None:
         self.server.close()
+
+
+def finished(stats: S, cpu_start: float) -> S:
+    """A rank's sync stats with what its process spent: resident memory now, and the CPU seconds of every thread
+    since ``cpu_start`` (``time.process_time()`` when the rank's part of the sync began). On a host whose cores
+    every rank shares (CPU syncs), these say how much of a sync's time was work and how much waiting."""
+    return stats._replace(rss_bytes=rss_bytes(), cpu_seconds=time.process_time() - cpu_start)
 
 
 def rss_bytes() -> int:

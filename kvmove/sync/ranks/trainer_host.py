@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from functools import partial
 from typing import Any
 
@@ -31,7 +32,7 @@ from kvmove.sync.ranks.control import (
     TrainerStats,
     TrainStep,
 )
-from kvmove.sync.ranks.host import Host, RankSpec, die_after, handles, release_freed_memory, rss_bytes
+from kvmove.sync.ranks.host import Host, RankSpec, die_after, finished, handles, release_freed_memory
 from kvmove.sync.ranks.source import SourceContext, WeightSource, seeded_source
 from kvmove.sync.ranks.trainer import TrainerRank, open_trainer_rank
 
@@ -116,8 +117,9 @@ class TrainerHost(Host):
 
     @handles(RunSync)
     def run_sync(self, command: RunSync) -> TrainerStats:
+        cpu = time.process_time()
         stats = self.serving.run_sync(command.sync, die_after(command.die_after_groups))
-        return stats._replace(rss_bytes=rss_bytes())
+        return finished(stats, cpu)
 
     @handles(EngineGone)
     def engine_gone(self, command: EngineGone) -> None:
@@ -125,6 +127,7 @@ class TrainerHost(Host):
 
     @handles(SendBroadcast)
     def send_broadcast(self, command: SendBroadcast) -> TrainerStats:
+        cpu = time.process_time()
         pg = None
         if self.spec.rank == 0:
             self._broadcast_group = open_group(command.group, 0, self.spec.device, self.config.deadline_s)
@@ -133,7 +136,7 @@ class TrainerHost(Host):
         # tensors cross as the trainer holds them, and the engine converts them (engine_host.receive_broadcast)
         convert = partial(engine_checkpoint, self.config.model) if self.config.tensor_format == "hf" else dict
         stats = send_all(self.source, self.spec.rank, pg, die_after(command.die_after_groups), convert)
-        return stats._replace(rss_bytes=rss_bytes())
+        return finished(stats, cpu)
 
     # -- from engine ranks, by address ------------------------------------------------------------------------
     @handles(Pack)

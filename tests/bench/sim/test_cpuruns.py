@@ -19,6 +19,7 @@ from kvmove.bench.sim.predict import simulate
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
 from kvmove.errors import KvmoveError
 from kvmove.models import model_totals
+from kvmove.sync.ranks.calltimes import CallTimes
 
 CPU = "cpu:AMD EPYC x2"
 TRAINER, ENGINE = "tp=2,pp=2,ep=2,etp=1,dp=1", "tp=2,dp=1,ep=2,pp=1 x2"
@@ -155,6 +156,47 @@ def test_a_runs_raw_gloo_broadcast_sets_the_cpu_broadcast_rate(tmp_path) -> None
     fast = {c.run.strategy: c.predicted for c in cpu_checks(load_results(tmp_path / "fast"))}
     # the same measured broadcast with its bytes slower leaves less per call: the small model's prediction drops
     assert slow["broadcast"] < fast["broadcast"] and slow["v2"] == pytest.approx(fast["v2"])
+
+
+def _with_sends(rows: list[Row], sends: CallTimes) -> list[Row]:
+    """``rows`` with the broadcast row's root sends timed one by one (``extra.broadcast_calls``)."""
+    return [
+        dataclasses.replace(r, extra={**r.extra, "broadcast_calls": sends.as_json()})
+        if r.strategy == "broadcast"
+        else r
+        for r in rows
+    ]
+
+
+def _sends(fixed: float, gbps: float, sizes: list[int]) -> CallTimes:
+    sends = CallTimes()
+    for nbytes in sizes:
+        sends = sends.add(nbytes, fixed + nbytes / (gbps * 1e9))
+    return sends
+
+
+def test_the_line_through_the_roots_sends_splits_its_fixed_cost_from_its_bytes(tmp_path) -> None:
+    """A broadcast row that timed its root's sends one by one (sizes from a norm's to an embedding's) sets the
+    cpu target's per-step cost from the line's fixed term and the broadcast rate from its per-byte term (3 rounds
+    of gloo's tree to 4 engine ranks: the root's bytes go at 3 x the per-send rate), over the raw broadcast the
+    same run timed; rows whose sends give no line keep the raw broadcast. The tiny model's sends, tens of bytes to
+    kilobytes, are then priced at the fixed term each."""
+    sizes = [64, 2048, 300_000, 8 << 20] * 40
+    small = _with_sends(_run("qwen3-moe-small", 3.5, 1.0, bcast=0.3), _sends(0.72e-3, 0.476, sizes))
+    append_rows(tmp_path, "sync", small, Labels(CPU, {}, "c1"))
+    append_rows(tmp_path, "sync", _run("qwen3-moe-tiny", None, 0.3), Labels(CPU, {}, "c1"))
+    rows = load_results(tmp_path)
+    book = cpu_book(rows)
+    assert book["broadcast_op_s"] == pytest.approx(0.72e-3 / 3)
+    assert book["nccl_efficiency"] == pytest.approx(3 * 0.476 / 3.5)
+    assert costs_from_rows(rows, "cluster").costs["nccl_efficiency"].kind == "default"
+    (tiny,) = [c for c in cpu_checks(rows) if c.run.strategy == "broadcast"]
+    tensors = model_totals(sim_model("qwen3-moe-tiny")).num_tensors
+    assert tiny.predicted > tensors * 0.72e-3
+    few = _with_sends(_run("qwen3-moe-small", 3.5, 1.0, bcast=0.3), _sends(0.72e-3, 0.476, sizes[:4]))
+    append_rows(tmp_path / "few", "sync", few, Labels(CPU, {}, "c1"))
+    append_rows(tmp_path / "few", "sync", _run("qwen3-moe-tiny", None, 0.3), Labels(CPU, {}, "c1"))
+    assert cpu_book(load_results(tmp_path / "few"))["nccl_efficiency"] == pytest.approx(3 * 0.3 / 3.5)
 
 
 def test_a_hosts_cores_bound_how_many_ranks_pull_at_once(tmp_path) -> None:

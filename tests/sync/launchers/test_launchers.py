@@ -11,7 +11,7 @@ import pytest
 
 from kvmove.bench.results import COLUMNS, append_rows, load_results
 from kvmove.bench.syncs import sync_row
-from kvmove.models import resolve_model
+from kvmove.models import model_totals, resolve_model
 from kvmove.models.layout import EngineLayout, TrainerLayout
 from kvmove.sync.config import Placement, SyncConfig, SyncOptions
 from kvmove.sync.driver.run import run_syncs
@@ -21,7 +21,10 @@ from kvmove.transport import available_transports
 TIMINGS = {"timestamp", "seconds", "gbps", "link_limit_gbps", "peak_memory_bytes"}
 """Row columns that measure time (or carry the run's labels): they differ between any two runs. Peak memory
 counts the staging held at once, which depends on how the pulls of concurrent threads interleave."""
-EXTRA_TIMINGS = {"transfer_gbps", "fraction_of_link", "rss_bytes", "launcher", "peak_extra_bytes"}
+EXTRA_TIMINGS = {
+    "transfer_gbps", "fraction_of_link", "rss_bytes", "launcher", "peak_extra_bytes", "cpu_seconds", "cpu_busy_cores",
+    "broadcast_calls",
+}  # fmt: skip
 
 
 def _config(launcher: str, **kw: object) -> SyncConfig:
@@ -67,7 +70,24 @@ def test_both_launchers_sync_every_strategy_with_the_same_rows(tmp_path: Path) -
             assert not empty, f"{launcher}: columns left empty: {empty}"
             assert float(row["seconds"]) > 0 and float(row["link_limit_gbps"]) > 0 and int(row["bytes"]) > 0
             assert f'"launcher": "{launcher}"' in str(row["extra"])
+            _spent_and_sent(row)
     assert [_comparable(r) for r in ray_rows] == [_comparable(r) for r in proc_rows]
+
+
+def _spent_and_sent(row: dict[str, object]) -> None:
+    """Every rank process reports its CPU seconds, and the broadcast's root one timed send per tensor."""
+    import json
+
+    extra = json.loads(str(row["extra"]))
+    cpu = extra["cpu_seconds"]
+    assert cpu["trainer"] >= cpu["trainer_busiest"] > 0 and cpu["engine"] >= cpu["engine_busiest"] > 0, cpu
+    assert extra["cpu_busy_cores"] > 0
+    if row["strategy"] == "broadcast":
+        sends = extra["broadcast_calls"]
+        assert sends["calls"] == model_totals(resolve_model("qwen3-moe-tiny")).num_tensors
+        assert sends["bytes"] == int(row["bytes"]) // 2 and 0 < sends["seconds"] < float(row["seconds"])
+    else:
+        assert "broadcast_calls" not in extra
 
 
 @pytest.mark.parametrize(("transport", "trainer"), [("gloo", "tp=2,ep=2"), ("nccl", "tp=1")])
