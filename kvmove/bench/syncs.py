@@ -61,7 +61,6 @@ def sync_row(
             "cpu_seconds": r.cpu_seconds,
             "cpu_busy_cores": r.cpu_busy_cores,
             **({"broadcast_calls": r.broadcast_calls} if r.broadcast_calls else {}),
-            **({"gather_calls": r.gather_calls} if r.gather_calls else {}),
             "dead_replicas": list(r.dead_replicas),
             "pulls_before_kill": {str(k): v for k, v in r.pulls_before_kill.items()},
             "group_size": config.options.group_size,

@@ -77,12 +77,6 @@ SPECS: dict[str, CostSpec] = {
         CostSpec("p2p_efficiency", "fraction", "peer copy over NVLink / NVLink line rate (one direction)", 0.8),
         CostSpec("nccl_efficiency", "fraction", "NCCL send/recv, broadcast and all-gather / line rate", 0.8),
         CostSpec("h2d_efficiency", "fraction", "pinned host<->device copy / PCIe line rate", 0.8),
-        CostSpec(
-            "gather_efficiency",
-            "fraction",
-            "trainer all-gathers inside a node: the bytes a rank brings in / line rate",
-            "nccl_efficiency",
-        ),
         CostSpec("pull_efficiency", "fraction", "RDMA READ pulls (NIXL) during syncs / line rate of the link", 0.8),
         CostSpec("push_efficiency", "fraction", "RDMA WRITE pushes / line rate of the link", "pull_efficiency"),
         CostSpec("ipc_efficiency", "fraction", "CUDA-IPC reads during syncs / NVLink line rate", 0.8),

@@ -145,7 +145,6 @@ CLUSTER: dict[str, Match] = {
     "p2p_efficiency": Match(ANY, ("ceiling",)),
     "nccl_efficiency": Match(ANY, ("ceiling",)),
     "h2d_efficiency": Match(ANY, ("ceiling",)),
-    "gather_efficiency": _NO_ROWS,
     "pull_efficiency": Match(("disaggregated",), ("nixl",)),
     "push_efficiency": _NO_ROWS,
     "ipc_efficiency": Match(("disaggregated",), ("nvlink-ipc",)),
@@ -193,9 +192,8 @@ _CPU_SYNC = Match(PLACEMENTS, ("cpu",), gathers=("none", "host-gloo"), device="c
 """kvmove's syncs between CPU processes of one host: NIXL over loopback and gloo, the trainer's ranks gathering
 through gloo."""
 _CPU_COSTS = (
-    "pull_efficiency", "nccl_efficiency", "gather_efficiency", "pack_efficiency", "load_efficiency", "request_s",
-    "materialize_s", "pack_call_s", "load_call_s", "pull_op_s", "collective_s", "broadcast_op_s", "cold_s_per_byte",
-    "sync_s",
+    "pull_efficiency", "nccl_efficiency", "pack_efficiency", "load_efficiency", "request_s", "materialize_s",
+    "pack_call_s", "load_call_s", "pull_op_s", "collective_s", "broadcast_op_s", "cold_s_per_byte", "sync_s",
 )  # fmt: skip
 CPU: dict[str, Match] = {name: _CPU_SYNC if name in _CPU_COSTS else _NO_ROWS for name in CLUSTER}
 """kvmove's CPU syncs (the sync suite, ``kvmove.bench.sim.cpuruns``): costs from CPU sync rows only, rates over the

@@ -32,7 +32,6 @@ from kvmove.bench.sim.sender import Rates, broadcast_op, funnel_yield, raw_broad
 from kvmove.errors import KvmoveError
 from kvmove.models import resolve_model
 from kvmove.models.layout import TrainerLayout
-from kvmove.sync.ranks.calltimes import CallTimes, Line
 
 _MEMO: dict[tuple[int, str, str], float] = {}
 _FULL: dict[str, pd.DataFrame] = {}
@@ -260,47 +259,17 @@ def _micro(name: str, value: Callable[[Any], float]) -> Extractor:
 
 def _collectives(df: pd.DataFrame) -> list[Sample]:
     """The all-gather micro-benchmark (GPUs); v1 syncs whose trainer ranks gather every tensor (a CPU host's gloo
-    collectives): the fixed term of the line through the ranks' own all-gathers (``_gather_line``), or, for rows
-    recorded before those were timed, (gather phase - yields x materialize_s - gathered bytes at the gather rate) /
-    collectives."""
+    collectives): (gather phase - yields x materialize_s - gathered bytes at the link's NCCL rate) / collectives."""
     out = _micro("nccl all_gather 4 KiB", lambda r: float(r["seconds"]))(df)
     for _, r in syncs(df, None, ("v1",)).iterrows():
         counts = row_counts(r)
         seconds = float(r["phases_d"].get("gather", 0.0))
         if counts is None or counts.gathers <= 0 or seconds <= 0:
             continue
-        line = _gather_line(r)
-        if line is not None:
-            out.append(Sample(line.fixed, row_ref(r)))
-            continue
-        rate = _line_gbps(r) * 1e9 * _gather_efficiency(df)
+        rate = _line_gbps(r) * 1e9 * _median(df, "nccl_efficiency")
         seconds -= counts.yields * _median(df, "materialize_s") + counts.gathered / rate
         out.append(Sample(seconds / counts.gathers, row_ref(r)))
     return out
-
-
-def _gather_line(r: Any) -> Line | None:
-    """The least-squares line through a sync row's all-gathers (``extra.gather_calls``: bytes each brought in, host
-    seconds), None for rows recorded before they were timed or whose gathers give no line."""
-    sums = r["extra_d"].get("gather_calls") or {}
-    return CallTimes(**sums).fit() if sums else None
-
-
-def _gather_rates(df: pd.DataFrame) -> list[Sample]:
-    """v1 and broadcast syncs whose trainer ranks timed their all-gathers: the bytes a rank brings in per second
-    (the line's per-byte term) over the row's line rate."""
-    out = []
-    for _, r in syncs(df, None, ("v1", "broadcast")).iterrows():
-        line, gbps = _gather_line(r), _line_gbps(r)
-        if line is not None and gbps > 0:
-            out.append(Sample(1.0 / line.per_byte / 1e9 / gbps, row_ref(r)))
-    return out
-
-
-def _gather_efficiency(df: pd.DataFrame) -> float:
-    """The book's all-gather rate: measured where rows timed their gathers, else the broadcast rate it defaults to."""
-    timed = _gather_rates(_rows_for(_FULL.get("df", df), "gather_efficiency"))
-    return _median(df, "gather_efficiency") if timed else _median(df, "nccl_efficiency")
 
 
 def _reload(df: pd.DataFrame) -> list[Sample]:
@@ -327,7 +296,7 @@ def _layers(model: str) -> int:
         return 0
 
 
-_RATES = Rates(_line_gbps, _median, _clip, _gather_efficiency)
+_RATES = Rates(_line_gbps, _median, _clip)
 
 EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
     "copy_efficiency": ("measured", _ceiling("ceiling device copy", lambda g: g.hbm_gbps), "device copy ceiling"),
@@ -339,12 +308,6 @@ EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
         "line through its own sends, or the run's raw gloo broadcast to its engine group), over the raw loopback read",
     ),
     "h2d_efficiency": ("measured", _ceiling("ceiling pinned", lambda g: g.pcie_gbps), "pinned H2D and D2H"),
-    "gather_efficiency": (
-        "measured",
-        _gather_rates,
-        "CPU: the bytes a trainer rank's all-gathers bring in per second (the line through its own gathers), over "
-        "the raw loopback read",
-    ),
     "pull_efficiency": (
         "measured",
         _transfer_efficiency("nixl"),

@@ -2,8 +2,8 @@
 
 Per step (the groups that run together: one group, or the k-th group of every pipeline stage) each phase is the
 busiest rank's work:
-- gather: yields x materialize_s, all-gathers x collective_s + bytes at the all-gather rate (NVLink inside a node
-  at gather_efficiency, NICs across), host<->device bytes at pinned-copy speed;
+- gather: yields x materialize_s, all-gathers x collective_s + bytes at NCCL speed (NVLink inside a node, NICs
+  across), host<->device bytes at pinned-copy speed;
 - pack: regions x replay_region_s + bytes at the packing rate + FP8 quantization (read 2 B, write 1 B per element
   at the HBM's rate) when the trainer quantizes;
 - transfer: the busiest link (each GPU's NIC share and each node's NICs, both sides; NVLink when colocated) at the
@@ -231,7 +231,7 @@ def _gather(st: Steps, s: SimSetup, book: CostBook, per_tensor: bool, funnel: bo
     calls = st.t["yield"] if per_tensor else np.minimum(st.t["yield"], 1.0)
     staged = 0.0 if s.trainer.kind == "host" else st.t["h2d"] / (c.pcie_rate * book["h2d_efficiency"])
     per_rank = calls * book["materialize_s"] + staged
-    nvlink = c.nvlink_rate * book["gather_efficiency"]
+    nvlink = c.nvlink_rate * book["nccl_efficiency"]
     for n, (ops, nbytes) in st.gather.items():
         inside = abs(n) <= c.gpus_per_node or (s.trainer.kind == "fsdp" and s.trainer.shard <= c.gpus_per_node)
         if inside:

@@ -27,8 +27,6 @@ class Rates(NamedTuple):
     line_gbps: Callable[[Any], float]
     median: Callable[[pd.DataFrame, str], float]
     clip: Callable[[str, float], float]
-    gather_efficiency: Callable[[pd.DataFrame], float]
-    """The book's all-gather rate (measured, else the broadcast rate it defaults to)."""
 
 
 def broadcast_op(df: pd.DataFrame, m: Rates) -> list[Sample]:
@@ -115,8 +113,6 @@ def funnel_yield(df: pd.DataFrame, m: Rates) -> list[Sample]:
         spec = Spec(str(r["model"]), str(r["trainer"]), layout, reps, 1, 1, cluster, "colocated", "nccl")
         names = ("broadcast_op_s", "nccl_efficiency")
         known = {name: Cost(name, m.clip(name, m.median(df, name)), "derived") for name in names}
-        gather = m.clip("gather_efficiency", m.gather_efficiency(df))
-        known["gather_efficiency"] = Cost("gather_efficiency", gather, "derived")
         book = default_book({**known, "materialize_s": Cost("materialize_s", 0.0, "derived")})
         try:
             (pred,) = simulate(spec.build(), [SIM_STRATEGIES["broadcast"]], book)

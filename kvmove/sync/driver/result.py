@@ -65,9 +65,6 @@ class SyncResult(NamedTuple):
     """The broadcast baseline: its root's sends, one per tensor, as the sums of
     ``kvmove.sync.ranks.calltimes.CallTimes`` (a line through them splits a send's fixed cost from its bytes);
     empty for the pull strategies."""
-    gather_calls: dict[str, float] = {}  # noqa: RUF012
-    """The trainer ranks' all-gathers during the sync, summed over ranks (``CallTimes`` sums: a line through them
-    splits a collective's fixed cost from its bytes); empty where the sync ran none."""
 
     @property
     def cpu_busy_cores(self) -> float:
@@ -175,13 +172,12 @@ def build_result(
         copy_executors=_executors(engines.values()),
         delta=summary([t.delta for t in trainers]),
         cpu_seconds=_cpu_seconds(engines.values(), trainers, driver_cpu_seconds),
-        broadcast_calls=_summed([t.send_calls for t in trainers]),
-        gather_calls=_summed([t.gather_calls for t in trainers]),
+        broadcast_calls=_send_calls(trainers),
     )
 
 
-def _summed(calls: list[CallTimes]) -> dict[str, float]:
-    sums = [c for c in calls if c.calls]
+def _send_calls(trainers: list[TrainerStats]) -> dict[str, float]:
+    sums = [t.send_calls for t in trainers if t.send_calls.calls]
     return CallTimes(*map(sum, zip(*sums, strict=True))).as_json() if sums else {}
 
 

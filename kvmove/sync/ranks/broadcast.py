@@ -63,7 +63,7 @@ def send_all(
     """Every trainer rank gathers each tensor onto rank 0 (collective); rank 0 (``pg`` set) puts it in the
     engine's format with ``convert`` and broadcasts the result, tensor by tensor in the engine's checkpoint order."""
     start = time.perf_counter()
-    calls0, gathers0 = source.collective_calls, source.gather_times
+    calls0 = source.collective_calls
     gather = send = 0.0
     sent = peak = 0
     calls = CallTimes()
@@ -97,7 +97,6 @@ def send_all(
         peak,
         source.collective_calls - calls0,
         send_calls=calls,
-        gather_calls=source.gather_times.since(gathers0),
     )
 
 

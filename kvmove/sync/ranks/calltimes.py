@@ -40,17 +40,6 @@ class CallTimes(NamedTuple):
             self.bytes_seconds + b * seconds,
         )
 
-    def since(self, earlier: CallTimes) -> CallTimes:
-        """The calls timed after ``earlier`` (these sums, taken later from the same counter, less those)."""
-        e = earlier
-        return CallTimes(
-            self.calls - e.calls,
-            self.bytes - e.bytes,
-            self.seconds - e.seconds,
-            self.bytes_sq - e.bytes_sq,
-            self.bytes_seconds - e.bytes_seconds,
-        )
-
     def fit(self) -> Line | None:
         """The least-squares line through the calls, or None where they cannot give one: fewer than
         :data:`MIN_CALLS`, all of one size, or a line without a positive fixed and per-byte term (time that falls

@@ -11,14 +11,11 @@ gloo group that stages the bytes through host memory: NCCL refuses two ranks of 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
-
-from kvmove.sync.ranks.calltimes import CallTimes
 
 
 class Collectives:
@@ -38,9 +35,6 @@ class Collectives:
         self._staged: set[tuple[int, ...]] = set()
         self._lock = threading.Lock()
         self.collective_calls = 0
-        self.gather_times = CallTimes()
-        """Every all-gather so far, by the bytes it brings in (the other members' shards) and the host seconds it
-        took (on NCCL: its launch and wait, not the device's copy)."""
 
     def group(self, ranks: Sequence[int]) -> Any:
         """The process group of ``ranks`` (sorted, must contain this rank); created on first use."""
@@ -79,7 +73,6 @@ class Collectives:
             one = torch.zeros(1, dtype=torch.uint8, device=self.device)
             self.broadcast(key, one, key[0])
         self.collective_calls = 0
-        self.gather_times = CallTimes()
 
     def all_gather(self, ranks: Sequence[int], shard: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate the equal-shaped shards of ``ranks`` (in rank order) along ``dim``."""
@@ -90,10 +83,7 @@ class Collectives:
         staged = key in self._staged
         src = shard.contiguous().cpu() if staged else shard.contiguous()
         outs = [torch.empty_like(src) for _ in key]
-        t0 = time.perf_counter()
         pg.allgather([[o.view(torch.uint8).view(-1) for o in outs]], [src.view(torch.uint8).view(-1)]).wait()
-        nbytes = (len(key) - 1) * src.numel() * src.element_size()  # the other members' shards
-        self.gather_times = self.gather_times.add(nbytes, time.perf_counter() - t0)
         self.collective_calls += 1
         full = torch.cat(outs, dim=dim)
         return full.to(shard.device) if staged else full

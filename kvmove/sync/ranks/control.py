@@ -94,8 +94,6 @@ class TrainerStats(NamedTuple):
     """CPU seconds this rank's process spent (every thread) while it ran its part of the sync."""
     send_calls: CallTimes = CallTimes()
     """A broadcast's root: its sends, one per tensor (bytes and seconds, summed for a least-squares line)."""
-    gather_calls: CallTimes = CallTimes()
-    """This rank's all-gathers during the sync (bytes they bring in, host seconds; ``Collectives.gather_times``)."""
     delta: dict[str, int] = {}  # noqa: RUF012 - NamedTuple defaults are never mutated
     """Delta syncs: the counters of ``kvmove.sync.delta.detect.Images`` (dense and sent bytes, pulls per
     encoding, changed and compared words per region class); empty otherwise."""

@@ -24,7 +24,6 @@ from kvmove.models.weights import seeded_tensor
 from kvmove.sync.planning.direct import ArenaLayout, arena_layout, shard_views
 from kvmove.sync.planning.formats import get_format
 from kvmove.sync.planning.plan import Box
-from kvmove.sync.ranks.calltimes import CallTimes
 from kvmove.sync.ranks.collectives import Collectives
 from kvmove.sync.ranks.control import Address
 from kvmove.sync.strategies import Gather
@@ -110,11 +109,6 @@ class WeightSource(ABC):
         """Collectives run so far (reported per sync; 0 if the source does not count them)."""
         return 0
 
-    @property
-    def gather_times(self) -> CallTimes:
-        """All-gathers timed so far (``Collectives.gather_times``; none if the source runs no collectives)."""
-        return CallTimes()
-
 
 def seeded_source(ctx: SourceContext) -> WeightSource:
     """kvmove's stand-in trainer: Megatron shards of seeded random weights, gathered over gloo/NCCL groups."""
@@ -198,10 +192,6 @@ class ShardedSource(WeightSource):
     @property
     def collective_calls(self) -> int:
         return self.coll.collective_calls
-
-    @property
-    def gather_times(self) -> CallTimes:
-        return self.coll.gather_times
 
     def held_names(self, scope: Gather) -> set[str] | None:
         if scope is Gather.STAGE:

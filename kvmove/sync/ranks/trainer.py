@@ -136,7 +136,7 @@ class TrainerRank:
         """Materialize and publish group after group; ``published(n)`` runs at the start (n=0) and after the n-th
         group (a fault hook)."""
         start = time.perf_counter()
-        calls0, gathers0 = self.source.collective_calls, self.source.gather_times
+        calls0 = self.source.collective_calls
         with self._cond:
             self._state = _State(sync, pending={g: set(c) for g, c in sync.consumers.items()})
             # NOTE: between syncs no read is in flight, so every slot is free again (a dead reader leaks none)
@@ -176,7 +176,6 @@ class TrainerRank:
                 self._peak_extra,
                 self.source.collective_calls - calls0,
                 delta=self.images.take_counts() if sync.delta is not None else {},
-                gather_calls=self.source.gather_times.since(gathers0),
             )
             self._state = None
             self._cond.notify_all()

@@ -199,28 +199,6 @@ def test_the_line_through_the_roots_sends_splits_its_fixed_cost_from_its_bytes(t
     assert cpu_book(load_results(tmp_path / "few"))["nccl_efficiency"] == pytest.approx(3 * 0.3 / 3.5)
 
 
-def test_the_line_through_the_trainers_gathers_sets_its_collective_cost_and_rate(tmp_path) -> None:
-    """v1 rows that timed their trainer ranks' all-gathers set the cpu target's per-collective cost (the line's
-    fixed term) and the all-gather rate (its per-byte term over the raw read), apart from the broadcast's; GPU
-    targets keep the broadcast rate for their gathers."""
-    gathers = _sends(1.4e-3, 0.37, [128, 4096, 300_000, 4 << 20] * 40)
-    small = [
-        dataclasses.replace(r, extra={**r.extra, "gather_calls": gathers.as_json()}) if r.strategy == "v1" else r
-        for r in _run("qwen3-moe-small", 3.5, 1.0, bcast=0.3)
-    ]
-    append_rows(tmp_path, "sync", small, Labels(CPU, {}, "c1"))
-    append_rows(tmp_path, "sync", _run("qwen3-moe-tiny", None, 0.3), Labels(CPU, {}, "c1"))
-    rows = load_results(tmp_path)
-    book = cpu_book(rows)
-    assert book["collective_s"] == pytest.approx(1.4e-3)
-    assert book["gather_efficiency"] == pytest.approx(0.37 / 3.5)
-    assert book["nccl_efficiency"] == pytest.approx(3 * 0.3 / 3.5)  # the broadcast keeps its own rate
-    for target in ("cluster", "one-gpu"):
-        assert costs_from_rows(rows, target).costs["gather_efficiency"].kind == "default"
-    untimed = costs_from_rows(load_results(tmp_path), "cluster")
-    assert untimed["gather_efficiency"] == untimed["nccl_efficiency"]
-
-
 def test_a_hosts_cores_bound_how_many_ranks_pull_at_once(tmp_path) -> None:
     """On a 2-core host the training run's 4 engine ranks pulled 2 at a time: the pull rate a rank reaches alone is
     twice the one measured, and a held-out setup with one engine rank is priced at that rate (a 4-rank setup at

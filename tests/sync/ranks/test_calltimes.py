@@ -49,14 +49,3 @@ def test_calls_that_cannot_give_a_line_give_none(sends: CallTimes) -> None:
 def test_the_sums_cross_as_json_and_back() -> None:
     sends = _timed(7e-4, 2e-9, [64, 4096, 300_000, 8 << 20] * 5)
     assert CallTimes(**sends.as_json()) == sends
-
-
-def test_the_calls_since_an_earlier_reading_are_the_difference() -> None:
-    earlier = _timed(7e-4, 2e-9, [64, 4096] * 4)
-    later = earlier
-    for nbytes in [300_000, 8 << 20] * 6:
-        later = later.add(nbytes, 1e-3 + nbytes * 3e-9)
-    since = later.since(earlier)
-    assert since.calls == 12 and since.bytes == pytest.approx(6 * (300_000 + (8 << 20)))
-    line = since.fit()
-    assert line is not None and line.fixed == pytest.approx(1e-3) and line.per_byte == pytest.approx(3e-9)
