@@ -144,9 +144,8 @@ class VllmEngineHost(EngineHost):
 
     def pull(self, command: RunPulls) -> EngineStats:
         """vLLM's update: start, update_weights (the worker pulls and commits unit by unit), finish; the engine's
-        ``peak_extra_bytes`` is the worker's (window, receive slots, processing: kvmove.vllm.session.Memory);
-        ``cpu_seconds`` this actor's process's (a worker in a process of its own is not counted)."""
-        start, cpu = time.perf_counter(), time.process_time()
+        ``peak_extra_bytes`` is the worker's (window, receive slots, processing: kvmove.vllm.session.Memory)."""
+        start = time.perf_counter()
         overlap = command.strategy.overlap
         info = {"sync_id": command.sync_id, "strategy": command.strategy.name, "pipelined": overlap.background_load}
         info |= {"delay_s": command.delay_s, "timeout_s": self.config.deadline_s}
@@ -158,12 +157,7 @@ class VllmEngineHost(EngineHost):
         report = EngineStats(*stats)  # a NamedTuple crosses vLLM's msgpack as a plain list
         peak = Memory(*memory).peak_extra_bytes if memory else report.peak_extra_bytes
         seconds = time.perf_counter() - start
-        return report._replace(
-            seconds=seconds,
-            load_seconds=report.load_seconds + finish_s,
-            peak_extra_bytes=peak,
-            cpu_seconds=time.process_time() - cpu,
-        )
+        return report._replace(seconds=seconds, load_seconds=report.load_seconds + finish_s, peak_extra_bytes=peak)
 
     def verify(self, version: int, seed: int) -> VerifyResult:
         """Bit-exact check, in the worker, of what the live model computes with (parameters and the read-back

@@ -60,7 +60,7 @@ class SyncResult(NamedTuple):
     """CPU seconds the sync's processes spent while it ran (every thread of each): ``trainer`` and ``engine`` summed
     over their ranks, ``trainer_busiest`` and ``engine_busiest`` the most one rank spent, ``driver`` this process.
     Over ``seconds`` and a host's cores they say how busy the host was (``cpu_busy_cores``); a vLLM engine rank
-    counts its actor's process (``kvmove.vllm.actor``)."""
+    counts its actor's process, like any engine rank (``kvmove.sync.ranks.host.finished``)."""
     broadcast_calls: dict[str, float] = {}  # noqa: RUF012
     """The broadcast baseline: its root's sends, one per tensor, as the sums of
     ``kvmove.sync.ranks.calltimes.CallTimes`` (a line through them splits a send's fixed cost from its bytes);

@@ -272,9 +272,16 @@ def commit(ranks: RunningRanks, step: Step, outcome: Outcome) -> SyncResult:
     _record_synced(ranks, step, outcome, verified)
     step.ctx.dead_replicas = tuple(sorted(ranks.dead_replicas()))
     trainers = [outcome.trainers[r] for r in sorted(outcome.trainers)]
-    o = outcome
     return build_result(
-        step.ctx, step.strategy, step.index, o.seconds, verified, o.engines, trainers, o.done_at, o.cpu_seconds
+        step.ctx,
+        step.strategy,
+        step.index,
+        outcome.seconds,
+        verified,
+        outcome.engines,
+        trainers,
+        outcome.done_at,
+        outcome.cpu_seconds,
     )
 
 
