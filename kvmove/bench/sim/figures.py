@@ -141,6 +141,14 @@ CKPT_P2P = (
     "with ranks: https://github.com/MoonshotAI/checkpoint-engine/blob/main/checkpoint_engine/ps.py)"
 )
 
+_SLIME_FLOW = (
+    "; a bucketing push, one bucket at a time: the trainer all-gathers each bucket's TP and EP shards into full "
+    "tensors, flattens them into one 512 MB bucket and sends its CUDA IPC handle with one update_weights_from_tensor "
+    "call, which SGLang lands through its own load_weights, tensor by tensor, before the next bucket (the post's "
+    "five-step workflow, its 512 MB buckets, and 'Overlap Communication' listed as future work; "
+    "https://github.com/THUDM/slime/blob/main/slime/backends/megatron_utils/update_weight_utils.py)"
+)
+
 _LMSYS_ROWS = (
     ("qwen3-30b", "Qwen3-30B-A3B", "qwen3-30b-a3b", "tp=4,pp=1,ep=8,dp=4", 2, "tp=8,ep=8", 2, 2, 2.6700, 2.1602),
     ("glm-air", "GLM-4.5-Air", "glm-4.5-air", "tp=1,pp=4,ep=8,dp=8", 4, "tp=8,ep=8", 4, 4, 5.0011, 2.6372),
@@ -174,7 +182,8 @@ def _others() -> list[Figure]:
     verl = Spec("qwen3-30b-a3b", "fsdp:world=2,shard=2", "tp=1", 30, 1, 4, H100, transport="nccl",
                 bucket_bytes=2048 << 20)  # fmt: skip
     verl_note = "30 rollout ranks receiving only (no engine load), 4x8 H100 with CX-7 400 Gb/s"
-    slime = Spec("qwen3-30b-a3b", "tp=4,ep=8", "tp=8", 1, 1, 1, H100, placement="colocated", transport="cuda-ipc")
+    slime = Spec("qwen3-30b-a3b", "tp=4,ep=8", "tp=8", 1, 1, 1, H100, placement="colocated", transport="cuda-ipc",
+                 constraints="sglang", bucket_bytes=512 << 20, bucket_call="async")  # fmt: skip
     return [
         _fig("pplx-kimi", "Perplexity research blog", PPLX, "Kimi-K2 BF16 (256 GPUs) -> FP8 (128 GPUs)", 1.3, "v3",
              pplx, "H200 nodes with 8x400 Gb/s; FSDP shards of 8 GPUs, 32 mesh groups" + PPLX_ENGINES),
@@ -183,7 +192,8 @@ def _others() -> list[Figure]:
         _fig("verl-qwen3-30b-nixl", "verl checkpoint-engine README", VERL, "Qwen3-30B-A3B, NIXL all-gather + ring",
              7.0, "v3", replace(verl, transport="pull", fanout="chain", bucket_bytes=0), verl_note),
         _fig("slime-qwen3-30b-colocated", "slime weight-sync blog", SLIME, "Qwen3-30B-A3B colocated (CUDA IPC)",
-             7.0, "v1", slime, "8xH100, Megatron TP4/EP8 as slime's example, one SGLang TP8 engine on the same GPUs"),
+             7.0, "broadcast", slime, "8xH100, Megatron TP4/EP8 as slime's example, one SGLang TP8 engine on the same "
+             "GPUs" + _SLIME_FLOW),
     ]  # fmt: skip
 
 

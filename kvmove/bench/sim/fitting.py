@@ -53,12 +53,13 @@ TRAINING: dict[str, tuple[str, ...]] = {
     "lmsys-qwen3-235b-rdma": ("nic_efficiency", "host_register_s_per_byte"),
     "ckpt-qwen3-235b-8xh800-p2p": ("loader_tensor_s", "host_register_s_per_byte", "nic_efficiency"),
     "skyrl-qwen3-broadcast": ("packed_bucket_s", "nic_efficiency"),
+    "slime-qwen3-30b-colocated": ("loader_tensor_s",),
 }
 """Training figure (one per source) -> the parameters it informs: those that move its prediction by a factor of
-:data:`INFORMS` or more across their range (tests check both ways). Every other figure is held out. Three
-parameters are informed by one training figure only (the vLLM post's layer-wise reload, checkpoint-engine's loader,
-SkyRL's packed consumer): leaving that source out leaves them at their cited defaults (``docs/simulator.md`` says
-what another choice of LMSYS's figure would give the loader)."""
+:data:`INFORMS` or more across their range (tests check both ways). Every other figure is held out. The engine's
+own loader has two sources (checkpoint-engine's vLLM and slime's SGLang, both landing tensor by tensor); two
+parameters are informed by one training figure only (the vLLM post's layer-wise reload, SkyRL's packed consumer):
+leaving that source out leaves them at their cited defaults."""
 
 INFORMS = 3.0
 """A figure informs a parameter when its prediction at the parameter's high bound and at its low bound differ by

@@ -61,6 +61,20 @@ def test_a_parameter_two_sources_inform_is_still_fitted_when_one_is_left_out() -
     assert without.book.costs["loader_tensor_s"].kind == "default"  # no training figure here informs it
 
 
+def test_the_engine_loader_has_two_sources_so_leaving_either_out_still_fits_it() -> None:
+    """checkpoint-engine's vLLM and slime's SGLang both land tensor by tensor through the engine's own loader."""
+    both = (BY_KEY["ckpt-qwen3-235b-8xh800-p2p"], BY_KEY["slime-qwen3-30b-colocated"])
+    assert set(informing("loader_tensor_s")) == {f.key for f in both}
+    assert both[0].source != both[1].source
+    for left, kept in ((both[0], both[1]), (both[1], both[0])):
+        without = fit(default_book(), both, leave_out=left.source)
+        cost = without.book.costs["loader_tensor_s"]
+        assert cost.kind == "fitted" and [r.name for r in cost.rows] == [kept.key], left.key
+        assert without.values["loader_tensor_s"].figures == (kept.key,)
+        alone = fitting.predicted(kept, without.book)
+        assert alone == pytest.approx(kept.value, rel=0.02), kept.key  # one free parameter meets its one figure
+
+
 def test_a_parameter_left_without_training_figures_keeps_its_cited_default() -> None:
     only = (BY_KEY["ckpt-qwen3-235b-8xh800-p2p"],)
     result = fit(default_book(), only, leave_out=only[0].source)
