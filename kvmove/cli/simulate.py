@@ -229,7 +229,13 @@ def _render_validation(judged: Validation, as_json: bool) -> None:
         return
     import pandas as pd
 
-    render.frame(validation_frame(judged), "published figures and our held-out runs vs predictions (validation)")
+    table = validation_frame(judged)
+    shown = ["figure", "role", "strategy", "published", "predicted", "error_pct", "loso_error_pct", "speed_of_light",
+             "binding_link"]  # fmt: skip
+    render.frame(table[shown], "published figures and our held-out runs vs predictions (validation; setups in --json)")
+    published = table[~table["role"].str.contains("ours")]
+    render.line("sources: " + "; ".join(f"{u} ({n})" for u, n in published["source"].value_counts(sort=False).items()))
+    render.line("our runs' rows: the source of each in --json")
     render.frame(pd.DataFrame(fitted_records(judged)), "fitted parameters (no measurement of ours can set them)")
     render.line(summary_line(judged))
     render.line(splits_line(judged))
