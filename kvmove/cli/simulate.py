@@ -227,14 +227,16 @@ def _render_validation(judged: Validation, as_json: bool) -> None:
         render.json_lines([{"kind": "cpu-split", **r} for r in split_records(judged)])
         render.json_lines([{"kind": "summary", **summary(judged.checks, judged.own)}])
         return
+    from collections import Counter
+
     import pandas as pd
 
     table = validation_frame(judged)
     shown = ["figure", "role", "strategy", "published", "predicted", "error_pct", "loso_error_pct", "speed_of_light",
              "binding_link"]  # fmt: skip
     render.frame(table[shown], "published figures and our held-out runs vs predictions (validation; setups in --json)")
-    published = table[~table["role"].str.contains("ours")]
-    render.line("sources: " + "; ".join(f"{u} ({n})" for u, n in published["source"].value_counts(sort=False).items()))
+    urls = Counter(c.figure.url for c in judged.checks)
+    render.line("sources: " + "; ".join(f"{url} ({n})" for url, n in urls.items()))
     render.line("our runs' rows: the source of each in --json")
     render.frame(pd.DataFrame(fitted_records(judged)), "fitted parameters (no measurement of ours can set them)")
     render.line(summary_line(judged))
