@@ -6,12 +6,14 @@ one host (trainer and engine ranks as Ray actors; v1, v2 and v3 over NIXL on loo
 measures the raw loopback read of the same run (``extra.raw_gbps``): the host's line rate for its link and its
 copies (``kvmove.bench.sim.hardware.host_of_run``). :func:`cpu_split` takes the newest commit whose CPU sync rows
 hold two setups (models or layouts); the rows of a run that measured its raw read (the one moving the most bytes,
-when several did) set the costs (``kvmove.bench.sim.matching.CPU``), every other setup's warm rows are predicted at
-that run's rates.
+when several did) set the costs (``kvmove.bench.sim.matching.CPU``), with the runs of its model and layouts at other
+replica counts when the commit has them (they alone measure what serving one more replica costs the trainer:
+``serve_s``); every other setup's warm rows are predicted at that run's rates.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 from typing import NamedTuple
 
@@ -51,6 +53,17 @@ class CpuSplit(NamedTuple):
     cores: float = 0
     """How many ranks' pulls progress at once on the host: the training run's device's (its hardware label's cores,
     fewer where its concurrent raw read says so: ``kvmove.bench.sim.hardware.parallel_of_run``)."""
+    partners: tuple[Setup, ...] = ()
+    """The training run's model and layouts at other replica counts: training runs too."""
+
+    @property
+    def training(self) -> tuple[Setup, ...]:
+        return (self.train, *self.partners)
+
+    def label(self) -> str:
+        """The training runs, as the basis of each prediction names them."""
+        more = "".join(f" and {split_label(p.engine)[1]} replica(s)" for p in self.partners)
+        return self.train.label() + more
 
 
 def _cpu_syncs(rows: pd.DataFrame | None) -> pd.DataFrame | None:
@@ -70,8 +83,8 @@ def _setup(r: pd.Series) -> Setup:
 
 def cpu_splits(rows: pd.DataFrame | None) -> list[CpuSplit]:
     """Every commit whose CPU sync rows hold two setups (models or layouts), one of whose runs measured its raw
-    loopback read, oldest first: that run (the one moving the most bytes, when several did) sets the costs, the
-    other setups are predicted."""
+    loopback read, oldest first: that run (the one moving the most bytes, when several did) sets the costs with its
+    model and layouts at other replica counts, the other setups are predicted."""
     df = _cpu_syncs(rows)
     if df is None:
         return []
@@ -85,8 +98,15 @@ def cpu_splits(rows: pd.DataFrame | None) -> list[CpuSplit]:
             continue
         train = max(measured, key=lambda k: float(runs[k]["bytes"].max()))
         cores = float(runs[train]["gpu"].iloc[0].cores)
-        out.append(CpuSplit(str(commit), train, tuple(k for k in runs if k != train), raw[train], cores))
+        partners = tuple(k for k in runs if k != train and _same_but_replicas(k, train))
+        held = tuple(k for k in runs if k != train and k not in partners)
+        if held:
+            out.append(CpuSplit(str(commit), train, held, raw[train], cores, partners))
     return out
+
+
+def _same_but_replicas(a: Setup, b: Setup) -> bool:
+    return (a.model, a.trainer, split_label(a.engine)[0]) == (b.model, b.trainer, split_label(b.engine)[0])
 
 
 def cpu_split(rows: pd.DataFrame | None) -> CpuSplit | None:
@@ -96,13 +116,34 @@ def cpu_split(rows: pd.DataFrame | None) -> CpuSplit | None:
 
 
 def cpu_book(rows: pd.DataFrame | None, split: CpuSplit | None = None) -> CostBook:
-    """The ``cpu`` target's costs from the training run's rows (defaults where none measure)."""
+    """The ``cpu`` target's costs from the training runs' rows (defaults where none measure)."""
     split = split or cpu_split(rows)
 
     def keep(r: pd.Series) -> bool:
-        return split is not None and r["git_commit"] == split.commit and _setup(r) == split.train
+        return split is not None and r["git_commit"] == split.commit and _setup(r) in split.training
 
-    return costs_from_rows(rows, TARGET, keep=keep)
+    return costs_from_rows(_on_the_training_host(rows, split), TARGET, keep=keep)
+
+
+def _on_the_training_host(rows: pd.DataFrame | None, split: CpuSplit | None) -> pd.DataFrame | None:
+    """``rows`` with the training run's raw loopback read on its partners' rows (the same host at the same commit:
+    their rates are its rates, as every prediction's are)."""
+    if rows is None or split is None or not split.partners:
+        return rows
+    partner = rows.apply(
+        lambda r: r["git_commit"] == split.commit and _setup(r) in split.partners and r["kind"] == "measured", axis=1
+    )
+    out = rows.copy()
+    out.loc[partner, "extra"] = [
+        json.dumps({**_extra(e), "raw_gbps": split.raw_gbps}) for e in out.loc[partner, "extra"]
+    ]
+    return out
+
+
+def _extra(value: object) -> dict[str, object]:
+    if isinstance(value, dict):
+        return dict(value)
+    return dict(json.loads(value)) if isinstance(value, str) and value else {}
 
 
 def cpu_cluster(trainer: str, raw_gbps: float, cores: float = 0) -> str:
@@ -123,7 +164,7 @@ def cpu_runs(rows: pd.DataFrame | None, split: CpuSplit | None = None) -> list[O
         return []
     df = df[(df["git_commit"] == split.commit) & df["extra_d"].map(lambda e: int(e.get("sync", 2)) >= 2)]
     basis = (
-        f"costs from the {split.train.label()} rows of {split.commit[:12]} only (target cpu), rates at that run's "
+        f"costs from the {split.label()} rows of {split.commit[:12]} only (target cpu), rates at that run's "
         f"raw loopback read ({split.raw_gbps:.2f} GB/s), {f'{split.cores:.3g}' if split.cores else 'unbounded'} cores"
     )
     out = []

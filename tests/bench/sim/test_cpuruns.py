@@ -11,6 +11,7 @@ import statistics
 import pytest
 
 from kvmove.bench.results import Labels, Row, append_rows, load_results
+from kvmove.bench.sim.counts import row_counts
 from kvmove.bench.sim.cpuruns import cpu_book, cpu_checks, cpu_runs, cpu_split, cpu_splits, split_scores
 from kvmove.bench.sim.hardware import Cluster
 from kvmove.bench.sim.measure import costs_from_rows
@@ -122,6 +123,60 @@ def test_another_layout_of_the_commit_is_predicted_too(tmp_path) -> None:
     append_rows(tmp_path, "sync", other, Labels(CPU, {}, "c1"))
     runs = cpu_runs(load_results(tmp_path))
     assert len(runs) == 4 and all(r.key.endswith("x1") and r.spec.replicas == 1 for r in runs)
+
+
+def _replicas(rows: list[Row], engine: str, gather: float) -> list[Row]:
+    """``rows`` of another engine label, their v1 gather phase ``gather``."""
+    out = []
+    for r in rows:
+        phases = {**r.phases, "gather": gather} if r.strategy == "v1" else r.phases
+        out.append(dataclasses.replace(r, engine=engine, phases=phases))
+    return out
+
+
+def test_the_training_runs_at_another_replica_count_price_serving_a_replica(tmp_path) -> None:
+    """The training run's model and layouts at one replica are training too (not held out): the gather phase the
+    second replica adds, per pull the busiest trainer rank serves it, is ``serve_s``; with it taken out both runs
+    give one cost per collective, and one more replica is priced at its pulls x ``serve_s`` on the trainer."""
+    one = "tp=2,dp=1,ep=2,pp=1 x1"
+    append_rows(tmp_path, "sync", _run("qwen3-moe-small", 3.5, 1.0), Labels(CPU, {}, "c1"))
+    append_rows(tmp_path, "sync", _replicas(_run("qwen3-moe-small", None, 1.0), one, 1.4), Labels(CPU, {}, "c1"))
+    append_rows(tmp_path, "sync", _run("qwen3-moe-tiny", None, 0.3), Labels(CPU, {}, "c1"))
+    rows = load_results(tmp_path)
+    split = cpu_split(rows)
+    assert split is not None and [p.engine for p in split.partners] == [one]
+    assert [h.model for h in split.held] == ["qwen3-moe-tiny"] and "and 1 replica(s)" in split.label()
+    assert all("qwen3-moe-tiny" in r.key for r in cpu_runs(rows))
+    nbytes = model_totals(sim_model("qwen3-moe-small")).total_bytes
+    extra = {"direct": True, "engine_dtype": "bf16"}
+    counts = row_counts(
+        {"extra_d": extra, "model": "qwen3-moe-small", "trainer": TRAINER, "engine": one, "strategy": "v1",
+         "bytes": nbytes}
+    )  # fmt: skip
+    assert counts is not None and counts.calls > 0
+    book = cpu_book(rows, split)
+    serve = book.costs["serve_s"]
+    assert serve.kind == "derived" and book["serve_s"] == pytest.approx((2.0 - 1.4) / counts.calls)
+    assert {r.setup.split(" v1 ")[0].split(" -> ")[1] for r in serve.rows} == {ENGINE}
+    assert {ENGINE, one} <= {r.setup.split(" v1 ")[0].split(" -> ")[1] for r in book.costs["collective_s"].rows}
+    without = cpu_book(load_results(tmp_path), split._replace(partners=()))
+    assert without.costs["serve_s"].kind == "default" and without["serve_s"] == 0.0
+    for target in ("cluster", "one-gpu"):
+        assert costs_from_rows(rows, target).costs["serve_s"].kind == "default"
+    x2 = cpu_runs(rows, split._replace(held=(split.train,)))[0].spec.build()
+    x1 = dataclasses.replace(x2, engine=dataclasses.replace(x2.engine, replicas=1))
+    (two,) = simulate(x2, [SIM_STRATEGIES["v1"]], book)
+    (single,) = simulate(x1, [SIM_STRATEGIES["v1"]], book)
+    (flat,) = simulate(x2, [SIM_STRATEGIES["v1"]], book.with_values({"serve_s": 0.0}, "test"))
+    assert two.phases["pack"] - flat.phases["pack"] >= counts.calls * book["serve_s"] * 0.999
+    assert single.seconds < two.seconds
+
+
+def test_a_commit_with_only_the_training_run_at_two_replica_counts_has_nothing_held_out(tmp_path) -> None:
+    append_rows(tmp_path, "sync", _run("qwen3-moe-small", 3.5, 1.0), Labels(CPU, {}, "c1"))
+    one = _replicas(_run("qwen3-moe-small", None, 1.0), "tp=2,dp=1,ep=2,pp=1 x1", 1.4)
+    append_rows(tmp_path, "sync", one, Labels(CPU, {}, "c1"))
+    assert cpu_split(load_results(tmp_path)) is None
 
 
 def test_a_cpu_host_needs_its_own_rates() -> None:
