@@ -91,13 +91,6 @@ SPECS: dict[str, CostSpec] = {
             "pack_call_s", "s", "trainer: replay and pack one pull's regions into its slot, bytes excluded", 10e-6
         ),
         CostSpec("load_call_s", "s", "engine: copy one pull's regions into their parameters, bytes excluded", 10e-6),
-        CostSpec(
-            "serve_s",
-            "s",
-            "trainer: one pull it serves on demand, beyond packing it (the request taken and the reply sent by the "
-            "rank's own process, which its gathers wait for)",
-            0.0,
-        ),
         CostSpec("pull_op_s", "s", "one pull's transfer setup and completion, bytes excluded", 10e-6),
         CostSpec("collective_s", "s", "one NCCL all-gather launch and completion, bytes excluded", 20e-6),
         CostSpec("broadcast_op_s", "s", "one NCCL broadcast call (a tensor, or a bucket), bytes excluded", 20e-6),

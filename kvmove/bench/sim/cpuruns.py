@@ -1,14 +1,16 @@
-"""The simulator judged on kvmove's CPU syncs: one run's rows set the ``cpu`` target's costs, the rows of the other
-setups (models or layouts) of the same commit are held out and predicted.
+"""The simulator judged on kvmove's CPU syncs: training runs' rows set the ``cpu`` target's costs, the rows of the
+other setups (models or layouts) of the same commit are held out and predicted.
 
 The sync suite (``kvmove bench run --suite sync``, ``kvmove.bench.syncs``) syncs a model between CPU processes of
 one host (trainer and engine ranks as Ray actors; v1, v2 and v3 over NIXL on loopback, the broadcast over gloo) and
 measures the raw loopback read of the same run (``extra.raw_gbps``): the host's line rate for its link and its
 copies (``kvmove.bench.sim.hardware.host_of_run``). :func:`cpu_split` takes the newest commit whose CPU sync rows
 hold two setups (models or layouts); the rows of a run that measured its raw read (the one moving the most bytes,
-when several did) set the costs (``kvmove.bench.sim.matching.CPU``), with the runs of its model and layouts at other
-replica counts when the commit has them (they alone measure what serving one more replica costs the trainer:
-``serve_s``); every other setup's warm rows are predicted at that run's rates.
+when several did) set the costs (``kvmove.bench.sim.matching.CPU``); so do the runs of its model and layouts at other
+replica counts when the commit has them. Every other setup's warm rows are predicted at that run's rates, each from
+the costs of the training run that shared the host with as many engine-rank processes (the nearest count, the
+larger on a tie): on a host of a few cores the engine ranks polling for their pulls take cores from the trainer's
+ranks, so a per-operation cost measured beside four engine ranks is not one measured beside two.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kvmove.bench.sim.predict import simulate
 from kvmove.bench.sim.samples import decorated, row_ref
 from kvmove.bench.sim.setup import Spec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
-from kvmove.models.layout import TrainerLayout, split_label
+from kvmove.models.layout import EngineLayout, TrainerLayout, split_label
 
 TARGET = "cpu"
 
@@ -60,10 +62,17 @@ class CpuSplit(NamedTuple):
     def training(self) -> tuple[Setup, ...]:
         return (self.train, *self.partners)
 
-    def label(self) -> str:
-        """The training runs, as the basis of each prediction names them."""
-        more = "".join(f" and {split_label(p.engine)[1]} replica(s)" for p in self.partners)
-        return self.train.label() + more
+    def training_for(self, engine: str) -> Setup:
+        """The training run whose engine-rank processes (every replica's) are nearest in number to ``engine``'s
+        (an engine label, ``LAYOUT xN``), the larger on a tie."""
+        n = engine_processes(engine)
+        return min(self.training, key=lambda t: (abs(engine_processes(t.engine) - n), -engine_processes(t.engine)))
+
+
+def engine_processes(engine: str) -> int:
+    """Engine-rank processes of an engine label (``tp=2,ep=2 x2`` -> 4): every replica's ranks."""
+    layout, reps = split_label(engine)
+    return EngineLayout.parse(layout, reps).world
 
 
 def _cpu_syncs(rows: pd.DataFrame | None) -> pd.DataFrame | None:
@@ -115,12 +124,14 @@ def cpu_split(rows: pd.DataFrame | None) -> CpuSplit | None:
     return splits[-1] if splits else None
 
 
-def cpu_book(rows: pd.DataFrame | None, split: CpuSplit | None = None) -> CostBook:
-    """The ``cpu`` target's costs from the training runs' rows (defaults where none measure)."""
+def cpu_book(rows: pd.DataFrame | None, split: CpuSplit | None = None, train: Setup | None = None) -> CostBook:
+    """The ``cpu`` target's costs from one training run's rows (``train``, default the split's run that measured its
+    raw read; defaults where none measure)."""
     split = split or cpu_split(rows)
+    train = train or (split.train if split is not None else None)
 
     def keep(r: pd.Series) -> bool:
-        return split is not None and r["git_commit"] == split.commit and _setup(r) in split.training
+        return split is not None and r["git_commit"] == split.commit and _setup(r) == train
 
     return costs_from_rows(_on_the_training_host(rows, split), TARGET, keep=keep)
 
@@ -163,10 +174,7 @@ def cpu_runs(rows: pd.DataFrame | None, split: CpuSplit | None = None) -> list[O
     if split is None or df is None:
         return []
     df = df[(df["git_commit"] == split.commit) & df["extra_d"].map(lambda e: int(e.get("sync", 2)) >= 2)]
-    basis = (
-        f"costs from the {split.label()} rows of {split.commit[:12]} only (target cpu), rates at that run's "
-        f"raw loopback read ({split.raw_gbps:.2f} GB/s), {f'{split.cores:.3g}' if split.cores else 'unbounded'} cores"
-    )
+    cores = f"{split.cores:.3g}" if split.cores else "unbounded"
     out = []
     for (model, trainer, engine, strategy), g in df.groupby(["model", "trainer", "engine", "strategy"], sort=False):
         held = Setup(str(model), str(trainer), str(engine))
@@ -184,23 +192,29 @@ def cpu_runs(rows: pd.DataFrame | None, split: CpuSplit | None = None) -> list[O
         key = f"own-cpu-{held.model}-{strategy}{other}"
         what = f"{held.label()} {strategy}, CPU processes of one host"
         refs = tuple(row_ref(r) for _, r in g.iterrows())
+        basis = (
+            f"costs from the {split.training_for(held.engine).label()} rows of {split.commit[:12]} only (target cpu; "
+            f"the training run with the nearest number of engine-rank processes), rates at the raw loopback read "
+            f"of {split.train.label()} ({split.raw_gbps:.2f} GB/s), {cores} cores"
+        )
         out.append(OwnRun(key, what, statistics.median(g["seconds"]), refs, spec, str(strategy), TARGET, basis))
     return out
 
 
-def cpu_checks(
-    rows: pd.DataFrame | None, book: CostBook | None = None, split: CpuSplit | None = None
-) -> list[OwnCheck]:
-    """Every held-out CPU run of ``split`` (default: the newest) next to its prediction from its training run's
-    costs (``book``, else :func:`cpu_book`)."""
+def cpu_checks(rows: pd.DataFrame | None, split: CpuSplit | None = None) -> list[OwnCheck]:
+    """Every held-out CPU run of ``split`` (default: the newest) next to its prediction from the costs of its
+    training run (:meth:`CpuSplit.training_for`)."""
     split = split or cpu_split(rows)
     if split is None:
         return []
-    book = book or cpu_book(rows, split)
+    books: dict[Setup, CostBook] = {}
     out = []
     for run in cpu_runs(rows, split):
-        (p,) = simulate(run.spec.build(), [SIM_STRATEGIES[run.strategy]], book)
-        out.append(OwnCheck(run, p.seconds))
+        train = split.training_for(f"{run.spec.engine} x{run.spec.replicas}")
+        if train not in books:
+            books[train] = cpu_book(rows, split, train)
+        (p,) = simulate(run.spec.build(), [SIM_STRATEGIES[run.strategy]], books[train])
+        out.append(OwnCheck(run, p.seconds, books[train]))
     return out
 
 

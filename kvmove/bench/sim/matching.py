@@ -156,7 +156,6 @@ CLUSTER: dict[str, Match] = {
     "request_s": _DISAGG_V1,
     "materialize_s": _DISAGG_V1,
     "pack_call_s": _DISAGG_V1,
-    "serve_s": _NO_ROWS,
     "load_call_s": _DISAGG_V1,
     "pull_op_s": _DISAGG_V1,
     "collective_s": Match(ANY, ("micro",)),
@@ -167,9 +166,8 @@ CLUSTER: dict[str, Match] = {
 }
 """Full-scale targets: rows of separate GPUs only, and device-local passes measured on any GPU (FP8 quantization,
 delta detection and apply). The per-layer reload of a GPU engine is measured by no row of ours (the vLLM suite
-runs vLLM's CPU engine): it is fitted. A sync's driver work outside its phases (``sync_s``) and a trainer's serving
-of one on-demand pull (``serve_s``: two runs that differ only in replicas) are measured on CPU rows only so far, and
-kept at 0 for GPU targets. The micro-benchmark's quantizer (``kvmove.bench.micro.quantize_blocks``,
+runs vLLM's CPU engine): it is fitted. A sync's driver work outside its phases (``sync_s``) is measured on CPU rows
+only so far, and kept at 0 for GPU targets. The micro-benchmark's quantizer (``kvmove.bench.micro.quantize_blocks``,
 pure torch) is not the sync's and sets nothing."""
 
 ONE_GPU: dict[str, Match] = {
@@ -195,7 +193,7 @@ _CPU_SYNC = Match(PLACEMENTS, ("cpu",), gathers=("none", "host-gloo"), device="c
 through gloo."""
 _CPU_COSTS = (
     "pull_efficiency", "nccl_efficiency", "pack_efficiency", "load_efficiency", "request_s", "materialize_s",
-    "pack_call_s", "serve_s", "load_call_s", "pull_op_s", "collective_s", "broadcast_op_s", "cold_s_per_byte", "sync_s",
+    "pack_call_s", "load_call_s", "pull_op_s", "collective_s", "broadcast_op_s", "cold_s_per_byte", "sync_s",
 )  # fmt: skip
 CPU: dict[str, Match] = {name: _CPU_SYNC if name in _CPU_COSTS else _NO_ROWS for name in CLUSTER}
 """kvmove's CPU syncs (the sync suite, ``kvmove.bench.sim.cpuruns``): costs from CPU sync rows only, rates over the

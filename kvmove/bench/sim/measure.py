@@ -31,7 +31,7 @@ from kvmove.bench.sim.samples import Extractor, RowFilter, Sample, decorate, row
 from kvmove.bench.sim.sender import Rates, broadcast_op, funnel_yield, raw_broadcast
 from kvmove.errors import KvmoveError
 from kvmove.models import resolve_model
-from kvmove.models.layout import TrainerLayout, split_label
+from kvmove.models.layout import TrainerLayout
 
 _MEMO: dict[tuple[int, str, str], float] = {}
 _FULL: dict[str, pd.DataFrame] = {}
@@ -259,8 +259,7 @@ def _micro(name: str, value: Callable[[Any], float]) -> Extractor:
 
 def _collectives(df: pd.DataFrame) -> list[Sample]:
     """The all-gather micro-benchmark (GPUs); v1 syncs whose trainer ranks gather every tensor (a CPU host's gloo
-    collectives): (gather phase - yields x materialize_s - gathered bytes at the link's NCCL rate - the pulls it
-    served meanwhile x serve_s) / collectives."""
+    collectives): (gather phase - yields x materialize_s - gathered bytes at the link's NCCL rate) / collectives."""
     out = _micro("nccl all_gather 4 KiB", lambda r: float(r["seconds"]))(df)
     for _, r in syncs(df, None, ("v1",)).iterrows():
         counts = row_counts(r)
@@ -269,36 +268,7 @@ def _collectives(df: pd.DataFrame) -> list[Sample]:
             continue
         rate = _line_gbps(r) * 1e9 * _median(df, "nccl_efficiency")
         seconds -= counts.yields * _median(df, "materialize_s") + counts.gathered / rate
-        seconds -= counts.calls * _replicas(r) * _median(df, "serve_s")
         out.append(Sample(seconds / counts.gathers, row_ref(r)))
-    return out
-
-
-def _replicas(r: Any) -> int:
-    return split_label(str(r["engine"]))[1]
-
-
-def _serve(df: pd.DataFrame) -> list[Sample]:
-    """v1 runs of one commit, model and layouts that differ only in replicas (a trainer rank serves each replica's
-    pulls, taken and answered by its own process between its gathers): the gather phase each extra replica adds,
-    per pull the busiest trainer rank serves for it. One sample per row of the run with more replicas, against the
-    median of the run with the fewest."""
-    rows = syncs(df, None, ("v1",))
-    out: list[Sample] = []
-    if rows.empty:
-        return out
-    reps = rows["engine"].map(lambda e: split_label(str(e)))
-    rows = rows.assign(_layout=reps.map(lambda x: x[0]), _reps=reps.map(lambda x: x[1]))
-    for _, group in rows.groupby(["git_commit", "model", "trainer", "_layout", "transport"], sort=False):
-        fewest = int(group["_reps"].min())
-        base = group[group["_reps"] == fewest]
-        counts = row_counts(base.iloc[0])
-        if counts is None or counts.calls <= 0:
-            continue
-        gather = statistics.median(float(p.get("gather", 0.0)) for p in base["phases_d"])
-        for _, r in group[group["_reps"] > fewest].iterrows():
-            extra = float(r["phases_d"].get("gather", 0.0)) - gather
-            out.append(Sample(extra / (counts.calls * (int(r["_reps"]) - fewest)), row_ref(r)))
     return out
 
 
@@ -364,12 +334,6 @@ EXTRACTORS: dict[str, tuple[str, Extractor, str]] = {
         "derived",
         _per_op("pack", lambda c: c.calls, _bytes_at("pack_efficiency")),
         "v1: (pack phase - bytes at the packing rate) / pulls served",
-    ),
-    "serve_s": (
-        "derived",
-        _serve,
-        "v1 runs that differ only in replicas: the gather phase an extra replica adds / the pulls the busiest trainer "
-        "rank serves it",
     ),
     "load_call_s": (
         "derived",

@@ -53,6 +53,8 @@ class OwnRun(NamedTuple):
 class OwnCheck(NamedTuple):
     run: OwnRun
     predicted: float
+    book: CostBook | None = None
+    """The costs that predicted it, where they are not its target's one book (CPU runs: their training run's)."""
 
     @property
     def error_pct(self) -> float:

@@ -174,7 +174,7 @@ def _phase_table(st: Steps, traffic: Traffic, s: SimSetup, book: CostBook) -> np
     # bytes sent by RDMA from host memory (a broadcast copies pinned memory to the device: priced in gather)
     host = 0.0 if traffic.strategy.broadcast else t["send"] if s.trainer.kind == "host" else t["h2d"]
     pack = _rank_max(
-        t["calls"] * (book["pack_call_s"] + book["serve_s"])
+        t["calls"] * book["pack_call_s"]
         + t["pack"] / (copy * book["pack_efficiency"])
         + book.quantize_seconds(t["quant"], c.hbm_rate)
         + host * book["host_register_s_per_byte"]

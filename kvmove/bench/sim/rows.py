@@ -172,7 +172,7 @@ def simulated_rows(book: CostBook, judged: Validation | None = None, measured: p
     checks = judged.checks if judged else validate(book)
     rows = [prediction_row(c.prediction, figure_setup(c.figure), book, c.figure.key, c) for c in checks]
     if judged and judged.own:
-        rows += [own_row(o, judged.own_books[o.run.target]) for o in judged.own]
+        rows += [own_row(o, o.book or judged.own_books[o.run.target]) for o in judged.own]
     for label, s in user_setups():
         for p in simulate(s, SIM_STRATEGIES.values(), book):
             rows.append(prediction_row(p, s, book, label))

@@ -92,7 +92,7 @@ def validate_all(measured: CostBook, rows: pd.DataFrame | None, figures: tuple[F
     newest = splits[-1] if splits else None
     fitted, books = fit(measured, figures), {"one-gpu": one_gpu_book(rows), TARGET: cpu_book(rows, newest)}
     checks = validate(fitted.book, figures, leave_one_source_out(measured, figures, fitted))
-    cpu = [cpu_checks(rows, books[TARGET] if split is newest else None, split) for split in splits]
+    cpu = [cpu_checks(rows, split) for split in splits]
     own = own_checks(rows, books["one-gpu"]) + (cpu[-1] if cpu else [])
     scores = [split_score(split, runs) for split, runs in zip(splits, cpu, strict=True) if runs]
     return Validation(checks, fitted, own, books, scores)

@@ -11,8 +11,15 @@ import statistics
 import pytest
 
 from kvmove.bench.results import Labels, Row, append_rows, load_results
-from kvmove.bench.sim.counts import row_counts
-from kvmove.bench.sim.cpuruns import cpu_book, cpu_checks, cpu_runs, cpu_split, cpu_splits, split_scores
+from kvmove.bench.sim.cpuruns import (
+    cpu_book,
+    cpu_checks,
+    cpu_runs,
+    cpu_split,
+    cpu_splits,
+    engine_processes,
+    split_scores,
+)
 from kvmove.bench.sim.hardware import Cluster
 from kvmove.bench.sim.measure import costs_from_rows
 from kvmove.bench.sim.models import sim_model
@@ -134,42 +141,41 @@ def _replicas(rows: list[Row], engine: str, gather: float) -> list[Row]:
     return out
 
 
-def test_the_training_runs_at_another_replica_count_price_serving_a_replica(tmp_path) -> None:
-    """The training run's model and layouts at one replica are training too (not held out): the gather phase the
-    second replica adds, per pull the busiest trainer rank serves it, is ``serve_s``; with it taken out both runs
-    give one cost per collective, and one more replica is priced at its pulls x ``serve_s`` on the trainer."""
-    one = "tp=2,dp=1,ep=2,pp=1 x1"
+def test_held_out_runs_take_the_costs_of_the_training_run_with_as_many_engine_ranks(tmp_path) -> None:
+    """The training run's model and layouts at one replica train too (not held out). Each held-out run is priced
+    with the costs of the training run whose engine-rank processes are nearest in number (on a host of a few
+    cores they take cores from the trainer's ranks): one TP1 engine (1 rank) from the one-replica run (2), the tiny
+    model into two TP2 engines (4) from the two-replica run (4); a tie goes to the larger. The partner's rows take
+    the training run's raw read, so its rates are measured too."""
+    one, tp1 = "tp=2,dp=1,ep=2,pp=1 x1", "tp=1,dp=1,ep=1,pp=1 x1"
     append_rows(tmp_path, "sync", _run("qwen3-moe-small", 3.5, 1.0), Labels(CPU, {}, "c1"))
-    append_rows(tmp_path, "sync", _replicas(_run("qwen3-moe-small", None, 1.0), one, 1.4), Labels(CPU, {}, "c1"))
+    append_rows(tmp_path, "sync", _replicas(_run("qwen3-moe-small", None, 0.6), one, 1.4), Labels(CPU, {}, "c1"))
     append_rows(tmp_path, "sync", _run("qwen3-moe-tiny", None, 0.3), Labels(CPU, {}, "c1"))
+    append_rows(tmp_path, "sync", _replicas(_run("qwen3-moe-small", None, 1.0), tp1, 1.2), Labels(CPU, {}, "c1"))
     rows = load_results(tmp_path)
     split = cpu_split(rows)
     assert split is not None and [p.engine for p in split.partners] == [one]
-    assert [h.model for h in split.held] == ["qwen3-moe-tiny"] and "and 1 replica(s)" in split.label()
-    assert all("qwen3-moe-tiny" in r.key for r in cpu_runs(rows))
-    nbytes = model_totals(sim_model("qwen3-moe-small")).total_bytes
-    extra = {"direct": True, "engine_dtype": "bf16"}
-    counts = row_counts(
-        {"extra_d": extra, "model": "qwen3-moe-small", "trainer": TRAINER, "engine": one, "strategy": "v1",
-         "bytes": nbytes}
-    )  # fmt: skip
-    assert counts is not None and counts.calls > 0
-    book = cpu_book(rows, split)
-    serve = book.costs["serve_s"]
-    assert serve.kind == "derived" and book["serve_s"] == pytest.approx((2.0 - 1.4) / counts.calls)
-    assert {r.setup.split(" v1 ")[0].split(" -> ")[1] for r in serve.rows} == {ENGINE}
-    assert {ENGINE, one} <= {r.setup.split(" v1 ")[0].split(" -> ")[1] for r in book.costs["collective_s"].rows}
-    without = cpu_book(load_results(tmp_path), split._replace(partners=()))
-    assert without.costs["serve_s"].kind == "default" and without["serve_s"] == 0.0
-    for target in ("cluster", "one-gpu"):
-        assert costs_from_rows(rows, target).costs["serve_s"].kind == "default"
-    x2 = cpu_runs(rows, split._replace(held=(split.train,)))[0].spec.build()
-    x1 = dataclasses.replace(x2, engine=dataclasses.replace(x2.engine, replicas=1))
-    (two,) = simulate(x2, [SIM_STRATEGIES["v1"]], book)
-    (single,) = simulate(x1, [SIM_STRATEGIES["v1"]], book)
-    (flat,) = simulate(x2, [SIM_STRATEGIES["v1"]], book.with_values({"serve_s": 0.0}, "test"))
-    assert two.phases["pack"] - flat.phases["pack"] >= counts.calls * book["serve_s"] * 0.999
-    assert single.seconds < two.seconds
+    held = sorted(h.model + " " + h.engine for h in split.held)
+    assert held == [f"qwen3-moe-small {tp1}", f"qwen3-moe-tiny {ENGINE}"]
+    assert split.training_for(ENGINE) == split.train and split.training_for(tp1).engine == one
+    assert split.training_for("tp=1 x3") == split.train  # 3 ranks: as near 4 as 2, the larger wins
+    assert engine_processes(ENGINE) == 4 and engine_processes(tp1) == 1
+    partner = cpu_book(rows, split, split.partners[0])
+    assert partner.costs["pull_efficiency"].kind == "measured"  # at the training run's raw read
+    for book, engine in ((cpu_book(rows, split), ENGINE), (partner, one)):
+        refs = [r for c in book.costs.values() for r in c.rows]
+        assert refs and all(f"-> {engine} " in r.setup for r in refs)
+    checks = cpu_checks(rows)
+    assert len(checks) == 8
+    for c in checks:
+        engine = ENGINE if "tiny" in c.run.key else one
+        assert c.book is not None and all(f"-> {engine} " in r.setup for r in c.book.costs["collective_s"].rows)
+        assert f"-> {engine} rows of c1" in c.run.basis
+        (p,) = simulate(c.run.spec.build(), [SIM_STRATEGIES[c.run.strategy]], c.book)
+        assert p.seconds == c.predicted
+    small = next(c for c in checks if c.run.strategy == "v1" and "small" in c.run.key)
+    (alone,) = simulate(small.run.spec.build(), [SIM_STRATEGIES["v1"]], cpu_book(rows, split))
+    assert small.predicted < alone.seconds  # the one-replica run's cheaper gathers, not the two-replica run's
 
 
 def test_a_commit_with_only_the_training_run_at_two_replica_counts_has_nothing_held_out(tmp_path) -> None:
