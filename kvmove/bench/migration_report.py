@@ -23,6 +23,7 @@ def summarize(runs: list[RunResult], link_gbps: float | None, transport: Transpo
         "kind": "summary",
         "migrations": len(ok),
         "failed": len(on.migrations) - len(ok),
+        "finished_before_move": len(on.finished_first),
         "verified": all(all(r.verified.values()) for r in runs),
         "bytes": moved,
         "seconds": sum(mg.seconds for mg in ok),

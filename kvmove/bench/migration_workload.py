@@ -63,6 +63,9 @@ class RunResult:
     verified: dict[str, bool] = field(default_factory=dict)
     integrity: dict[str, str] = field(default_factory=dict)
     integrity_checked: bool = True
+    finished_first: list[str] = field(default_factory=list)
+    """High-priority requests picked for a move that finished on their source before it began: nothing moved, not a
+    failed migration (their outputs are verified like every other)."""
 
     @property
     def integrity_ok(self) -> bool:
@@ -71,6 +74,11 @@ class RunResult:
     def latency_quantile(self, q: float) -> float:
         values = sorted(self.latency.values())
         return values[min(len(values) - 1, round(q * (len(values) - 1)))] if values else 0.0
+
+    def finished(self, rid: str) -> None:
+        """Note ``rid`` (once) as finished on its source before its move began."""
+        if rid not in self.finished_first:
+            self.finished_first.append(rid)
 
     def p50(self) -> float:
         return statistics.median(self.latency.values()) if self.latency else 0.0
@@ -178,6 +186,7 @@ def _migrate_starving(
             try:
                 rec = migrate_request(src, dst, d.rid)
             except UnknownMigrationError:  # NOTE: it got admitted and finished since the metrics were read
+                run.finished(d.rid)
                 continue
             run.migrations.append(rec)
             if rec.ok:  # NOTE: the source relays the target's answer: the original future answers for it
@@ -199,10 +208,12 @@ def _move_over_fork_routes(
     try:
         rec, resume = migrate_request_sglang(src, dst, body, lambda: answer.result(timeout=cfg.deadline_s))
     except UnknownMigrationError:  # NOTE: it finished since the metrics were read
+        run.finished(body.rid or "")
+        return None
+    if resume is None:  # NOTE: it finished before the abort reached it: its answer is whole, nothing moved
+        run.finished(rec.rid)
         return None
     run.migrations.append(rec)
-    if resume is None:
-        return None
     partial = answer.result().output_ids
     return pool.submit(_continued, dst, resume, partial, cfg.deadline_s)
 

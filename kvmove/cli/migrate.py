@@ -197,5 +197,6 @@ def _link_gbps(transport: str, run: Any, say: Callable[[str], None]) -> float:
 
 
 def _text(line: dict[str, Any]) -> str:
-    keys = ("kind", "rid", "migrations", "verified", "bytes", "seconds", "gbps", "integrity_ok", "transport")
+    keys = ("kind", "rid", "migrations", "finished_before_move", "verified", "bytes", "seconds", "gbps", "integrity_ok",
+            "transport")  # fmt: skip
     return "  ".join(f"{k}={line[k]}" for k in keys if k in line)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -59,3 +59,42 @@ def test_a_low_request_still_waiting_is_not_admitted(monkeypatch) -> None:
                 _fill(busy, WorkloadConfig(low_requests=4, page_size=4), "k", pool)  # type: ignore[arg-type]
         finally:
             busy.release.set()
+
+
+class _Finished:
+    """A source whose request had finished when the abort reached it (its answer ended on its length)."""
+
+    url = "http://source"
+
+    def abort_request(self, rid: str) -> None:
+        self.aborted = rid
+
+
+def test_a_request_that_finished_before_its_move_is_not_a_failed_migration() -> None:
+    """Over the fork's routes, a request picked for a move may finish on its source before the abort reaches it:
+    nothing moved, its answer is whole (and verified like any other), so the run records it as finished first,
+    not as a failed migration, and the summary's ``failed`` stays 0."""
+    from kvmove.bench.migration_report import summarize
+    from kvmove.migration.endpoint import TransportChoice
+
+    body = migration_workload._body("r1", [1, 2, 3], WorkloadConfig(), "k")
+    answer: Future[SimpleNamespace] = Future()
+    answer.set_result(SimpleNamespace(output_ids=[7] * 8, meta_info={"finish_reason": {"type": "length"}}))
+    run = migration_workload.RunResult(migrate=True)
+    with ThreadPoolExecutor(1) as pool:
+        moved = migration_workload._move_over_fork_routes(
+            _Finished(),
+            SimpleNamespace(url="http://target"),
+            body,
+            answer,
+            WorkloadConfig(),
+            pool,
+            run,  # type: ignore[arg-type]
+        )
+    assert moved is None and run.migrations == [] and run.finished_first == ["r1"]
+    run.finished("r1")
+    assert run.finished_first == ["r1"]  # noted once
+    run.verified["r1"] = True
+    (summary,) = summarize([run], None, TransportChoice("nixl", "nixl"))
+    assert (summary["migrations"], summary["failed"], summary["finished_before_move"]) == (0, 0, 1)
+    assert summary["verified"]
