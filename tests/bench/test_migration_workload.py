@@ -83,13 +83,13 @@ def test_a_request_that_finished_before_its_move_is_not_a_failed_migration() -> 
     run = migration_workload.RunResult(migrate=True)
     with ThreadPoolExecutor(1) as pool:
         moved = migration_workload._move_over_fork_routes(
-            _Finished(),
-            SimpleNamespace(url="http://target"),
+            _Finished(),  # type: ignore[arg-type]
+            SimpleNamespace(url="http://target"),  # type: ignore[arg-type]
             body,
             answer,
             WorkloadConfig(),
             pool,
-            run,  # type: ignore[arg-type]
+            run,
         )
     assert moved is None and run.migrations == [] and run.finished_first == ["r1"]
     run.finished("r1")

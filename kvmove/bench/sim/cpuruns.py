@@ -25,7 +25,7 @@ from kvmove.bench.sim.costs import CostBook
 from kvmove.bench.sim.measure import costs_from_rows
 from kvmove.bench.sim.ownruns import OwnCheck, OwnRun
 from kvmove.bench.sim.predict import simulate
-from kvmove.bench.sim.samples import decorated, row_ref
+from kvmove.bench.sim.samples import decorated, json_dict, row_ref
 from kvmove.bench.sim.setup import Spec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
 from kvmove.models.layout import EngineLayout, TrainerLayout, split_label
@@ -133,28 +133,21 @@ def cpu_book(rows: pd.DataFrame | None, split: CpuSplit | None = None, train: Se
     def keep(r: pd.Series) -> bool:
         return split is not None and r["git_commit"] == split.commit and _setup(r) == train
 
-    return costs_from_rows(_on_the_training_host(rows, split), TARGET, keep=keep)
+    if split is not None and train in split.partners:
+        rows = _on_the_training_host(rows, split, train)
+    return costs_from_rows(rows, TARGET, keep=keep)
 
 
-def _on_the_training_host(rows: pd.DataFrame | None, split: CpuSplit | None) -> pd.DataFrame | None:
-    """``rows`` with the training run's raw loopback read on its partners' rows (the same host at the same commit:
+def _on_the_training_host(rows: pd.DataFrame | None, split: CpuSplit, partner: Setup) -> pd.DataFrame | None:
+    """``rows`` with the training run's raw loopback read on ``partner``'s rows (the same host at the same commit:
     their rates are its rates, as every prediction's are)."""
-    if rows is None or split is None or not split.partners:
+    if rows is None:
         return rows
-    partner = rows.apply(
-        lambda r: r["git_commit"] == split.commit and _setup(r) in split.partners and r["kind"] == "measured", axis=1
-    )
+    ours = [Setup(*s) == partner for s in zip(rows["model"], rows["trainer"], rows["engine"], strict=True)]
+    mask = (rows["git_commit"] == split.commit) & (rows["kind"] == "measured") & pd.Series(ours, index=rows.index)
     out = rows.copy()
-    out.loc[partner, "extra"] = [
-        json.dumps({**_extra(e), "raw_gbps": split.raw_gbps}) for e in out.loc[partner, "extra"]
-    ]
+    out.loc[mask, "extra"] = [json.dumps({**json_dict(e), "raw_gbps": split.raw_gbps}) for e in out.loc[mask, "extra"]]
     return out
-
-
-def _extra(value: object) -> dict[str, object]:
-    if isinstance(value, dict):
-        return dict(value)
-    return dict(json.loads(value)) if isinstance(value, str) and value else {}
 
 
 def cpu_cluster(trainer: str, raw_gbps: float, cores: float = 0) -> str:

@@ -31,8 +31,8 @@ def decorate(rows: pd.DataFrame, matches: dict[str, Match], keep: RowFilter | No
     df = rows[rows["kind"] == "measured"].copy()
     if "timestamp" in df.columns:
         df = df.sort_values("timestamp", kind="stable")
-    df["phases_d"] = df["phases"].map(_json)
-    df["extra_d"] = df["extra"].map(_json)
+    df["phases_d"] = df["phases"].map(json_dict)
+    df["extra_d"] = df["extra"].map(json_dict)
     df["hardware"] = df["hardware"].fillna("").astype(str)
     speedups = concurrent_speedups(df)
     hosts = zip(df["hardware"], df["extra_d"], df["git_commit"], strict=True)
@@ -63,7 +63,7 @@ def concurrent_speedups(df: pd.DataFrame) -> dict[str, float]:
     raw = df[(df["suite"] == "transport") & df["name"].astype(str).str.startswith("raw ")]
     out: dict[str, float] = {}
     for _, r in raw.iterrows():
-        name, e = str(r["name"]), _json(r["extra"])
+        name, e = str(r["name"]), json_dict(r["extra"])
         total, pairs = e.get("aggregate_gbps"), e.get("pairs")
         if not name.endswith(" concurrent") or not isinstance(total, int | float) or not pairs:
             continue
@@ -75,7 +75,8 @@ def concurrent_speedups(df: pd.DataFrame) -> dict[str, float]:
     return out
 
 
-def _json(value: Any) -> dict[str, Any]:
+def json_dict(value: Any) -> dict[str, Any]:
+    """A results row's ``phases`` or ``extra`` (a dict, or its JSON text) as a dict; {} when it is neither."""
     if isinstance(value, dict):
         return value
     try:
