@@ -18,10 +18,8 @@ from kvmove.sync.driver.running import RunningRanks
 from kvmove.sync.launchers.base import Call, RankDied
 from kvmove.sync.planning.blueprint import TrainerSync
 from kvmove.sync.ranks.control import (
-    BroadcastGroup,
     EngineGone,
     EngineStats,
-    PickAddress,
     ReceiveBroadcast,
     RunPulls,
     RunSync,
@@ -148,9 +146,7 @@ def _launch_pulls(ranks: RunningRanks, step: Step) -> Launched:
 
 
 def _launch_broadcast(ranks: RunningRanks, step: Step) -> Launched:
-    c = ranks.config
-    (store,) = ranks.launcher.call(ranks.trainers[:1], PickAddress(), c.deadline_s)
-    group = BroadcastGroup(store, 1 + len(step.live), f"bcast-{step.sync_id}")
+    group = ranks.broadcast_group(step.live, step.sync_id)
     trainer_calls = [t.submit(SendBroadcast(group, step.trainer_deaths.get(r))) for r, t in enumerate(ranks.trainers)]
     engine_calls = {e: ranks.engines[e].submit(ReceiveBroadcast(group, 1 + i)) for i, e in enumerate(step.live)}
     return Launched(trainer_calls, engine_calls)

@@ -1,6 +1,9 @@
 """The broadcast baseline's two halves: trainer rank 0 broadcasts every full tensor, in the engine's format (an FP8
 engine's tensors are quantized whole on rank 0 first: FP8 weights and scales cross the link); engine ranks receive
-the whole model, then run their own loader over it (each keeps its slice and drops the rest)."""
+the whole model, then run their own loader over it (each keeps its slice and drops the rest).
+
+The process group is opened once and kept (:class:`KeptGroup`), as an RL framework initializes its weight-update
+group once and broadcasts over it at every sync; the driver names a new group when the live engine ranks change."""
 
 from __future__ import annotations
 
@@ -43,6 +46,23 @@ def open_group(group: BroadcastGroup, member: int, device: str, timeout_s: float
     gloo._timeout = timeout
     gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return OpenedGroup(store, dist.ProcessGroupGloo(prefixed, member, group.size, gloo))
+
+
+class KeptGroup:
+    """One member's broadcast group, kept from sync to sync: :meth:`get` opens the group a command names the first
+    time, and again only when a command names another (the driver names a new one when a replica is lost or
+    rejoins); the old one is dropped then."""
+
+    def __init__(self) -> None:
+        self._named: BroadcastGroup | None = None
+        self._opened: OpenedGroup | None = None
+
+    def get(self, group: BroadcastGroup, member: int, device: str, timeout_s: float) -> Any:
+        """The process group of ``group`` as ``member`` (opened here when it is not the kept one)."""
+        if self._opened is None or group != self._named:
+            self._opened = None  # NOTE: the old group's store and connections go before the new one opens
+            self._opened, self._named = open_group(group, member, device, timeout_s), group
+        return self._opened.group
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

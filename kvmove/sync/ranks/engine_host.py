@@ -21,7 +21,7 @@ from kvmove.models.totals import model_totals
 from kvmove.models.weights import VERIFY_LIMIT_BYTES, saved_checkpoint, seeded_checkpoint
 from kvmove.sync.planning.formats import get_format
 from kvmove.sync.planning.plan import ShardingPlan, plan_rank
-from kvmove.sync.ranks.broadcast import open_group, receive_all
+from kvmove.sync.ranks.broadcast import KeptGroup, receive_all
 from kvmove.sync.ranks.control import (
     BuildPlan,
     EngineStats,
@@ -52,6 +52,7 @@ class EngineHost(Host):
         self.model = self.build_model()
         self._plan: ShardingPlan | None = None
         self._puller: Puller | None = None
+        self._broadcast = KeptGroup()
 
     # -- what an engine kind provides -------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -145,7 +146,7 @@ class EngineHost(Host):
     def receive_broadcast(self, command: ReceiveBroadcast) -> EngineStats:
         cpu = time.process_time()
         c, device = self.config, self.spec.device
-        _, pg = open_group(command.group, command.member, device, c.deadline_s)
+        pg = self._broadcast.get(command.group, command.member, device, c.deadline_s)
         if c.tensor_format == "hf":  # the trainer sent the engine's checkpoint (an FP8 engine's quantized)
             stats = receive_all(engine_tensors(c.model), pg, self.adapter, self.model, self.spec.rank, device)
         else:  # the trainer's own tensors, BF16: converted to HF by views, then to the engine's checkpoint

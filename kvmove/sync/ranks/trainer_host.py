@@ -11,7 +11,7 @@ from typing import Any
 from kvmove.errors import KvmoveError
 from kvmove.models.checkpoint import engine_checkpoint
 from kvmove.ports import free_port
-from kvmove.sync.ranks.broadcast import open_group, send_all
+from kvmove.sync.ranks.broadcast import KeptGroup, send_all
 from kvmove.sync.ranks.control import (
     Address,
     ConnectPeers,
@@ -50,7 +50,7 @@ class TrainerHost(Host):
         self._source: WeightSource | None = source
         self._serving: TrainerRank | None = None
         self._lock = threading.Lock()
-        self._broadcast_group: Any = None  # kept until the next broadcast: rank 0 hosts its store
+        self._broadcast = KeptGroup()  # rank 0 hosts its store
 
     @property
     def source(self) -> WeightSource:
@@ -130,8 +130,7 @@ class TrainerHost(Host):
         cpu = time.process_time()
         pg = None
         if self.spec.rank == 0:
-            self._broadcast_group = open_group(command.group, 0, self.spec.device, self.config.deadline_s)
-            pg = self._broadcast_group[1]
+            pg = self._broadcast.get(command.group, 0, self.spec.device, self.config.deadline_s)
         # HF tensors are put in the engine's format here (an FP8 engine's quantized on rank 0); another format's
         # tensors cross as the trainer holds them, and the engine converts them (engine_host.receive_broadcast)
         convert = partial(engine_checkpoint, self.config.model) if self.config.tensor_format == "hf" else dict

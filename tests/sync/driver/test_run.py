@@ -121,3 +121,25 @@ def test_each_transport_syncs_bit_exact(transport: str) -> None:
 def test_two_sided_transports_refuse_fault_injection() -> None:
     with pytest.raises(KvmoveError, match="rejoin"):
         list(run_syncs(_config(transport="gloo", faults=(Fault(0, 1),))))
+
+
+def test_the_broadcast_group_is_kept_until_a_replica_goes_or_rejoins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Broadcast syncs reuse the group their ranks opened (as a framework's weight-update group), and a replica
+    lost before sync 2 and restarted for sync 3 gets a group of the ranks then live; every sync verified."""
+    from kvmove.sync.driver.running import RunningRanks
+
+    named = []
+    original = RunningRanks.broadcast_group
+
+    def spy(self: RunningRanks, live: list[int], sync_id: int) -> object:
+        group = original(self, live, sync_id)
+        named.append(group)
+        return group
+
+    monkeypatch.setattr(RunningRanks, "broadcast_group", spy)
+    config = _config(strategies=tuple(parse_strategies("broadcast")), syncs=4, faults=(Fault(1, 2),))
+    results = list(run_syncs(config))
+    assert [(r.live_engines, r.verified) for r in results] == [(4, True), (2, True), (4, True), (4, True)]
+    first, alone, back, again = named
+    assert (first.size, alone.size, back.size) == (5, 3, 5)
+    assert len({first, alone, back}) == 3 and again is back
