@@ -133,18 +133,23 @@ def cpu_book(rows: pd.DataFrame | None, split: CpuSplit | None = None, train: Se
     def keep(r: pd.Series) -> bool:
         return split is not None and r["git_commit"] == split.commit and _setup(r) == train
 
-    if split is not None and train in split.partners:
+    if split is not None and train is not None:
         rows = _on_the_training_host(rows, split, train)
     return costs_from_rows(rows, TARGET, keep=keep)
 
 
-def _on_the_training_host(rows: pd.DataFrame | None, split: CpuSplit, partner: Setup) -> pd.DataFrame | None:
-    """``rows`` with the training run's raw loopback read on ``partner``'s rows (the same host at the same commit:
-    their rates are its rates, as every prediction's are)."""
+def _on_the_training_host(rows: pd.DataFrame | None, split: CpuSplit, train: Setup) -> pd.DataFrame | None:
+    """``rows`` with the training run's raw loopback read on those of ``train``'s rows that measured none (a
+    partner's, or a run of the training setup through ``kvmove sync-weights``: the same host at the same commit,
+    whose rates are its rates, as every prediction's are)."""
     if rows is None:
         return rows
-    ours = [Setup(*s) == partner for s in zip(rows["model"], rows["trainer"], rows["engine"], strict=True)]
-    mask = (rows["git_commit"] == split.commit) & (rows["kind"] == "measured") & pd.Series(ours, index=rows.index)
+    ours = [Setup(*s) == train for s in zip(rows["model"], rows["trainer"], rows["engine"], strict=True)]
+    unread = [not json_dict(e).get("raw_gbps") for e in rows["extra"]]
+    at = (rows["git_commit"] == split.commit) & (rows["kind"] == "measured")
+    mask = at & pd.Series(ours, index=rows.index) & pd.Series(unread, index=rows.index)
+    if not mask.any():
+        return rows
     out = rows.copy()
     out.loc[mask, "extra"] = [json.dumps({**json_dict(e), "raw_gbps": split.raw_gbps}) for e in out.loc[mask, "extra"]]
     return out

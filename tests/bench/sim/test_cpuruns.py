@@ -178,6 +178,22 @@ def test_held_out_runs_take_the_costs_of_the_training_run_with_as_many_engine_ra
     assert small.predicted < alone.seconds  # the one-replica run's cheaper gathers, not the two-replica run's
 
 
+def test_a_second_run_of_the_training_setup_without_its_own_raw_read_trains_at_the_runs_rates(tmp_path) -> None:
+    """A recording in ABBA order runs the training setup twice, the second time through ``kvmove sync-weights``
+    (no raw read of its own): both runs' rows set the costs, the second at the first run's raw read."""
+    append_rows(tmp_path, "sync", _run("qwen3-moe-small", 3.5, 1.0), Labels(CPU, {}, "c1"))
+    append_rows(tmp_path, "sync", _run("qwen3-moe-tiny", None, 0.3), Labels(CPU, {}, "c1"))
+    once = load_results(tmp_path)
+    append_rows(tmp_path, "sync", _run("qwen3-moe-small", None, 1.0), Labels(CPU, {}, "c1"))
+    twice = load_results(tmp_path)
+    split = cpu_split(twice)
+    assert split is not None and split.raw_gbps == 3.5 and not split.partners
+    for name in ("pull_efficiency", "collective_s"):
+        one, two = cpu_book(once).costs[name], cpu_book(twice).costs[name]
+        assert one.kind == two.kind == "measured" and len(two.rows) == 2 * len(one.rows), name
+    assert [c.predicted for c in cpu_checks(twice)] == pytest.approx([c.predicted for c in cpu_checks(once)])
+
+
 def test_a_commit_with_only_the_training_run_at_two_replica_counts_has_nothing_held_out(tmp_path) -> None:
     append_rows(tmp_path, "sync", _run("qwen3-moe-small", 3.5, 1.0), Labels(CPU, {}, "c1"))
     one = _replicas(_run("qwen3-moe-small", None, 1.0), "tp=2,dp=1,ep=2,pp=1 x1", 1.4)
