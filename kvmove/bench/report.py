@@ -10,7 +10,6 @@ held-out) and its leave-one-source-out error; kvmove's own held-out runs appear 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -18,7 +17,7 @@ from typing import Any, NamedTuple
 import pandas as pd
 
 from kvmove.bench import runs
-from kvmove.bench.results import COLUMNS, read_file
+from kvmove.bench.results import COLUMNS, json_dict, read_file
 from kvmove.errors import KvmoveError
 
 
@@ -114,19 +113,9 @@ def load_rows(results_dir: Path) -> LoadedRows:
             rows[c] = pd.NA
     for c in ("bytes", "seconds", "gbps", "link_limit_gbps"):
         rows[c] = pd.to_numeric(rows[c], errors="coerce").fillna(0.0)
-    rows["phases_d"] = rows["phases"].map(_json_dict)
-    rows["extra_d"] = rows["extra"].map(_json_dict)
+    rows["phases_d"] = rows["phases"].map(json_dict)
+    rows["extra_d"] = rows["extra"].map(json_dict)
     return LoadedRows(rows, notes)
-
-
-def _json_dict(value: Any) -> dict[str, Any]:
-    if isinstance(value, dict):
-        return value
-    try:
-        out = json.loads(value) if isinstance(value, str) else {}
-    except ValueError:
-        return {}
-    return out if isinstance(out, dict) else {}
 
 
 def build_report(results_dir: Path, filters: Filters | None = None) -> Report:

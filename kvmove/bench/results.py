@@ -173,6 +173,18 @@ def to_record(row: Row, labels: Labels) -> dict[str, Any]:
     return {c: rec[c] for c in COLUMNS}
 
 
+def json_dict(value: Any) -> dict[str, Any]:
+    """A row's ``phases`` or ``extra`` as stored (JSON text) or as built (a dict), as a dict; {} when it is
+    neither."""
+    if isinstance(value, dict):
+        return value
+    try:
+        out = json.loads(value) if isinstance(value, str) else {}
+    except ValueError:
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
 def append_rows(results_dir: Path, suite: str, rows: list[Row], labels: Labels | None = None) -> Path:
     """Append rows to ``results_dir/<suite>.parquet`` (created if absent) and return its path."""
     labels = labels or Labels.here()

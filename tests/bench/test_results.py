@@ -5,7 +5,7 @@ import json
 import pandas as pd
 import pytest
 
-from kvmove.bench.results import COLUMNS, Labels, Row, append_rows, load_results
+from kvmove.bench.results import COLUMNS, Labels, Row, append_rows, json_dict, load_results
 from kvmove.errors import KvmoveError
 
 LABELS = Labels("cpu:test x2", {"kvmove": "0"}, "abc")
@@ -76,3 +76,11 @@ def test_rows_name_the_loopback_shaping_and_ucx_selection_they_ran_under(tmp_pat
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     monkeypatch.delenv("UCX_TLS")
     assert link_conditions() == {}
+
+
+def test_a_rows_phases_and_extra_read_back_as_dicts_whatever_was_stored(tmp_path) -> None:
+    """What a row stored (JSON text) and what a caller built (a dict) read the same; anything else reads as {}."""
+    append_rows(tmp_path, "sync", [Row(kind="measured", suite="sync", name="x", extra={"sync": 2, "raw_gbps": 3.5})])
+    (stored,) = load_results(tmp_path)["extra"]
+    assert json_dict(stored) == json_dict({"sync": 2, "raw_gbps": 3.5}) == {"sync": 2, "raw_gbps": 3.5}
+    assert [json_dict(v) for v in ("[1, 2]", "not json", None, float("nan"))] == [{}, {}, {}, {}]

@@ -21,11 +21,12 @@ from typing import NamedTuple
 
 import pandas as pd
 
+from kvmove.bench.results import json_dict
 from kvmove.bench.sim.costs import CostBook
 from kvmove.bench.sim.measure import costs_from_rows
 from kvmove.bench.sim.ownruns import OwnCheck, OwnRun
 from kvmove.bench.sim.predict import simulate
-from kvmove.bench.sim.samples import decorated, json_dict, row_ref
+from kvmove.bench.sim.samples import decorated, row_ref
 from kvmove.bench.sim.setup import Spec
 from kvmove.bench.sim.strategies import SIM_STRATEGIES
 from kvmove.models.layout import EngineLayout, TrainerLayout, split_label

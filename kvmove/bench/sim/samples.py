@@ -4,12 +4,12 @@ or a CPU host at its run's own loopback rate), its setup (``kvmove.bench.sim.mat
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import pandas as pd
 
+from kvmove.bench.results import json_dict
 from kvmove.bench.sim.costs import RowRef
 from kvmove.bench.sim.hardware import Gpu, cores_of_hardware, gpu_of_hardware, host_of_run, parallel_of_run
 from kvmove.bench.sim.matching import TARGETS, Match, row_setup
@@ -73,17 +73,6 @@ def concurrent_speedups(df: pd.DataFrame) -> dict[str, float]:
         if alone > 0:
             out[str(r["git_commit"])] = float(total) / alone
     return out
-
-
-def json_dict(value: Any) -> dict[str, Any]:
-    """A results row's ``phases`` or ``extra`` (a dict, or its JSON text) as a dict; {} when it is neither."""
-    if isinstance(value, dict):
-        return value
-    try:
-        out = json.loads(value) if isinstance(value, str) else {}
-    except ValueError:
-        return {}
-    return out if isinstance(out, dict) else {}
 
 
 def row_ref(r: Any) -> RowRef:
