@@ -64,9 +64,8 @@ class RunningRanks:
         ranks = [(TrainerHost, self._spec(Side.TRAINER, r)) for r in range(tl.world)]
         ranks += [(self.engine_host, self._spec(Side.ENGINE, e)) for e in range(el.world)]
         self.dead: set[int] = set()
-        self._changes = 0
-        """Replicas killed or restarted so far: a broadcast group outlives none of these."""
-        self._broadcast: tuple[tuple[tuple[int, ...], int], BroadcastGroup] | None = None
+        self._broadcast: BroadcastGroup | None = None
+        """The broadcast baseline's group while its ranks keep it; dropped when a replica is killed or restarted."""
         self.synced: dict[int, int] = {}
         """Engine rank -> the sync whose weights it holds (a delta sync diffs against it); absent: unknown."""
         self.notes: list[str] = []
@@ -180,7 +179,7 @@ class RunningRanks:
         return {self.config.engine.coord(e).replica for e in self.dead}
 
     def kill_replica(self, replica: int) -> None:
-        self._changes += 1
+        self._broadcast = None
         for e in self.replica_ranks(replica):
             if e not in self.dead:
                 self.engines[e].kill()
@@ -189,7 +188,7 @@ class RunningRanks:
     def restart_replica(self, replica: int) -> None:
         """A new process per rank of ``replica``, planned and connected again (it rejoins the next sync)."""
         ranks = self.replica_ranks(replica)
-        self._changes += 1
+        self._broadcast = None
         self.launcher.gather([t.submit(ForgetEngine(e)) for t in self.trainers for e in ranks], INIT_TIMEOUT_S)
         started = self.launcher.start([(self.engine_host, self._spec(Side.ENGINE, e)) for e in ranks])
         for e, handle in zip(ranks, started, strict=True):
@@ -200,14 +199,13 @@ class RunningRanks:
 
     def broadcast_group(self, live: Sequence[int], sync_id: int) -> BroadcastGroup:
         """The broadcast baseline's group (trainer rank 0 and the ``live`` engine ranks, in order): named at the first
-        sync and again only after a replica was lost, killed or restarted, so the other syncs broadcast over the
-        group their ranks keep open (``kvmove.sync.ranks.broadcast.KeptGroup``), as an RL framework's
-        weight-update group is set up once."""
-        members = (tuple(live), self._changes)
-        if self._broadcast is None or self._broadcast[0] != members:
+        broadcast sync and again only after a replica was lost, killed or restarted (the only ways the live ranks
+        change), so the other syncs broadcast over the group their ranks keep open
+        (``kvmove.sync.ranks.broadcast.KeptGroup``), as an RL framework's weight-update group is set up once."""
+        if self._broadcast is None:
             (store,) = self.launcher.call(self.trainers[:1], PickAddress(), self.config.deadline_s)
-            self._broadcast = (members, BroadcastGroup(store, 1 + len(members[0]), f"bcast-{sync_id}"))
-        return self._broadcast[1]
+            self._broadcast = BroadcastGroup(store, 1 + len(live), f"bcast-{sync_id}")
+        return self._broadcast
 
     def live_ranks(self) -> list[RankHandle]:
         return [*self.trainers, *(self.engines[e] for e in self.live_engines())]
