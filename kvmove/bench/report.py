@@ -186,6 +186,7 @@ VALIDATION_COLUMNS = (
     "predicted",
     "error_pct",
     "loso_error_pct",
+    "pass_spread_pct",
     "used_for_costs",
     "source",
 )
@@ -210,6 +211,7 @@ def validation_table(rows: pd.DataFrame) -> pd.DataFrame:
             "predicted": float(pub["predicted"]),
             "error_pct": float(pub["error_pct"]),
             "loso_error_pct": pub.get("loso_error_pct"),
+            "pass_spread_pct": pub.get("pass_spread_pct"),
             "used_for_costs": "yes" if pub.get("used_for_costs") else "no",
             "source": pub.get("url", "") or pub.get("source", ""),
         }

@@ -232,8 +232,8 @@ def _render_validation(judged: Validation, as_json: bool) -> None:
     import pandas as pd
 
     table = validation_frame(judged)
-    shown = ["figure", "role", "strategy", "published", "predicted", "error_pct", "loso_error_pct", "speed_of_light",
-             "binding_link"]  # fmt: skip
+    shown = ["figure", "role", "strategy", "published", "predicted", "error_pct", "loso_error_pct", "pass_spread_pct",
+             "speed_of_light", "binding_link"]  # fmt: skip
     render.frame(table[shown], "published figures and our held-out runs vs predictions (validation; setups in --json)")
     urls = Counter(c.figure.url for c in judged.checks)
     render.line("sources: " + "; ".join(f"{url} ({n})" for url, n in urls.items()))

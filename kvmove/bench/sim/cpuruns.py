@@ -196,8 +196,18 @@ def cpu_runs(rows: pd.DataFrame | None, split: CpuSplit | None = None) -> list[O
             f"the training run with the nearest number of engine-rank processes), rates at the raw loopback read "
             f"of {split.train.label()} ({split.raw_gbps:.2f} GB/s), {cores} cores"
         )
-        out.append(OwnRun(key, what, statistics.median(g["seconds"]), refs, spec, str(strategy), TARGET, basis))
+        seconds = statistics.median(g["seconds"])
+        out.append(OwnRun(key, what, seconds, refs, spec, str(strategy), TARGET, basis, pass_medians(g)))
     return out
+
+
+def pass_medians(g: pd.DataFrame) -> tuple[float, ...]:
+    """The median seconds of each pass of one setup's warm syncs (decorated rows in the order they ran): a pass
+    starts where the sync numbers start again (``extra.sync`` not above the previous row's)."""
+    syncs = g["extra_d"].map(lambda e: int(e.get("sync", 2))).tolist()
+    starts = [i == 0 or n <= syncs[i - 1] for i, n in enumerate(syncs)]
+    passes = pd.Series(starts, index=g.index).cumsum()
+    return tuple(float(statistics.median(p["seconds"])) for _, p in g.groupby(passes, sort=False))
 
 
 def cpu_checks(rows: pd.DataFrame | None, split: CpuSplit | None = None) -> list[OwnCheck]:

@@ -43,6 +43,17 @@ class OwnRun(NamedTuple):
     strategy: str
     target: str = "one-gpu"
     basis: str = f"costs from the {TRAIN_LAYERS}-layer one-GPU rows only (target one-gpu)"
+    passes: tuple[float, ...] = ()
+    """The median of each pass's warm syncs, in the order they ran, where the setup was run more than once at its
+    commit (a recording in ABBA order): how well the measurement repeats itself."""
+
+    @property
+    def pass_spread_pct(self) -> float | None:
+        """The slowest pass's median less the fastest's, over :attr:`measured` (%); None with fewer than two passes:
+        an error of the prediction smaller than this is within what the measurement itself does not repeat."""
+        if len(self.passes) < 2:
+            return None
+        return 100.0 * (max(self.passes) - min(self.passes)) / self.measured
 
     @property
     def role(self) -> str:

@@ -160,6 +160,7 @@ def own_row(o: OwnCheck, book: CostBook) -> Row:
         "role": o.run.role,
         "loso_predicted": None,
         "loso_error_pct": None,
+        "pass_spread_pct": o.run.pass_spread_pct,
         "rows": [r.label() for r in o.run.rows],
         "assumptions": o.run.basis,
     }

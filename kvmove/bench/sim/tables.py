@@ -20,6 +20,7 @@ VALIDATION_COLUMNS = (
     "predicted",
     "error_pct",
     "loso_error_pct",
+    "pass_spread_pct",
     "speed_of_light",
     "binding_link",
     "source",
@@ -47,7 +48,7 @@ def predictions_frame(predictions: list[Prediction]) -> pd.DataFrame:
 
 def validation_records(v: Validation) -> list[dict[str, Any]]:
     """One record per published figure (value, role, prediction, error, leave-one-source-out error, source)
-    and per held-out measured run of ours, good or bad."""
+    and per held-out measured run of ours, good or bad (with the spread between its passes, where it ran twice)."""
     recs: list[dict[str, Any]] = []
     for c in v.checks:
         f = c.figure
@@ -62,6 +63,7 @@ def validation_records(v: Validation) -> list[dict[str, Any]]:
                 "predicted": c.predicted,
                 "error_pct": c.error_pct,
                 "loso_error_pct": c.loso_error_pct,
+                "pass_spread_pct": None,
                 "speed_of_light": c.prediction.speed_of_light_seconds,
                 "binding_link": c.prediction.binding_link,
                 "source": f.url,
@@ -79,6 +81,7 @@ def validation_records(v: Validation) -> list[dict[str, Any]]:
                 "predicted": o.predicted,
                 "error_pct": o.error_pct,
                 "loso_error_pct": None,
+                "pass_spread_pct": o.run.pass_spread_pct,
                 "speed_of_light": None,
                 "binding_link": "",
                 "source": "; ".join(sorted({r.label() for r in o.run.rows})),

@@ -389,3 +389,28 @@ def test_validate_json_has_a_line_per_recorded_split(monkeypatch, tmp_path) -> N
     assert split["commit"] == "c1" and split["runs"] == 4 and 0 <= split["within_25"] <= 4
     table = CliRunner().invoke(app, ["bench", "simulate", "--validate", "--results", str(tmp_path)])
     assert "our held-out CPU runs on every recorded split" in table.stdout and "c1 (" in table.stdout
+
+
+def test_a_setup_run_twice_shows_how_far_its_passes_differ(tmp_path) -> None:
+    """A recording in ABBA order runs each setup twice: each held-out run keeps both passes' medians, and the
+    validation records carry their spread next to the error (None where a setup ran once)."""
+    append_rows(tmp_path, "sync", _run("qwen3-moe-small", 3.5, 1.0), Labels(CPU, {}, "c1"))
+    append_rows(tmp_path, "sync", _run("qwen3-moe-tiny", None, 0.3), Labels(CPU, {}, "c1"))
+    once = {r.strategy: r for r in cpu_runs(load_results(tmp_path))}
+    assert all(r.passes == (r.measured,) and r.pass_spread_pct is None for r in once.values())
+    second = [
+        dataclasses.replace(r, extra={**r.extra, "sync": n}) for n in (2, 3) for r in _run("qwen3-moe-tiny", None, 0.4)
+    ]
+    append_rows(tmp_path, "sync", second, Labels(CPU, {}, "c1"))
+    twice = {r.strategy: r for r in cpu_runs(load_results(tmp_path))}
+    v1 = twice["v1"]
+    assert v1.passes == pytest.approx((0.9, 1.2))  # the first pass's one sync, then the second's two (sync 2, 3)
+    assert v1.measured == pytest.approx(1.2) and v1.pass_spread_pct == pytest.approx(100 * 0.3 / 1.2)
+
+    from kvmove.bench.sim.tables import validation_records
+    from kvmove.bench.sim.validation import Validation
+
+    checks = cpu_checks(load_results(tmp_path))
+    judged = Validation([], None, checks, {}, [])
+    spreads = {r["strategy"]: r["pass_spread_pct"] for r in validation_records(judged)}
+    assert spreads == {s: pytest.approx(twice[s].pass_spread_pct) for s in twice}
