@@ -30,6 +30,7 @@ from kvmove.sync.ranks.control import (
     BuildPlan,
     ConnectPeers,
     ForgetEngine,
+    HostBroadcastStore,
     MeasureCopy,
     OpenPuller,
     OpenSlots,
@@ -203,7 +204,7 @@ class RunningRanks:
         change), so the other syncs broadcast over the group their ranks keep open
         (``kvmove.sync.ranks.broadcast.KeptGroup``), as an RL framework's weight-update group is set up once."""
         if self._broadcast is None:
-            (store,) = self.launcher.call(self.trainers[:1], PickAddress(), self.config.deadline_s)
+            (store,) = self.launcher.call(self.trainers[:1], HostBroadcastStore(), self.config.deadline_s)
             self._broadcast = BroadcastGroup(store, 1 + len(live), f"bcast-{sync_id}")
         return self._broadcast
 

@@ -3,7 +3,8 @@ engine's tensors are quantized whole on rank 0 first: FP8 weights and scales cro
 the whole model, then run their own loader over it (each keeps its slice and drops the rest).
 
 The process group is opened once and kept (:class:`KeptGroup`), as an RL framework initializes its weight-update
-group once and broadcasts over it at every sync; the driver names a new group when the live engine ranks change."""
+group once and broadcasts over it at every sync; the driver names a new group when the live engine ranks change,
+at an address where trainer rank 0 already hosts the group's store (``HostBroadcastStore``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch import nn
 from kvmove.engines import EngineAdapter
 from kvmove.models.tensors import TensorMeta
 from kvmove.sync.ranks.calltimes import CallTimes
-from kvmove.sync.ranks.control import BroadcastGroup, EngineStats, TrainerStats
+from kvmove.sync.ranks.control import Address, BroadcastGroup, EngineStats, TrainerStats
 from kvmove.sync.ranks.source import WeightSource
 from kvmove.sync.strategies import Gather
 
@@ -30,13 +31,23 @@ class OpenedGroup(NamedTuple):
     group: Any
 
 
-def open_group(group: BroadcastGroup, member: int, device: str, timeout_s: float) -> OpenedGroup:
-    """(store, process group) of ``member``: NCCL for CUDA buffers, else gloo; member 0 hosts the store."""
+def host_store(host: str, timeout_s: float) -> tuple[Address, Any]:
+    """A TCP store listening from now on, on a free port of ``host`` (the OS picks it): (its address, the store)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return Address(host, int(store.port)), store
+
+
+def open_group(group: BroadcastGroup, member: int, device: str, timeout_s: float, store: Any = None) -> OpenedGroup:
+    """(store, process group) of ``member``: NCCL for CUDA buffers, else gloo; member 0 hosts the store (``store``:
+    the one it already hosts at the group's address, else it opens it here)."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
     host, port = group.store
-    store = dist.TCPStore(host, port, group.size, member == 0, timeout=timeout, wait_for_workers=False)
+    if store is None:
+        store = dist.TCPStore(host, port, group.size, member == 0, timeout=timeout, wait_for_workers=False)
     prefixed = dist.PrefixStore(group.prefix, store)
     if device.startswith("cuda"):
         options = dist.ProcessGroupNCCL.Options()
@@ -56,12 +67,22 @@ class KeptGroup:
     def __init__(self) -> None:
         self._named: BroadcastGroup | None = None
         self._opened: OpenedGroup | None = None
+        self._hosted: tuple[Address, Any] | None = None
+
+    def host(self, host: str, timeout_s: float) -> Address:
+        """Member 0: open the next group's store now (:func:`host_store`) and keep it for the group named at its
+        address; a store hosted before and never named goes."""
+        self._hosted = host_store(host, timeout_s)
+        return self._hosted[0]
 
     def get(self, group: BroadcastGroup, member: int, device: str, timeout_s: float) -> Any:
         """The process group of ``group`` as ``member`` (opened here when it is not the kept one)."""
         if self._opened is None or group != self._named:
             self._opened = None  # NOTE: the old group's store and connections go before the new one opens
-            self._opened, self._named = open_group(group, member, device, timeout_s), group
+            store = None
+            if member == 0 and self._hosted is not None and self._hosted[0] == tuple(group.store):
+                store, self._hosted = self._hosted[1], None
+            self._opened, self._named = open_group(group, member, device, timeout_s, store), group
         return self._opened.group
 
 

@@ -219,6 +219,13 @@ class PickAddress(Command):
 
 
 @dataclass(frozen=True)
+class HostBroadcastStore(Command):
+    """Open the broadcast group's store now, on a free port of this rank's host (trainer rank 0, member 0, hosts
+    it) -> Address: the group's members then connect to a store that is already listening (one that came up after
+    them would keep a member waiting out the store client's retry, some 0.3-0.5 s)."""
+
+
+@dataclass(frozen=True)
 class OpenSource(Command):
     """Build this rank's WeightSource (its collectives meet at ``store``) -> TrainerHello (init step 1)."""
 

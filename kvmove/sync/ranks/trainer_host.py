@@ -18,6 +18,7 @@ from kvmove.sync.ranks.control import (
     EngineGone,
     Finish,
     ForgetEngine,
+    HostBroadcastStore,
     OpenSlots,
     OpenSource,
     Pack,
@@ -67,6 +68,10 @@ class TrainerHost(Host):
     @handles(PickAddress)
     def pick_address(self, _: PickAddress) -> Address:
         return Address(self.address.host, free_port(self.address.host))
+
+    @handles(HostBroadcastStore)
+    def host_broadcast_store(self, _: HostBroadcastStore) -> Address:
+        return self._broadcast.host(self.address.host, self.config.deadline_s)
 
     @handles(OpenSource)
     def open_source(self, command: OpenSource) -> TrainerHello:

@@ -39,3 +39,34 @@ def test_a_kept_group_is_opened_once_per_named_group_and_broadcasts_over_it_ever
         t.join(timeout=120)
     assert got == {0: [0, 1, 2, 3, 4], 1: [0, 1, 2, 3, 4]}
     assert [len(v) for v in opened.values()] == [2, 2]  # the first group, then the second: nothing reopened
+
+
+def test_member_0_hosts_the_groups_store_before_any_member_connects() -> None:
+    """The driver asks trainer rank 0 to host the store first (``HostBroadcastStore``): the store listens before
+    the group is named, a member can reach it at once, and member 0's group is opened over that very store (a
+    second store bound at the same address would fail), once; a store hosted and never named is dropped."""
+    import torch.distributed as dist
+
+    kept = KeptGroup()
+    never_named = kept.host("127.0.0.1", 60.0)
+    address = kept.host("127.0.0.1", 60.0)
+    assert address.port > 0 and address != never_named and kept._hosted is not None and kept._hosted[0] == address
+    client = dist.TCPStore(address.host, address.port, None, False, wait_for_workers=False)
+    client.set("ping", "1")  # listening already: nobody has opened the group yet
+    group = BroadcastGroup(address, 2, "bcast-hosted")
+    got: list[int] = []
+
+    def member_1() -> None:
+        pg = KeptGroup().get(group, 1, "cpu", 60.0)
+        t = torch.zeros(4, dtype=torch.int32)
+        pg.broadcast(t.view(torch.uint8), 0).wait()
+        got.append(int(t[0]))
+
+    thread = threading.Thread(target=member_1)
+    thread.start()
+    pg = kept.get(group, 0, "cpu", 60.0)
+    assert kept._opened is not None and kept._opened.store.get("ping") == b"1"  # the hosted store, not a new one
+    assert kept._hosted is None and kept.get(group, 0, "cpu", 60.0) is pg
+    pg.broadcast(torch.full((4,), 7, dtype=torch.int32).view(torch.uint8), 0).wait()
+    thread.join(timeout=120)
+    assert got == [7]
